@@ -1,0 +1,72 @@
+/* hwloc topology: binding OpenMP threads to cores and describing the machine. */
+#include <stdio.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "config.h"
+#include "topology.h"
+
+#ifdef SPARGE_HAVE_HWLOC
+#include <hwloc.h>
+
+static hwloc_topology_t topo;
+static int topo_state; /* 0: not loaded, 1: loaded, -1: failed */
+
+static int load(void)
+{
+#pragma omp critical(sparge_hwloc)
+    if (topo_state == 0) {
+        if (hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0)
+            topo_state = 1;
+        else
+            topo_state = -1;
+    }
+    return topo_state == 1;
+}
+
+int sparge_cpu_bind_threads(void)
+{
+    if (!load())
+        return 0;
+    int ncores = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
+    if (ncores <= 0)
+        return 0;
+    int bound = 1;
+#pragma omp parallel reduction(&& : bound)
+    {
+        int t = 0;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+#endif
+        hwloc_obj_t core = hwloc_get_obj_by_type(topo, HWLOC_OBJ_CORE, t % ncores);
+        bound = core && hwloc_set_cpubind(topo, core->cpuset, HWLOC_CPUBIND_THREAD) == 0;
+    }
+    return bound;
+}
+
+const char *sparge_cpu_topology_text(void)
+{
+    static char text[1024];
+    if (!load())
+        return "hwloc could not load the topology";
+    int n = 0;
+    const char *model = hwloc_obj_get_info_by_name(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, 0), "CPUModel");
+    n += snprintf(text + n, sizeof text - n, "  cpu model : %s\n", model ? model : "unknown");
+    n += snprintf(text + n, sizeof text - n, "  packages  : %d, NUMA nodes: %d, cores: %d, PUs: %d\n",
+                  hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PACKAGE), hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE),
+                  hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU));
+    static const hwloc_obj_type_t caches[] = {HWLOC_OBJ_L1CACHE, HWLOC_OBJ_L2CACHE, HWLOC_OBJ_L3CACHE};
+    for (int c = 0; c < 3 && n < (int)sizeof text; c++) {
+        hwloc_obj_t o = hwloc_get_obj_by_type(topo, caches[c], 0);
+        if (o && o->attr)
+            n += snprintf(text + n, sizeof text - n, "  L%d cache  : %llu KiB x %d\n", c + 1,
+                          (unsigned long long)o->attr->cache.size / 1024, hwloc_get_nbobjs_by_type(topo, caches[c]));
+    }
+    return text;
+}
+#else
+int sparge_cpu_bind_threads(void) { return 0; }
+const char *sparge_cpu_topology_text(void) { return "  (built without hwloc)\n"; }
+#endif

@@ -1,0 +1,179 @@
+/* GPU backend glue: devices, memory, streams and the ops tables.
+ * Compiled by nvcc (backends "cuda" and "cuda-generic") and by hipcc ("hip"). */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "gpu.h"
+
+sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *what)
+{
+    if (e == gpuSuccess)
+        return SPARGE_OK;
+    sparge_status s = e == gpuErrorMemoryAllocation ? SPARGE_ERR_OUT_OF_MEMORY : SPARGE_ERR_RUNTIME;
+    gpuGetLastError(); /* clear a non-sticky error so the next call starts clean */
+    return sparge_fail(s, file, line, "%s failed: %s", what, gpuGetErrorString(e));
+}
+
+sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out)
+{
+    if (ctx->workspace_bytes < bytes) {
+        sparge_status s;
+        /* The old buffer may still be read by queued work. */
+        if ((s = GPU_CHECK(gpuStreamSynchronize(ctx->stream))) || (s = GPU_CHECK(gpuFree(ctx->workspace))))
+            return s;
+        ctx->workspace = NULL;
+        ctx->workspace_bytes = 0;
+        if ((s = GPU_CHECK(gpuMalloc(&ctx->workspace, bytes))))
+            return s;
+        ctx->workspace_bytes = bytes;
+    }
+    *out = ctx->workspace;
+    return SPARGE_OK;
+}
+
+static int device_count(void)
+{
+    int n = 0;
+    if (gpuGetDeviceCount(&n) != gpuSuccess) {
+        gpuGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+static sparge_status open_device(int index, void **impl, char *desc, size_t desc_len, int generic)
+{
+    gpuDeviceProp prop;
+    sparge_status s;
+    if ((s = GPU_CHECK(gpuSetDevice(index))) || (s = GPU_CHECK(gpuGetDeviceProperties(&prop, index))))
+        return s;
+    gpu_ctx *ctx = (gpu_ctx *)calloc(1, sizeof *ctx);
+    if (!ctx)
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "out of host memory");
+    ctx->device = index;
+    ctx->sm_count = prop.multiProcessorCount;
+    ctx->cc_major = prop.major;
+    ctx->cc_minor = prop.minor;
+    ctx->smem_optin = prop.sharedMemPerBlockOptin;
+    ctx->generic = generic;
+    snprintf(desc, desc_len, "%s (%s %d.%d, %d SMs, %.0f GiB)%s", prop.name, SPARGE_VENDOR, prop.major, prop.minor,
+             prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, generic ? ", portable tier" : "");
+    *impl = ctx;
+    return SPARGE_OK;
+}
+
+static void close_device(void *impl)
+{
+    gpu_ctx *ctx = (gpu_ctx *)impl;
+    gpuSetDevice(ctx->device);
+    gpuStreamSynchronize(ctx->stream);
+    gpuFree(ctx->workspace);
+    free(ctx);
+}
+
+/* Every entry point makes the handle's device current: a process may hold several. */
+static gpu_ctx *current(void *impl)
+{
+    gpu_ctx *ctx = (gpu_ctx *)impl;
+    gpuSetDevice(ctx->device);
+    return ctx;
+}
+
+static sparge_status dev_alloc(void *impl, size_t bytes, void **ptr)
+{
+    current(impl);
+    return GPU_CHECK(gpuMalloc(ptr, bytes));
+}
+
+static sparge_status dev_free(void *impl, void *ptr)
+{
+    gpu_ctx *ctx = current(impl);
+    sparge_status s = GPU_CHECK(gpuStreamSynchronize(ctx->stream));
+    return s ? s : GPU_CHECK(gpuFree(ptr));
+}
+
+static sparge_status dev_copy(void *impl, void *dst, const void *src, size_t bytes, sparge_copy_kind kind)
+{
+    gpu_ctx *ctx = current(impl);
+    auto k = kind == SPARGE_COPY_H2D ? gpuMemcpyHostToDevice
+             : kind == SPARGE_COPY_D2H ? gpuMemcpyDeviceToHost : gpuMemcpyDeviceToDevice;
+    sparge_status s = GPU_CHECK(gpuMemcpyAsync(dst, src, bytes, k, ctx->stream));
+    /* Host buffers may be pageable and reused by the caller right after. */
+    return s ? s : GPU_CHECK(gpuStreamSynchronize(ctx->stream));
+}
+
+static sparge_status dev_fill(void *impl, void *dst, int byte, size_t bytes)
+{
+    gpu_ctx *ctx = current(impl);
+    return GPU_CHECK(gpuMemsetAsync(dst, byte, bytes, ctx->stream));
+}
+
+static sparge_status dev_sync(void *impl)
+{
+    gpu_ctx *ctx = current(impl);
+    return GPU_CHECK(gpuStreamSynchronize(ctx->stream));
+}
+
+static sparge_status dev_set_stream(void *impl, void *stream)
+{
+    gpu_ctx *ctx = current(impl);
+    ctx->stream = (gpuStream_t)stream;
+    return SPARGE_OK;
+}
+
+static sparge_status op_pool(void *impl, const sparge_pool_args *a) { return SPARGE_GPU_FN(pool)(current(impl), a); }
+static sparge_status op_map(void *impl, const sparge_map_args *a) { return SPARGE_GPU_FN(pooled_map)(current(impl), a); }
+static sparge_status op_select(void *impl, const sparge_select_args *a)
+{
+    return SPARGE_GPU_FN(mask_select)(current(impl), a);
+}
+static sparge_status op_from_dense(void *impl, const sparge_mask_view *m)
+{
+    return SPARGE_GPU_FN(mask_from_dense)(current(impl), m);
+}
+static sparge_status op_generic_forward(void *impl, const sparge_fwd_args *a)
+{
+    return SPARGE_GPU_FN(generic_forward)(current(impl), a);
+}
+static sparge_status op_generic_backward(void *impl, const sparge_bwd_args *a)
+{
+    return SPARGE_GPU_FN(generic_backward)(current(impl), a);
+}
+
+static sparge_status open_generic(int index, void **impl, char *desc, size_t desc_len)
+{
+    return open_device(index, impl, desc, desc_len, 1);
+}
+
+
+#ifdef SPARGE_USE_HIP
+static sparge_status open_hip(int index, void **impl, char *desc, size_t desc_len)
+{
+    return open_generic(index, impl, desc, desc_len);
+}
+
+extern "C" const sparge_backend sparge_backend_hip = {
+    "hip", device_count, open_hip, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
+    op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
+#else
+static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_len)
+{
+    return open_device(index, impl, desc, desc_len, 0);
+}
+static sparge_status op_mma_forward(void *impl, const sparge_fwd_args *a)
+{
+    return sparge_cuda_mma_forward(current(impl), a);
+}
+static sparge_status op_mma_backward(void *impl, const sparge_bwd_args *a)
+{
+    return sparge_cuda_mma_backward(current(impl), a);
+}
+
+extern "C" const sparge_backend sparge_backend_cuda = {
+    "cuda", device_count, open_fast, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
+    op_pool, op_map, op_select, op_from_dense, op_mma_forward, op_mma_backward};
+
+extern "C" const sparge_backend sparge_backend_cuda_generic = {
+    "cuda-generic", device_count, open_generic, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync,
+    dev_set_stream, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
+#endif

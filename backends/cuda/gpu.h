@@ -1,0 +1,55 @@
+/* Shared by every GPU source (CUDA and HIP): the device context, status
+ * helpers and the entry points each op file exports. Plain C++ host code plus
+ * device helpers; see vendor.h for the vendor mapping. */
+#ifndef SPARGE_GPU_H
+#define SPARGE_GPU_H
+
+#include "vendor.h"
+
+#include "../../src/backend.h"
+
+struct gpu_ctx {
+    int device;
+    gpuStream_t stream;
+    int sm_count;
+    int cc_major, cc_minor;
+    size_t smem_optin;      /* max dynamic shared memory per block */
+    int generic;            /* 1: portable tier only (cuda-generic, hip) */
+    void *workspace;        /* grown on demand by gpu_workspace() */
+    size_t workspace_bytes;
+};
+
+/* Turn a runtime error into a status with the runtime's message. */
+sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *what);
+#define GPU_CHECK(call) gpu_check((call), __FILE__, __LINE__, #call)
+/* Check the launch that was just queued. */
+#define GPU_CHECK_LAUNCH(what) gpu_check(gpuGetLastError(), __FILE__, __LINE__, what)
+/* At least `bytes` of scratch device memory, valid until the next call on ctx. */
+sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
+
+/* Element load/store for the three storage dtypes, fp32 in registers. */
+template <typename T> __device__ __forceinline__ float to_f32(T x);
+template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f32<gpu_half>(gpu_half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_f32<gpu_bf16>(gpu_bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ gpu_half from_f32<gpu_half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ gpu_bf16 from_f32<gpu_bf16>(float x) { return __float2bfloat16_rn(x); }
+
+/* Entry points of the op files (SPARGE_GPU_FN adds the vendor prefix). */
+sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a);
+sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a);
+sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args *a);
+sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_view *m);
+/* Portable tier (generic.cu): any D ≤ 256, every dtype. */
+sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args *a);
+sparge_status SPARGE_GPU_FN(generic_backward)(gpu_ctx *ctx, const sparge_bwd_args *a);
+#ifndef SPARGE_USE_HIP
+/* Tensor-core tier (forward.cu, backward.cu): mma.sync, f16/bf16, D ∈ {64,128}.
+ * They return SPARGE_ERR_UNSUPPORTED naming the limit for anything else. */
+sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a);
+sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a);
+#endif
+
+#endif

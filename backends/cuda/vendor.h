@@ -1,0 +1,80 @@
+/* One source, two vendors: the names the GPU sources use, mapped to CUDA or
+ * to HIP (compiled by hipcc with SPARGE_USE_HIP). Kernels use these names and
+ * SPARGE_WARP_SIZE / the shuffle helpers, never the vendor's directly. */
+#ifndef SPARGE_GPU_VENDOR_H
+#define SPARGE_GPU_VENDOR_H
+
+#ifdef SPARGE_USE_HIP
+#include <hip/hip_bf16.h>
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+#define gpuError_t hipError_t
+#define gpuSuccess hipSuccess
+#define gpuErrorMemoryAllocation hipErrorOutOfMemory
+#define gpuStream_t hipStream_t
+#define gpuEvent_t hipEvent_t
+#define gpuDeviceProp hipDeviceProp_t
+#define gpuGetErrorString hipGetErrorString
+#define gpuGetLastError hipGetLastError
+#define gpuGetDeviceCount hipGetDeviceCount
+#define gpuGetDeviceProperties hipGetDeviceProperties
+#define gpuSetDevice hipSetDevice
+#define gpuMalloc hipMalloc
+#define gpuFree hipFree
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuMemsetAsync hipMemsetAsync
+#define gpuMemcpyHostToDevice hipMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define gpuStreamSynchronize hipStreamSynchronize
+#define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute((const void *)(f), a, v)
+#define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+typedef __half gpu_half;
+typedef __hip_bfloat16 gpu_bf16;
+#define SPARGE_GPU_FN(name) sparge_hip_##name
+#define SPARGE_VENDOR "hip"
+/* CDNA (gfx9) runs 64-wide wavefronts, RDNA (gfx10+) 32-wide. */
+#if defined(__GFX10__) || defined(__GFX11__) || defined(__GFX12__)
+#define SPARGE_WARP_SIZE 32
+#else
+#define SPARGE_WARP_SIZE 64
+#endif
+#define SPARGE_FULL_MASK 0xffffffffffffffffull
+#define sparge_shfl_xor(v, m) __shfl_xor((v), (m))
+#define sparge_shfl(v, l) __shfl((v), (l))
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#define gpuError_t cudaError_t
+#define gpuSuccess cudaSuccess
+#define gpuErrorMemoryAllocation cudaErrorMemoryAllocation
+#define gpuStream_t cudaStream_t
+#define gpuEvent_t cudaEvent_t
+#define gpuDeviceProp cudaDeviceProp
+#define gpuGetErrorString cudaGetErrorString
+#define gpuGetLastError cudaGetLastError
+#define gpuGetDeviceCount cudaGetDeviceCount
+#define gpuGetDeviceProperties cudaGetDeviceProperties
+#define gpuSetDevice cudaSetDevice
+#define gpuMalloc cudaMalloc
+#define gpuFree cudaFree
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuMemsetAsync cudaMemsetAsync
+#define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
+#define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuFuncSetAttribute(f, a, v) cudaFuncSetAttribute((f), a, v)
+#define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+typedef __half gpu_half;
+typedef __nv_bfloat16 gpu_bf16;
+#define SPARGE_GPU_FN(name) sparge_cuda_##name
+#define SPARGE_VENDOR "cuda"
+#define SPARGE_WARP_SIZE 32
+#define SPARGE_FULL_MASK 0xffffffffu
+#define sparge_shfl_xor(v, m) __shfl_xor_sync(SPARGE_FULL_MASK, (v), (m))
+#define sparge_shfl(v, l) __shfl_sync(SPARGE_FULL_MASK, (v), (l))
+#endif
+
+#endif

@@ -1,0 +1,173 @@
+/* Backend registry, device handles and device memory. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "core.h"
+
+static const sparge_backend *const registry[] = {
+#ifdef SPARGE_HAVE_CUDA
+    &sparge_backend_cuda,
+    &sparge_backend_cuda_generic,
+#endif
+#ifdef SPARGE_HAVE_HIP
+    &sparge_backend_hip,
+#endif
+    &sparge_backend_cpu,
+    &sparge_backend_cpu_ref,
+};
+enum { REGISTRY_LEN = sizeof registry / sizeof registry[0] };
+
+int sparge_backend_count(void) { return REGISTRY_LEN; }
+
+const char *sparge_backend_name(int i) { return i >= 0 && i < REGISTRY_LEN ? registry[i]->name : NULL; }
+
+static const sparge_backend *find_backend(const char *name, size_t len)
+{
+    for (int i = 0; i < REGISTRY_LEN; i++)
+        if (strlen(registry[i]->name) == len && strncmp(registry[i]->name, name, len) == 0)
+            return registry[i];
+    return NULL;
+}
+
+int sparge_backend_device_count(const char *backend)
+{
+    const sparge_backend *be = backend ? find_backend(backend, strlen(backend)) : NULL;
+    return be ? be->device_count() : 0;
+}
+
+static sparge_status open_on(const sparge_backend *be, int index, sparge_device **out)
+{
+    int n = be->device_count();
+    if (index < 0 || index >= n)
+        return SPARGE_FAIL(SPARGE_ERR_NO_DEVICE, "device %s:%d: backend '%s' sees %d device(s)", be->name, index,
+                           be->name, n);
+    sparge_device *dev = calloc(1, sizeof *dev);
+    if (!dev)
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "device %s:%d: out of host memory", be->name, index);
+    dev->be = be;
+    dev->index = index;
+    sparge_status s = be->open(index, &dev->impl, dev->description, sizeof dev->description);
+    if (s != SPARGE_OK) {
+        free(dev);
+        return s;
+    }
+    if (strncmp(be->name, "cpu", 3) == 0)
+        snprintf(dev->name, sizeof dev->name, "%s", be->name);
+    else
+        snprintf(dev->name, sizeof dev->name, "%s:%d", be->name, index);
+    *out = dev;
+    return SPARGE_OK;
+}
+
+sparge_status sparge_device_open(const char *name, sparge_device **out)
+{
+    if (!name || !out)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_device_open: %s is NULL", name ? "out" : "name");
+    if (strcmp(name, "auto") == 0) {
+        for (int i = 0; i < REGISTRY_LEN; i++)
+            if (registry[i]->device_count() > 0)
+                return open_on(registry[i], 0, out);
+        return SPARGE_FAIL(SPARGE_ERR_NO_DEVICE, "sparge_device_open: no backend has a device");
+    }
+    const char *colon = strchr(name, ':');
+    size_t len = colon ? (size_t)(colon - name) : strlen(name);
+    const sparge_backend *be = find_backend(name, len);
+    if (!be) {
+        char known[256] = "";
+        for (int i = 0; i < REGISTRY_LEN; i++) {
+            strncat(known, registry[i]->name, sizeof known - strlen(known) - 1);
+            strncat(known, i + 1 < REGISTRY_LEN ? ", " : "", sizeof known - strlen(known) - 1);
+        }
+        return SPARGE_FAIL(SPARGE_ERR_NO_DEVICE,
+                           "sparge_device_open: unknown or not compiled-in backend '%.*s' (this build has: %s)",
+                           (int)len, name, known);
+    }
+    int index = 0;
+    if (colon) {
+        char *end;
+        long v = strtol(colon + 1, &end, 10);
+        if (end == colon + 1 || *end || v < 0 || v > 1024)
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_device_open: bad device index in '%s'", name);
+        index = (int)v;
+    }
+    return open_on(be, index, out);
+}
+
+void sparge_device_close(sparge_device *dev)
+{
+    if (!dev)
+        return;
+    if (dev->be->close)
+        dev->be->close(dev->impl);
+    free(dev);
+}
+
+const char *sparge_device_name(const sparge_device *dev) { return dev ? dev->name : ""; }
+const char *sparge_device_backend(const sparge_device *dev) { return dev ? dev->be->name : ""; }
+const char *sparge_device_description(const sparge_device *dev) { return dev ? dev->description : ""; }
+
+#define NEED_DEV(fn)                                                                                                   \
+    do {                                                                                                               \
+        if (!dev)                                                                                                      \
+            return SPARGE_FAIL(SPARGE_ERR_NULL, fn ": device is NULL");                                                 \
+    } while (0)
+
+sparge_status sparge_malloc(sparge_device *dev, size_t bytes, void **ptr)
+{
+    NEED_DEV("sparge_malloc");
+    if (!ptr)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_malloc: ptr is NULL");
+    if (bytes == 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_malloc: 0 bytes requested");
+    return dev->be->alloc(dev->impl, bytes, ptr);
+}
+
+sparge_status sparge_free(sparge_device *dev, void *ptr)
+{
+    NEED_DEV("sparge_free");
+    return ptr ? dev->be->free(dev->impl, ptr) : SPARGE_OK;
+}
+
+static sparge_status copy(sparge_device *dev, void *dst, const void *src, size_t bytes, sparge_copy_kind kind,
+                          const char *fn)
+{
+    if (!dev || !dst || !src)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s is NULL", fn, !dev ? "device" : !dst ? "dst" : "src");
+    return bytes ? dev->be->copy(dev->impl, dst, src, bytes, kind) : SPARGE_OK;
+}
+
+sparge_status sparge_memcpy_to_device(sparge_device *dev, void *dst, const void *src, size_t bytes)
+{
+    return copy(dev, dst, src, bytes, SPARGE_COPY_H2D, "sparge_memcpy_to_device");
+}
+
+sparge_status sparge_memcpy_to_host(sparge_device *dev, void *dst, const void *src, size_t bytes)
+{
+    return copy(dev, dst, src, bytes, SPARGE_COPY_D2H, "sparge_memcpy_to_host");
+}
+
+sparge_status sparge_memset(sparge_device *dev, void *dst, int byte, size_t bytes)
+{
+    NEED_DEV("sparge_memset");
+    if (!dst)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_memset: dst is NULL");
+    return bytes ? dev->be->fill(dev->impl, dst, byte, bytes) : SPARGE_OK;
+}
+
+sparge_status sparge_synchronize(sparge_device *dev)
+{
+    NEED_DEV("sparge_synchronize");
+    return dev->be->synchronize ? dev->be->synchronize(dev->impl) : SPARGE_OK;
+}
+
+sparge_status sparge_set_stream(sparge_device *dev, void *stream)
+{
+    NEED_DEV("sparge_set_stream");
+    if (!dev->be->set_stream)
+        return stream ? SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "sparge_set_stream: backend '%s' has no streams",
+                                    dev->be->name)
+                      : SPARGE_OK;
+    return dev->be->set_stream(dev->impl, stream);
+}

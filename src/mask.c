@@ -1,0 +1,342 @@
+/* Mask objects: allocation on the device, prediction, import and export. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+sparge_mask_params sparge_mask_params_default(void)
+{
+    sparge_mask_params p = {128, 64, 0.03, 0.20, 0.0f};
+    return p;
+}
+
+static void release(sparge_mask *m)
+{
+    sparge_device *dev = m->dev;
+    void *bufs[] = {m->v.counts, m->v.indices, m->v.t_counts, m->v.t_indices, m->v.dense, m->v.row_mass,
+                    m->pooled_q, m->pooled_k, m->map};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i])
+            dev->be->free(dev->impl, bufs[i]);
+    free(m);
+}
+
+void sparge_mask_destroy(sparge_mask *mask)
+{
+    if (mask)
+        release(mask);
+}
+
+static sparge_status alloc_array(sparge_mask *m, int64_t count, size_t elem, void **out)
+{
+    int64_t bytes;
+    if (sparge_mul_overflows(count, (int64_t)elem, &bytes) || (uint64_t)bytes > SIZE_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "sparge_mask_create: mask arrays overflow");
+    return m->dev->be->alloc(m->dev->impl, (size_t)bytes, out);
+}
+
+sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64_t Nq, int64_t Nk, int block_q,
+                                 int block_k, sparge_mask **out)
+{
+    if (!dev || !out)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_create: %s is NULL", dev ? "out" : "device");
+    if (B <= 0 || H <= 0 || Nq <= 0 || Nk <= 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_create: B, H, Nq, Nk must be > 0 (got %lld, %lld, %lld, %lld)",
+                           (long long)B, (long long)H, (long long)Nq, (long long)Nk);
+    if (block_q <= 0 || block_k <= 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_create: block sizes must be > 0 (got bq=%d, bk=%d)",
+                           block_q, block_k);
+    if (Nq > INT32_MAX || Nk > INT32_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "sparge_mask_create: Nq and Nk must fit in int32");
+    int64_t Nqb = (Nq + block_q - 1) / block_q, Nkb = (Nk + block_k - 1) / block_k, bh, rows, cells;
+    if (sparge_mul_overflows(B, H, &bh) || sparge_mul_overflows(bh, Nqb, &rows) ||
+        sparge_mul_overflows(rows, Nkb, &cells) || cells > INT64_MAX / 8)
+        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "sparge_mask_create: B*H*Nqb*Nkb overflows");
+    sparge_mask *m = calloc(1, sizeof *m);
+    if (!m)
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_create: out of host memory");
+    m->dev = dev;
+    m->v = (sparge_mask_view){.B = B, .H = H, .Nq = Nq, .Nk = Nk, .Nqb = Nqb, .Nkb = Nkb, .bq = block_q, .bk = block_k};
+    sparge_status s;
+    if ((s = alloc_array(m, rows, 4, (void **)&m->v.counts)) || (s = alloc_array(m, cells, 4, (void **)&m->v.indices)) ||
+        (s = alloc_array(m, bh * Nkb, 4, (void **)&m->v.t_counts)) ||
+        (s = alloc_array(m, cells, 4, (void **)&m->v.t_indices)) || (s = alloc_array(m, cells, 1, (void **)&m->v.dense)) ||
+        (s = alloc_array(m, rows, 4, (void **)&m->v.row_mass))) {
+        release(m);
+        return s;
+    }
+    *out = m;
+    return SPARGE_OK;
+}
+
+sparge_status sparge_mask_get_shape(const sparge_mask *mask, sparge_mask_shape *out)
+{
+    if (!mask || !out)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_get_shape: %s is NULL", mask ? "out" : "mask");
+    *out = (sparge_mask_shape){mask->v.B, mask->v.H, mask->v.Nq, mask->v.Nk, mask->v.bq, mask->v.bk, mask->v.Nqb,
+                               mask->v.Nkb};
+    return SPARGE_OK;
+}
+
+sparge_status sparge_check_mask_params(const sparge_mask_params *p, const char *fn)
+{
+    if (!p)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: params is NULL", fn);
+    if (!(p->topk >= 0.0 && p->topk <= 1.0))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: topk = %g is outside [0, 1]", fn, p->topk);
+    if (!(p->topp >= 0.0 && p->topp <= 1.0))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: topp = %g is outside [0, 1]", fn, p->topp);
+    if (p->topk == 0.0 && p->topp == 0.0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: topk = topp = 0 selects nothing (set at least one > 0)", fn);
+    if (p->block_q < 0 || p->block_k < 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: block sizes must be > 0 (got bq=%d, bk=%d)", fn, p->block_q,
+                           p->block_k);
+    if (!isfinite(p->scale))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: scale is not finite", fn);
+    return SPARGE_OK;
+}
+
+static sparge_status check_mask_device(sparge_device *dev, const sparge_mask *mask, const char *fn)
+{
+    if (!dev || !mask)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s is NULL", fn, dev ? "mask" : "device");
+    if (mask->dev != dev)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: mask lives on %s, not on %s", fn, mask->dev->name, dev->name);
+    return SPARGE_OK;
+}
+
+static sparge_status ensure(sparge_mask *m, float **buf, int64_t count)
+{
+    if (*buf)
+        return SPARGE_OK;
+    return alloc_array(m, count, sizeof(float), (void **)buf);
+}
+
+static sparge_status select_into(sparge_device *dev, const sparge_view *map, const sparge_mask_params *p,
+                                 sparge_mask *mask)
+{
+    if (!dev->be->mask_select)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask selection is not implemented by backend '%s'", dev->be->name);
+    sparge_select_args a = {*map, p->topk, p->topp, mask->v};
+    sparge_status s = dev->be->mask_select(dev->impl, &a);
+    if (s == SPARGE_OK)
+        mask->filled = 1;
+    return s;
+}
+
+sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                  const sparge_mask_params *params, sparge_mask *mask)
+{
+    static const char fn[] = "sparge_mask_predict";
+    sparge_status s;
+    sparge_view qv, kv;
+    if ((s = check_mask_device(dev, mask, fn)) || (s = sparge_check_mask_params(params, fn)) ||
+        (s = sparge_check_tensor(q, fn, "q", 0, &qv)) || (s = sparge_check_tensor(k, fn, "k", 0, &kv)))
+        return s;
+    const sparge_mask_view *m = &mask->v;
+    if ((params->block_q && params->block_q != m->bq) || (params->block_k && params->block_k != m->bk))
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for blocks %dx%d but the mask was created for %dx%d", fn,
+                           params->block_q, params->block_k, m->bq, m->bk);
+    if (qv.B != m->B || qv.H != m->H || qv.N != m->Nq || kv.B != m->B || kv.H != m->H || kv.N != m->Nk)
+        return SPARGE_FAIL(SPARGE_ERR_MASK,
+                           "%s: q [%lld,%lld,%lld,*] / k [%lld,%lld,%lld,*] do not match the mask's B=%lld H=%lld Nq=%lld Nk=%lld",
+                           fn, (long long)qv.B, (long long)qv.H, (long long)qv.N, (long long)kv.B, (long long)kv.H,
+                           (long long)kv.N, (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk);
+    if (kv.D != qv.D)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: q has D=%lld but k has D=%lld", fn, (long long)qv.D, (long long)kv.D);
+    if (kv.dtype != qv.dtype)
+        return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: q is %s but k is %s", fn, sparge_dtype_name(qv.dtype),
+                           sparge_dtype_name(kv.dtype));
+    if (!dev->be->pool || !dev->be->pooled_map)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: backend '%s' cannot pool", fn, dev->be->name);
+    if (mask->pooled_d != qv.D) {
+        dev->be->free(dev->impl, mask->pooled_q);
+        dev->be->free(dev->impl, mask->pooled_k);
+        mask->pooled_q = mask->pooled_k = NULL;
+        mask->pooled_d = 0;
+    }
+    int64_t bh = m->B * m->H;
+    if ((s = ensure(mask, &mask->pooled_q, bh * m->Nqb * qv.D)) || (s = ensure(mask, &mask->pooled_k, bh * m->Nkb * qv.D)) ||
+        (s = ensure(mask, &mask->map, bh * m->Nqb * m->Nkb)))
+        return s;
+    mask->pooled_d = qv.D;
+    sparge_view pq = {mask->pooled_q, SPARGE_F32, m->B, m->H, m->Nqb, qv.D, m->H * m->Nqb * qv.D, m->Nqb * qv.D, qv.D, 1};
+    sparge_view pk = {mask->pooled_k, SPARGE_F32, m->B, m->H, m->Nkb, qv.D, m->H * m->Nkb * qv.D, m->Nkb * qv.D, qv.D, 1};
+    sparge_view map = {mask->map, SPARGE_F32, m->B, m->H, m->Nqb, m->Nkb, m->H * m->Nqb * m->Nkb, m->Nqb * m->Nkb, m->Nkb, 1};
+    float scale = params->scale != 0.0f ? params->scale : 1.0f / sqrtf((float)qv.D);
+    sparge_pool_args pa = {qv, m->bq, pq}, pb = {kv, m->bk, pk};
+    sparge_map_args ma = {pq, pk, scale, map};
+    mask->predicted = 0;
+    mask->filled = 0;
+    if ((s = dev->be->pool(dev->impl, &pa)) || (s = dev->be->pool(dev->impl, &pb)) ||
+        (s = dev->be->pooled_map(dev->impl, &ma)) || (s = select_into(dev, &map, params, mask)))
+        return s;
+    mask->predicted = 1;
+    return SPARGE_OK;
+}
+
+sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled_map, const sparge_mask_params *params,
+                                 sparge_mask *mask)
+{
+    static const char fn[] = "sparge_mask_select";
+    sparge_status s;
+    sparge_view mv;
+    if ((s = check_mask_device(dev, mask, fn)) || (s = sparge_check_mask_params(params, fn)) ||
+        (s = sparge_check_tensor(pooled_map, fn, "pooled_map", 0, &mv)))
+        return s;
+    if (mv.dtype != SPARGE_F32)
+        return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: pooled_map must be f32", fn);
+    if (mv.B != mask->v.B || mv.H != mask->v.H || mv.N != mask->v.Nqb || mv.D != mask->v.Nkb)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: pooled_map [%lld,%lld,%lld,%lld] is not the mask's [B,H,Nqb,Nkb]", fn,
+                           (long long)mv.B, (long long)mv.H, (long long)mv.N, (long long)mv.D);
+    mask->predicted = 0;
+    mask->filled = 0;
+    return select_into(dev, &mv, params, mask);
+}
+
+sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host)
+{
+    if (!mask || !dense_host)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_set_dense: %s is NULL", mask ? "dense" : "mask");
+    const sparge_mask_view *m = &mask->v;
+    sparge_device *dev = mask->dev;
+    int64_t rows = m->B * m->H * m->Nqb;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t kept = 0;
+        for (int64_t j = 0; j < m->Nkb; j++)
+            kept += dense_host[r * m->Nkb + j] != 0;
+        if (!kept)
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_set_dense: row %lld keeps no block (every row needs one)",
+                               (long long)r);
+    }
+    if (!dev->be->mask_from_dense)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "sparge_mask_set_dense: backend '%s' cannot import masks",
+                           dev->be->name);
+    uint8_t *norm = malloc((size_t)(rows * m->Nkb));
+    float *nan_mass = malloc((size_t)rows * sizeof(float));
+    sparge_status s = SPARGE_OK;
+    if (!norm || !nan_mass)
+        s = SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_set_dense: out of host memory");
+    if (!s) {
+        for (int64_t i = 0; i < rows * m->Nkb; i++)
+            norm[i] = dense_host[i] != 0;
+        for (int64_t r = 0; r < rows; r++)
+            nan_mass[r] = NAN;
+        mask->predicted = 0;
+        mask->filled = 0;
+        if (!(s = dev->be->copy(dev->impl, m->dense, norm, (size_t)(rows * m->Nkb), SPARGE_COPY_H2D)) &&
+            !(s = dev->be->copy(dev->impl, m->row_mass, nan_mass, (size_t)rows * sizeof(float), SPARGE_COPY_H2D)) &&
+            !(s = dev->be->mask_from_dense(dev->impl, m)))
+            mask->filled = 1;
+    }
+    free(norm);
+    free(nan_mass);
+    return s;
+}
+
+static sparge_status need_filled(const sparge_mask *mask, const char *fn)
+{
+    if (!mask)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: mask is NULL", fn);
+    if (!mask->filled)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: the mask holds no selection yet (predict, select or set it first)", fn);
+    return SPARGE_OK;
+}
+
+static sparge_status to_host(const sparge_mask *mask, void *dst, const void *src, int64_t bytes)
+{
+    sparge_device *dev = mask->dev;
+    return dst ? dev->be->copy(dev->impl, dst, src, (size_t)bytes, SPARGE_COPY_D2H) : SPARGE_OK;
+}
+
+sparge_status sparge_mask_get_csr(const sparge_mask *mask, int32_t *counts, int32_t *indices, int32_t *t_counts,
+                                  int32_t *t_indices)
+{
+    sparge_status s = need_filled(mask, "sparge_mask_get_csr");
+    if (s)
+        return s;
+    const sparge_mask_view *m = &mask->v;
+    int64_t bh = m->B * m->H;
+    if ((s = to_host(mask, counts, m->counts, bh * m->Nqb * 4)) ||
+        (s = to_host(mask, indices, m->indices, bh * m->Nqb * m->Nkb * 4)) ||
+        (s = to_host(mask, t_counts, m->t_counts, bh * m->Nkb * 4)))
+        return s;
+    return to_host(mask, t_indices, m->t_indices, bh * m->Nqb * m->Nkb * 4);
+}
+
+sparge_status sparge_mask_get_dense(const sparge_mask *mask, uint8_t *dense_host)
+{
+    sparge_status s = need_filled(mask, "sparge_mask_get_dense");
+    if (s)
+        return s;
+    if (!dense_host)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_get_dense: dense is NULL");
+    const sparge_mask_view *m = &mask->v;
+    return to_host(mask, dense_host, m->dense, m->B * m->H * m->Nqb * m->Nkb);
+}
+
+sparge_status sparge_mask_get_pooled_map(const sparge_mask *mask, float *map_host)
+{
+    if (!mask || !map_host)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_get_pooled_map: %s is NULL", mask ? "map" : "mask");
+    if (!mask->predicted)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "sparge_mask_get_pooled_map: the mask was not predicted from Q and K");
+    const sparge_mask_view *m = &mask->v;
+    return to_host(mask, map_host, mask->map, m->B * m->H * m->Nqb * m->Nkb * 4);
+}
+
+sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *out, double *head_sparsity,
+                                    float *row_mass)
+{
+    sparge_status s = need_filled(mask, "sparge_mask_get_stats");
+    if (s)
+        return s;
+    if (!out)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_get_stats: out is NULL");
+    const sparge_mask_view *m = &mask->v;
+    int64_t bh = m->B * m->H, rows = bh * m->Nqb;
+    uint8_t *dense = malloc((size_t)(rows * m->Nkb));
+    float *mass = malloc((size_t)rows * sizeof(float));
+    if (!dense || !mass) {
+        free(dense);
+        free(mass);
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_get_stats: out of host memory");
+    }
+    if ((s = to_host(mask, dense, m->dense, rows * m->Nkb)) || (s = to_host(mask, mass, m->row_mass, rows * 4))) {
+        free(dense);
+        free(mass);
+        return s;
+    }
+    sparge_mask_stats st = {.total_blocks = rows * m->Nkb, .min_row_blocks = INT32_MAX, .max_row_blocks = 0};
+    double pairs = 0.0, mass_sum = 0.0;
+    for (int64_t h = 0; h < bh; h++) {
+        int64_t head_kept = 0;
+        for (int64_t i = 0; i < m->Nqb; i++) {
+            const uint8_t *row = dense + (h * m->Nqb + i) * m->Nkb;
+            int64_t nq = i + 1 < m->Nqb ? m->bq : m->Nq - i * m->bq, kept = 0, tokens = 0;
+            for (int64_t j = 0; j < m->Nkb; j++)
+                if (row[j]) {
+                    kept++;
+                    tokens += j + 1 < m->Nkb ? m->bk : m->Nk - j * m->bk;
+                }
+            head_kept += kept;
+            pairs += (double)nq * (double)tokens;
+            mass_sum += mass[h * m->Nqb + i];
+            if (kept < st.min_row_blocks) st.min_row_blocks = (int32_t)kept;
+            if (kept > st.max_row_blocks) st.max_row_blocks = (int32_t)kept;
+        }
+        st.kept_blocks += head_kept;
+        if (head_sparsity)
+            head_sparsity[h] = 1.0 - (double)head_kept / (double)(m->Nqb * m->Nkb);
+    }
+    st.sparsity = 1.0 - (double)st.kept_blocks / (double)st.total_blocks;
+    st.token_density = pairs / ((double)bh * (double)m->Nq * (double)m->Nk);
+    st.mean_row_mass = mass_sum / (double)rows; /* NaN for imported masks */
+    if (row_mass)
+        memcpy(row_mass, mass, (size_t)rows * sizeof(float));
+    *out = st;
+    free(dense);
+    free(mass);
+    return SPARGE_OK;
+}

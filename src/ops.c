@@ -1,0 +1,185 @@
+/* Validation and dispatch of pooling, pooled map and attention. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "core.h"
+
+static sparge_status need_op(sparge_device *dev, const void *op, const char *fn)
+{
+    if (!dev)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: device is NULL", fn);
+    if (!op)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: not implemented by backend '%s'", fn, dev->be->name);
+    return SPARGE_OK;
+}
+
+static float resolve_scale(float scale, int64_t D) { return scale != 0.0f ? scale : 1.0f / sqrtf((float)D); }
+
+sparge_status sparge_pool(sparge_device *dev, const sparge_tensor *x, int block, sparge_tensor *out)
+{
+    static const char fn[] = "sparge_pool";
+    sparge_status s;
+    sparge_view xv, ov;
+    if ((s = need_op(dev, dev ? (const void *)dev->be->pool : NULL, fn)) || (s = sparge_check_tensor(x, fn, "x", 0, &xv)) ||
+        (s = sparge_check_tensor(out, fn, "out", 1, &ov)))
+        return s;
+    if (block <= 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: block = %d must be > 0", fn, block);
+    int64_t nb = (xv.N + block - 1) / block;
+    if (ov.dtype != SPARGE_F32)
+        return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: out must be f32, got %s", fn, sparge_dtype_name(ov.dtype));
+    if (ov.B != xv.B || ov.H != xv.H || ov.N != nb || ov.D != xv.D)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: out must be [%lld,%lld,%lld,%lld] (ceil(N/block) rows)", fn,
+                           (long long)xv.B, (long long)xv.H, (long long)nb, (long long)xv.D);
+    sparge_pool_args a = {xv, block, ov};
+    return dev->be->pool(dev->impl, &a);
+}
+
+sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, const sparge_tensor *kbar, float scale,
+                                sparge_tensor *map)
+{
+    static const char fn[] = "sparge_pooled_map";
+    sparge_status s;
+    sparge_view qv, kv, mv;
+    if ((s = need_op(dev, dev ? (const void *)dev->be->pooled_map : NULL, fn)) ||
+        (s = sparge_check_tensor(qbar, fn, "qbar", 0, &qv)) || (s = sparge_check_tensor(kbar, fn, "kbar", 0, &kv)) ||
+        (s = sparge_check_tensor(map, fn, "map", 1, &mv)))
+        return s;
+    if (qv.dtype != SPARGE_F32 || kv.dtype != SPARGE_F32 || mv.dtype != SPARGE_F32)
+        return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: qbar, kbar and map must be f32", fn);
+    if (kv.B != qv.B || kv.H != qv.H || kv.D != qv.D)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: kbar's B, H, D must equal qbar's", fn);
+    if (mv.B != qv.B || mv.H != qv.H || mv.N != qv.N || mv.D != kv.N)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: map must be [B,H,Nqb,Nkb] = [%lld,%lld,%lld,%lld]", fn,
+                           (long long)qv.B, (long long)qv.H, (long long)qv.N, (long long)kv.N);
+    if (!isfinite(scale))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: scale is not finite", fn);
+    sparge_map_args a = {qv, kv, resolve_scale(scale, qv.D), mv};
+    return dev->be->pooled_map(dev->impl, &a);
+}
+
+sparge_status sparge_check_mask_for(sparge_device *dev, const sparge_mask *mask, const sparge_view *q,
+                                    const sparge_view *k, const char *fn)
+{
+    if (mask->dev != dev)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: mask lives on %s, not on %s", fn, mask->dev->name, dev->name);
+    if (!mask->filled)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: the mask holds no selection yet (predict, select or set it first)", fn);
+    const sparge_mask_view *m = &mask->v;
+    if (m->B != q->B || m->H != q->H || m->Nq != q->N || m->Nk != k->N)
+        return SPARGE_FAIL(SPARGE_ERR_MASK,
+                           "%s: mask was built for B=%lld H=%lld Nq=%lld Nk=%lld, tensors have B=%lld H=%lld Nq=%lld Nk=%lld",
+                           fn, (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk, (long long)q->B,
+                           (long long)q->H, (long long)q->N, (long long)k->N);
+    return SPARGE_OK;
+}
+
+/* q [B,H,Nq,D]; every other tensor in list[] is checked against q (like-q) or k (like-k). */
+typedef struct {
+    const sparge_tensor *t;
+    const char *role;
+    int like_k, is_output;
+    sparge_view *v;
+} tensor_role;
+
+static sparge_status check_attention_tensors(tensor_role *roles, int n, const char *fn)
+{
+    sparge_status s;
+    for (int i = 0; i < n; i++)
+        if ((s = sparge_check_tensor(roles[i].t, fn, roles[i].role, roles[i].is_output, roles[i].v)))
+            return s;
+    const sparge_view *q = roles[0].v, *k = roles[1].v;
+    if (k->B != q->B || k->H != q->H || k->D != q->D)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: k [%lld,%lld,*,%lld] does not match q's B, H, D [%lld,%lld,*,%lld]", fn,
+                           (long long)k->B, (long long)k->H, (long long)k->D, (long long)q->B, (long long)q->H,
+                           (long long)q->D);
+    for (int i = 1; i < n; i++) {
+        const sparge_view *v = roles[i].v, *ref = roles[i].like_k ? k : q;
+        if (v->B != ref->B || v->H != ref->H || v->N != ref->N || v->D != ref->D)
+            return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: %s is [%lld,%lld,%lld,%lld] but must match %s [%lld,%lld,%lld,%lld]",
+                               fn, roles[i].role, (long long)v->B, (long long)v->H, (long long)v->N, (long long)v->D,
+                               roles[i].like_k ? "k" : "q", (long long)ref->B, (long long)ref->H, (long long)ref->N,
+                               (long long)ref->D);
+        if (v->dtype != q->dtype)
+            return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: %s is %s but q is %s", fn, roles[i].role,
+                               sparge_dtype_name(v->dtype), sparge_dtype_name(q->dtype));
+    }
+    return SPARGE_OK;
+}
+
+static sparge_status check_attn_params(const sparge_attn_params *p, const char *fn)
+{
+    if (p && !isfinite(p->scale))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: scale is not finite", fn);
+    return SPARGE_OK;
+}
+
+sparge_status sparge_attention_forward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                       const sparge_tensor *v, const sparge_mask *mask, const sparge_attn_params *params,
+                                       sparge_tensor *o, float *lse)
+{
+    static const char fn[] = "sparge_attention_forward";
+    sparge_status s;
+    sparge_view qv, kv, vv, ov;
+    tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
+    if ((s = need_op(dev, dev ? (const void *)dev->be->forward : NULL, fn)) || (s = check_attn_params(params, fn)) ||
+        (s = check_attention_tensors(roles, 4, fn)) || (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
+        return s;
+    sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
+                         mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, mask ? &mask->v : NULL};
+    return dev->be->forward(dev->impl, &a);
+}
+
+sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                        const sparge_tensor *v, const sparge_tensor *o, const sparge_tensor *d_o,
+                                        const float *lse, const sparge_mask *mask, const sparge_attn_params *params,
+                                        sparge_tensor *dq, sparge_tensor *dk, sparge_tensor *dv)
+{
+    static const char fn[] = "sparge_attention_backward";
+    sparge_status s;
+    sparge_view qv, kv, vv, ov, dov, dqv, dkv, dvv;
+    tensor_role roles[] = {{q, "q", 0, 0, &qv},     {k, "k", 1, 0, &kv},    {v, "v", 1, 0, &vv},
+                           {o, "o", 0, 0, &ov},     {d_o, "d_o", 0, 0, &dov}, {dq, "dq", 0, 1, &dqv},
+                           {dk, "dk", 1, 1, &dkv},  {dv, "dv", 1, 1, &dvv}};
+    if ((s = need_op(dev, dev ? (const void *)dev->be->backward : NULL, fn)) || (s = check_attn_params(params, fn)) ||
+        (s = check_attention_tensors(roles, 8, fn)) || (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
+        return s;
+    if (!lse)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: lse is NULL (pass the forward's LSE)", fn);
+    sparge_bwd_args a = {qv, kv, vv, ov, dov, dqv, dkv, dvv, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
+                         mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, params ? params->deterministic : 0,
+                         mask ? &mask->v : NULL};
+    return dev->be->backward(dev->impl, &a);
+}
+
+sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                               const sparge_tensor *v, const sparge_mask_params *params, sparge_tensor *o, float *lse,
+                               sparge_mask *mask)
+{
+    static const char fn[] = "sparge_attention";
+    sparge_status s;
+    sparge_view qv, kv, vv, ov;
+    tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
+    sparge_mask_params p = params ? *params : sparge_mask_params_default();
+    if ((s = need_op(dev, dev ? (const void *)dev->be->forward : NULL, fn)) || (s = sparge_check_mask_params(&p, fn)) ||
+        (s = check_attention_tensors(roles, 4, fn)))
+        return s;
+    if (!p.block_q) p.block_q = 128;
+    if (!p.block_k) p.block_k = 64;
+    sparge_mask *m = mask, *tmp = NULL;
+    if (!m && (s = sparge_mask_create(dev, qv.B, qv.H, qv.N, kv.N, p.block_q, p.block_k, &tmp)))
+        return s;
+    if (!m)
+        m = tmp;
+    sparge_attn_params ap = {p.scale, 0};
+    if (!(s = sparge_mask_predict(dev, q, k, &p, m)))
+        s = sparge_attention_forward(dev, q, k, v, m, &ap, o, lse);
+    if (tmp) {
+        /* The temporary mask must outlive the queued GPU work that reads it. */
+        sparge_status s2 = sparge_synchronize(dev);
+        sparge_mask_destroy(tmp);
+        if (!s)
+            s = s2;
+    }
+    return s;
+}

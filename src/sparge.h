@@ -1,0 +1,209 @@
+/* sparge — trainable block-sparse attention (SpargeAttention2) in portable C.
+ *
+ * One public header. Every function returns a sparge_status; on failure
+ * sparge_last_error() holds "file:line: what failed: why" for the calling
+ * thread and no output has been written. Nothing here aborts the process.
+ *
+ * Tensors are 4-D views [B, H, N, D] with element strides, so BHND and BNHD
+ * (the layout diffusion models use) both work without copies. Their data lives
+ * on the device they are used with: host memory for "cpu"/"cpu-ref", device
+ * memory (sparge_malloc) for "cuda:N"/"hip:N". */
+#ifndef SPARGE_H
+#define SPARGE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SPARGE_VERSION_MAJOR 0
+#define SPARGE_VERSION_MINOR 1
+#define SPARGE_VERSION_PATCH 0
+
+typedef enum {
+    SPARGE_OK = 0,
+    SPARGE_ERR_NULL,           /* a required pointer is NULL */
+    SPARGE_ERR_INVALID,        /* a value is out of range (k, p, scale, block size, dim ≤ 0) */
+    SPARGE_ERR_SHAPE,          /* shapes of the arguments disagree */
+    SPARGE_ERR_DTYPE,          /* dtypes of the arguments disagree */
+    SPARGE_ERR_OVERFLOW,       /* a size computation overflows */
+    SPARGE_ERR_MASK,           /* the mask was built for other shapes or blocks */
+    SPARGE_ERR_UNSUPPORTED,    /* valid, but this backend cannot do it (D, dtype, alignment, op) */
+    SPARGE_ERR_NO_DEVICE,      /* unknown backend, backend not compiled in, or no such device */
+    SPARGE_ERR_OUT_OF_MEMORY,
+    SPARGE_ERR_RUNTIME         /* the device runtime failed (message carries its text) */
+} sparge_status;
+
+/* Stable name of a status ("SPARGE_ERR_SHAPE"). */
+const char *sparge_status_name(sparge_status s);
+/* Message of the last failure on this thread ("" if none). */
+const char *sparge_last_error(void);
+
+/* ---------------------------------------------------------------- tensors */
+
+typedef enum { SPARGE_F32 = 0, SPARGE_F16 = 1, SPARGE_BF16 = 2 } sparge_dtype;
+
+size_t sparge_dtype_size(sparge_dtype t);
+const char *sparge_dtype_name(sparge_dtype t);
+
+typedef struct {
+    void *data;
+    sparge_dtype dtype;
+    int64_t shape[4];  /* B, H, N, D */
+    int64_t stride[4]; /* in elements, per dimension of shape */
+} sparge_tensor;
+
+/* Contiguous [B,H,N,D] view. */
+sparge_tensor sparge_tensor_bhnd(void *data, sparge_dtype t, int64_t B, int64_t H, int64_t N, int64_t D);
+/* View of contiguous [B,N,H,D] memory as [B,H,N,D]. */
+sparge_tensor sparge_tensor_bnhd(void *data, sparge_dtype t, int64_t B, int64_t H, int64_t N, int64_t D);
+/* Bytes spanned by a view (max offset + 1 element); 0 if invalid. */
+size_t sparge_tensor_span_bytes(const sparge_tensor *t);
+
+/* fp16 / bf16 conversion helpers (round to nearest even). */
+uint16_t sparge_f32_to_f16(float x);
+float sparge_f16_to_f32(uint16_t h);
+uint16_t sparge_f32_to_bf16(float x);
+float sparge_bf16_to_f32(uint16_t h);
+
+/* ---------------------------------------------------------------- devices */
+
+typedef struct sparge_device sparge_device;
+
+/* Backends compiled into this library: "cpu-ref", "cpu", "cuda", "cuda-generic", "hip". */
+int sparge_backend_count(void);
+const char *sparge_backend_name(int i);
+/* Devices a backend sees now (0 when compiled in but no device is present). */
+int sparge_backend_device_count(const char *backend);
+
+/* name: "cpu", "cpu-ref", "cuda[:N]", "cuda-generic[:N]", "hip[:N]", or "auto"
+ * (first GPU found, else "cpu"). */
+sparge_status sparge_device_open(const char *name, sparge_device **out);
+void sparge_device_close(sparge_device *dev);
+const char *sparge_device_name(const sparge_device *dev);   /* "cuda:0" */
+const char *sparge_device_backend(const sparge_device *dev); /* "cuda" */
+/* One-line human description (GPU model, cores and SIMD level, ...). */
+const char *sparge_device_description(const sparge_device *dev);
+
+/* Memory usable as tensor data on dev. Host memory for CPU devices. */
+sparge_status sparge_malloc(sparge_device *dev, size_t bytes, void **ptr);
+sparge_status sparge_free(sparge_device *dev, void *ptr);
+sparge_status sparge_memcpy_to_device(sparge_device *dev, void *dst, const void *src_host, size_t bytes);
+sparge_status sparge_memcpy_to_host(sparge_device *dev, void *dst_host, const void *src, size_t bytes);
+sparge_status sparge_memset(sparge_device *dev, void *dst, int byte, size_t bytes);
+/* Wait for all work queued on dev. GPU ops are asynchronous on the device's stream. */
+sparge_status sparge_synchronize(sparge_device *dev);
+/* Run subsequent work on this stream (cudaStream_t / hipStream_t); NULL = default. */
+sparge_status sparge_set_stream(sparge_device *dev, void *stream);
+
+/* ---------------------------------------------------------------- masks */
+
+typedef struct {
+    int block_q;  /* query block size bq (0 → 128) */
+    int block_k;  /* key block size bk (0 → 64) */
+    double topk;  /* Top-k fraction in [0,1]; 0 disables */
+    double topp;  /* Top-p mass in [0,1]; 0 disables; topk = topp = 0 is invalid */
+    float scale;  /* softmax scale for the pooled map; 0 → 1/sqrt(D) */
+} sparge_mask_params;
+
+/* Paper default: hybrid k = 0.03, p = 0.20, bq = 128, bk = 64. */
+sparge_mask_params sparge_mask_params_default(void);
+
+/* A block mask for one (B, H, Nq, Nk, bq, bk), stored on its device:
+ * per (b,h,i) a count and ascending kept key blocks (CSR, row stride Nkb),
+ * the transpose per (b,h,j) (row stride Nqb), a dense uint8 [B,H,Nqb,Nkb] view,
+ * and the pooled map and kept pooled mass per row when it was predicted. */
+typedef struct sparge_mask sparge_mask;
+
+sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64_t Nq, int64_t Nk,
+                                 int block_q, int block_k, sparge_mask **out);
+void sparge_mask_destroy(sparge_mask *mask);
+
+typedef struct {
+    int64_t B, H, Nq, Nk;
+    int block_q, block_k;
+    int64_t Nqb, Nkb;
+} sparge_mask_shape;
+sparge_status sparge_mask_get_shape(const sparge_mask *mask, sparge_mask_shape *out);
+
+/* Pool Q and K, build the pooled map, select per row (hybrid Top-k ∪ Top-p),
+ * write CSR, transpose, dense view and row masses. params->block_q/k must
+ * match the mask's (or be 0). Asynchronous on GPU devices. */
+sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                  const sparge_mask_params *params, sparge_mask *mask);
+
+/* Select from a given pooled map [B,H,Nqb,Nkb] f32 (a device tensor). */
+sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled_map,
+                                 const sparge_mask_params *params, sparge_mask *mask);
+
+/* Set the mask from a host dense uint8 [B,H,Nqb,Nkb] (nonzero = keep). Every
+ * row must keep at least one block. Row masses become NaN. */
+sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host);
+
+/* Copies to host. Any output may be NULL. counts: [B,H,Nqb]; indices: [B,H,Nqb,Nkb]
+ * (entries past the count are -1); t_counts [B,H,Nkb]; t_indices [B,H,Nkb,Nqb]. */
+sparge_status sparge_mask_get_csr(const sparge_mask *mask, int32_t *counts, int32_t *indices,
+                                  int32_t *t_counts, int32_t *t_indices);
+sparge_status sparge_mask_get_dense(const sparge_mask *mask, uint8_t *dense_host);
+/* Pooled map [B,H,Nqb,Nkb] f32 of the last prediction. */
+sparge_status sparge_mask_get_pooled_map(const sparge_mask *mask, float *map_host);
+
+typedef struct {
+    int64_t kept_blocks, total_blocks;
+    double sparsity;       /* 1 − kept/total block pairs */
+    double token_density;  /* kept (query token, key token) pairs / all pairs */
+    double mean_row_mass;  /* mean kept pooled mass per row (NaN if not predicted) */
+    int32_t min_row_blocks, max_row_blocks;
+} sparge_mask_stats;
+
+/* Overall statistics; head_sparsity [B*H] and row_mass [B*H*Nqb] optional. Synchronizes. */
+sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *out,
+                                    double *head_sparsity, float *row_mass);
+
+/* ---------------------------------------------------------------- ops */
+
+/* Mean-pool x [B,H,N,D] by blocks of `block` tokens into out [B,H,ceil(N/block),D] f32. */
+sparge_status sparge_pool(sparge_device *dev, const sparge_tensor *x, int block, sparge_tensor *out);
+
+/* map[b,h] = row_softmax(qbar kbarᵀ · scale); qbar [B,H,Nqb,D], kbar [B,H,Nkb,D],
+ * map [B,H,Nqb,Nkb], all f32. scale 0 → 1/sqrt(D). */
+sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, const sparge_tensor *kbar,
+                                float scale, sparge_tensor *map);
+
+typedef struct {
+    float scale;       /* 0 → 1/sqrt(D) */
+    int deterministic; /* backward: bitwise reproducible (no atomics) */
+} sparge_attn_params;
+
+/* O, LSE of block-sparse attention (dense if mask is NULL). q [B,H,Nq,D],
+ * k/v [B,H,Nk,D], o like q, lse [B*H*Nq] f32 contiguous (may be NULL). */
+sparge_status sparge_attention_forward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                       const sparge_tensor *v, const sparge_mask *mask,
+                                       const sparge_attn_params *params, sparge_tensor *o, float *lse);
+
+/* dQ, dK, dV of the forward with the mask held fixed. lse must come from the forward. */
+sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                        const sparge_tensor *v, const sparge_tensor *o,
+                                        const sparge_tensor *d_o, const float *lse, const sparge_mask *mask,
+                                        const sparge_attn_params *params, sparge_tensor *dq,
+                                        sparge_tensor *dk, sparge_tensor *dv);
+
+/* SpargeAttention2 in one call: predict the hybrid mask, then attend.
+ * mask may be NULL (a temporary one is used) or a mask created for these shapes
+ * (kept afterwards for the backward). lse may be NULL. */
+sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                               const sparge_tensor *v, const sparge_mask_params *params, sparge_tensor *o,
+                               float *lse, sparge_mask *mask);
+
+/* ---------------------------------------------------------------- info */
+
+/* Build configuration and hwloc topology as text (for `sparge info`). */
+const char *sparge_build_info(void);
+const char *sparge_topology_info(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,100 @@
+/* Tensor views and fp16/bf16 conversion. */
+#include <math.h>
+#include <string.h>
+
+#include "backend.h"
+
+size_t sparge_dtype_size(sparge_dtype t) { return t == SPARGE_F32 ? 4 : 2; }
+
+const char *sparge_dtype_name(sparge_dtype t)
+{
+    switch (t) {
+    case SPARGE_F32: return "f32";
+    case SPARGE_F16: return "f16";
+    case SPARGE_BF16: return "bf16";
+    }
+    return "?";
+}
+
+sparge_tensor sparge_tensor_bhnd(void *data, sparge_dtype t, int64_t B, int64_t H, int64_t N, int64_t D)
+{
+    sparge_tensor x = {data, t, {B, H, N, D}, {H * N * D, N * D, D, 1}};
+    return x;
+}
+
+sparge_tensor sparge_tensor_bnhd(void *data, sparge_dtype t, int64_t B, int64_t H, int64_t N, int64_t D)
+{
+    sparge_tensor x = {data, t, {B, H, N, D}, {N * H * D, D, H * D, 1}};
+    return x;
+}
+
+size_t sparge_tensor_span_bytes(const sparge_tensor *t)
+{
+    if (!t)
+        return 0;
+    size_t span = 1;
+    for (int i = 0; i < 4; i++) {
+        if (t->shape[i] <= 0 || t->stride[i] < 0)
+            return 0;
+        span += (size_t)(t->shape[i] - 1) * (size_t)t->stride[i];
+    }
+    return span * sparge_dtype_size(t->dtype);
+}
+
+static uint32_t f32_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+
+static float bits_f32(uint32_t u)
+{
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+uint16_t sparge_f32_to_bf16(float x)
+{
+    uint32_t u = f32_bits(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet and NaN */
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float sparge_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+uint16_t sparge_f32_to_f16(float x)
+{
+    uint32_t u = f32_bits(x);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return (uint16_t)(sign | 0x7e00u);
+    if (a >= 0x477ff000u) /* rounds to ≥ 65520: overflow to Inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) { /* subnormal or zero in fp16 */
+        /* Adding 0.5 aligns the mantissa so that fp32 rounding does the RNE. */
+        float f = bits_f32(a) + 0.5f;
+        return (uint16_t)(sign | (f32_bits(f) - 0x3f000000u));
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd; /* rebias exponent (−112 << 23) and round */
+    return (uint16_t)(sign | (a >> 13));
+}
+
+float sparge_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    if (exp == 0x1f)
+        return bits_f32(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) {
+        float f = ldexpf((float)mant, -24);
+        return sign ? -f : f;
+    }
+    return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
