@@ -87,6 +87,9 @@ typedef struct sparge_backend {
     sparge_status (*fill)(void *impl, void *dst, int byte, size_t bytes);
     sparge_status (*synchronize)(void *impl);
     sparge_status (*set_stream)(void *impl, void *stream);
+    /* Device-side timing (events on GPUs); NULL: the core uses wall-clock time. */
+    sparge_status (*timer_start)(void *impl);
+    sparge_status (*timer_stop)(void *impl, double *ms);
 
     sparge_status (*pool)(void *impl, const sparge_pool_args *a);
     sparge_status (*pooled_map)(void *impl, const sparge_map_args *a);

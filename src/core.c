@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "config.h"
 #include "core.h"
@@ -170,4 +171,33 @@ sparge_status sparge_set_stream(sparge_device *dev, void *stream)
                                     dev->be->name)
                       : SPARGE_OK;
     return dev->be->set_stream(dev->impl, stream);
+}
+
+static double wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+sparge_status sparge_timer_start(sparge_device *dev)
+{
+    NEED_DEV("sparge_timer_start");
+    if (dev->be->timer_start)
+        return dev->be->timer_start(dev->impl);
+    sparge_status s = sparge_synchronize(dev);
+    dev->timer_t0 = wall_ms();
+    return s;
+}
+
+sparge_status sparge_timer_stop(sparge_device *dev, double *ms)
+{
+    NEED_DEV("sparge_timer_stop");
+    if (!ms)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_timer_stop: ms is NULL");
+    if (dev->be->timer_stop)
+        return dev->be->timer_stop(dev->impl, ms);
+    sparge_status s = sparge_synchronize(dev);
+    *ms = wall_ms() - dev->timer_t0;
+    return s;
 }

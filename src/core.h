@@ -10,6 +10,7 @@ struct sparge_device {
     void *impl;
     char name[64];
     char description[256];
+    double timer_t0; /* wall-clock start when the backend has no timer */
 };
 
 struct sparge_mask {

@@ -95,6 +95,10 @@ sparge_status sparge_memcpy_to_host(sparge_device *dev, void *dst_host, const vo
 sparge_status sparge_memset(sparge_device *dev, void *dst, int byte, size_t bytes);
 /* Wait for all work queued on dev. GPU ops are asynchronous on the device's stream. */
 sparge_status sparge_synchronize(sparge_device *dev);
+/* Time the work queued between start and stop, in milliseconds (CUDA/HIP
+ * events on GPUs, wall clock after a synchronize on CPUs). stop synchronizes. */
+sparge_status sparge_timer_start(sparge_device *dev);
+sparge_status sparge_timer_stop(sparge_device *dev, double *ms);
 /* Run subsequent work on this stream (cudaStream_t / hipStream_t); NULL = default. */
 sparge_status sparge_set_stream(sparge_device *dev, void *stream);
 

@@ -347,5 +347,6 @@ static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
 const sparge_backend sparge_backend_cpu = {
     "cpu",          cpu_device_count,       cpu_open,          cpu_close,      sparge_cpu_alloc,
     sparge_cpu_free, sparge_cpu_copy,       sparge_cpu_fill,   NULL,           NULL,
+    NULL,           NULL,
     cpu_pool,       cpu_pooled_map,         sparge_cpu_mask_select,            sparge_cpu_mask_from_dense,
     cpu_forward,    cpu_backward};

@@ -233,6 +233,7 @@ static sparge_status ref_backward(void *impl, const sparge_bwd_args *a)
 const sparge_backend sparge_backend_cpu_ref = {
     "cpu-ref",        ref_device_count, ref_open,          NULL,
     sparge_cpu_alloc, sparge_cpu_free,  sparge_cpu_copy,   sparge_cpu_fill,
-    NULL,             NULL,             ref_pool,          ref_pooled_map,
+    NULL,             NULL,             NULL,              NULL,
+    ref_pool,         ref_pooled_map,
     sparge_cpu_mask_select,             sparge_cpu_mask_from_dense,
     ref_forward,      ref_backward};

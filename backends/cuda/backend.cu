@@ -68,6 +68,9 @@ static void close_device(void *impl)
     gpuSetDevice(ctx->device);
     gpuStreamSynchronize(ctx->stream);
     gpuFree(ctx->workspace);
+    for (int i = 0; i < 2; i++)
+        if (ctx->timer[i])
+            gpuEventDestroy(ctx->timer[i]);
     free(ctx);
 }
 
@@ -121,6 +124,30 @@ static sparge_status dev_set_stream(void *impl, void *stream)
     return SPARGE_OK;
 }
 
+static sparge_status dev_timer_start(void *impl)
+{
+    gpu_ctx *ctx = current(impl);
+    sparge_status s = SPARGE_OK;
+    for (int i = 0; i < 2 && !s; i++)
+        if (!ctx->timer[i])
+            s = GPU_CHECK(gpuEventCreate(&ctx->timer[i]));
+    return s ? s : GPU_CHECK(gpuEventRecord(ctx->timer[0], ctx->stream));
+}
+
+static sparge_status dev_timer_stop(void *impl, double *ms)
+{
+    gpu_ctx *ctx = current(impl);
+    float f = 0.0f;
+    sparge_status s;
+    if (!ctx->timer[0])
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_timer_stop: the timer was not started");
+    if ((s = GPU_CHECK(gpuEventRecord(ctx->timer[1], ctx->stream))) || (s = GPU_CHECK(gpuEventSynchronize(ctx->timer[1]))) ||
+        (s = GPU_CHECK(gpuEventElapsedTime(&f, ctx->timer[0], ctx->timer[1]))))
+        return s;
+    *ms = f;
+    return SPARGE_OK;
+}
+
 static sparge_status op_pool(void *impl, const sparge_pool_args *a) { return SPARGE_GPU_FN(pool)(current(impl), a); }
 static sparge_status op_map(void *impl, const sparge_map_args *a) { return SPARGE_GPU_FN(pooled_map)(current(impl), a); }
 static sparge_status op_select(void *impl, const sparge_select_args *a)
@@ -154,7 +181,7 @@ static sparge_status open_hip(int index, void **impl, char *desc, size_t desc_le
 
 extern "C" const sparge_backend sparge_backend_hip = {
     "hip", device_count, open_hip, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
+    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
 #else
 static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_len)
 {
@@ -171,9 +198,9 @@ static sparge_status op_mma_backward(void *impl, const sparge_bwd_args *a)
 
 extern "C" const sparge_backend sparge_backend_cuda = {
     "cuda", device_count, open_fast, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    op_pool, op_map, op_select, op_from_dense, op_mma_forward, op_mma_backward};
+    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_mma_forward, op_mma_backward};
 
 extern "C" const sparge_backend sparge_backend_cuda_generic = {
     "cuda-generic", device_count, open_generic, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync,
-    dev_set_stream, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
+    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
 #endif

@@ -15,6 +15,7 @@ struct gpu_ctx {
     int cc_major, cc_minor;
     size_t smem_optin;      /* max dynamic shared memory per block */
     int generic;            /* 1: portable tier only (cuda-generic, hip) */
+    gpuEvent_t timer[2];    /* created on first use */
     void *workspace;        /* grown on demand by gpu_workspace() */
     size_t workspace_bytes;
 };
