@@ -10,7 +10,7 @@ sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *wh
     if (e == gpuSuccess)
         return SPARGE_OK;
     sparge_status s = e == gpuErrorMemoryAllocation ? SPARGE_ERR_OUT_OF_MEMORY : SPARGE_ERR_RUNTIME;
-    gpuGetLastError(); /* clear a non-sticky error so the next call starts clean */
+    (void)gpuGetLastError(); /* clear a non-sticky error so the next call starts clean */
     return sparge_fail(s, file, line, "%s failed: %s", what, gpuGetErrorString(e));
 }
 
@@ -35,7 +35,7 @@ static int device_count(void)
 {
     int n = 0;
     if (gpuGetDeviceCount(&n) != gpuSuccess) {
-        gpuGetLastError();
+        (void)gpuGetLastError();
         return 0;
     }
     return n;
@@ -54,7 +54,7 @@ static sparge_status open_device(int index, void **impl, char *desc, size_t desc
     ctx->sm_count = prop.multiProcessorCount;
     ctx->cc_major = prop.major;
     ctx->cc_minor = prop.minor;
-    ctx->smem_optin = prop.sharedMemPerBlockOptin;
+    ctx->smem_optin = GPU_SMEM_OPTIN(prop);
     ctx->generic = generic;
     snprintf(desc, desc_len, "%s (%s %d.%d, %d SMs, %.0f GiB)%s", prop.name, SPARGE_VENDOR, prop.major, prop.minor,
              prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, generic ? ", portable tier" : "");

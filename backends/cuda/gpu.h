@@ -32,11 +32,11 @@ sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
 template <typename T> __device__ __forceinline__ float to_f32(T x);
 template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_f32<gpu_half>(gpu_half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_f32<gpu_bf16>(gpu_bf16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_f32<gpu_bf16>(gpu_bf16 x) { return sparge_bf16_to_float(x); }
 template <typename T> __device__ __forceinline__ T from_f32(float x);
 template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ gpu_half from_f32<gpu_half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ gpu_bf16 from_f32<gpu_bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ gpu_bf16 from_f32<gpu_bf16>(float x) { return sparge_float_to_bf16(x); }
 
 /* Entry points of the op files (SPARGE_GPU_FN adds the vendor prefix). */
 sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a);

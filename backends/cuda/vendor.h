@@ -5,9 +5,18 @@
 #define SPARGE_GPU_VENDOR_H
 
 #ifdef SPARGE_USE_HIP
-#include <hip/hip_bf16.h>
 #include <hip/hip_fp16.h>
 #include <hip/hip_runtime.h>
+/* ROCm >= 5.7 has <hip/hip_bf16.h> (__hip_bfloat16); Debian's ROCm 5.2 only
+ * <hip/hip_bfloat16.h> (hip_bfloat16). Both are 2-byte storage types; the
+ * conversions below go through the bits, so they behave the same on either. */
+#if __has_include(<hip/hip_bf16.h>)
+#include <hip/hip_bf16.h>
+typedef __hip_bfloat16 gpu_bf16;
+#else
+#include <hip/hip_bfloat16.h>
+typedef hip_bfloat16 gpu_bf16;
+#endif
 #define gpuError_t hipError_t
 #define gpuSuccess hipSuccess
 #define gpuErrorMemoryAllocation hipErrorOutOfMemory
@@ -34,8 +43,9 @@
 #define gpuEventElapsedTime hipEventElapsedTime
 #define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute((const void *)(f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+/* ROCm 5.2 has no opt-in field: a block may use all of its LDS (64 KiB on CDNA/RDNA). */
+#define GPU_SMEM_OPTIN(prop) ((prop).sharedMemPerBlock)
 typedef __half gpu_half;
-typedef __hip_bfloat16 gpu_bf16;
 #define SPARGE_GPU_FN(name) sparge_hip_##name
 #define SPARGE_VENDOR "hip"
 /* CDNA (gfx9) runs 64-wide wavefronts, RDNA (gfx10+) 32-wide. */
@@ -47,6 +57,22 @@ typedef __hip_bfloat16 gpu_bf16;
 #define SPARGE_FULL_MASK 0xffffffffffffffffull
 #define sparge_shfl_xor(v, m) __shfl_xor((v), (m))
 #define sparge_shfl(v, l) __shfl((v), (l))
+__device__ __forceinline__ float sparge_bf16_to_float(gpu_bf16 x)
+{
+    unsigned short bits;
+    __builtin_memcpy(&bits, &x, sizeof bits);
+    return __uint_as_float((unsigned)bits << 16);
+}
+/* Round to nearest even; NaN stays a (quiet) NaN. */
+__device__ __forceinline__ gpu_bf16 sparge_float_to_bf16(float f)
+{
+    unsigned u = __float_as_uint(f);
+    unsigned short bits = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x40u)
+                                                          : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    gpu_bf16 x;
+    __builtin_memcpy(&x, &bits, sizeof bits);
+    return x;
+}
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -77,6 +103,7 @@ typedef __hip_bfloat16 gpu_bf16;
 #define gpuEventElapsedTime cudaEventElapsedTime
 #define gpuFuncSetAttribute(f, a, v) cudaFuncSetAttribute((f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
+#define GPU_SMEM_OPTIN(prop) ((prop).sharedMemPerBlockOptin)
 typedef __half gpu_half;
 typedef __nv_bfloat16 gpu_bf16;
 #define SPARGE_GPU_FN(name) sparge_cuda_##name
@@ -85,6 +112,8 @@ typedef __nv_bfloat16 gpu_bf16;
 #define SPARGE_FULL_MASK 0xffffffffu
 #define sparge_shfl_xor(v, m) __shfl_xor_sync(SPARGE_FULL_MASK, (v), (m))
 #define sparge_shfl(v, l) __shfl_sync(SPARGE_FULL_MASK, (v), (l))
+#define sparge_bf16_to_float __bfloat162float
+#define sparge_float_to_bf16 __float2bfloat16_rn
 #endif
 
 #endif

@@ -1,0 +1,2 @@
+/* HIP build of the shared GPU source (see README.md). */
+#include "../cuda/mask.cu"
