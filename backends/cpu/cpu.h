@@ -27,6 +27,16 @@ static inline void view_store(const sparge_view *v, int64_t off, float x)
     }
 }
 
+/* DESIGN.md: CPU tiers serve any head dimension up to 256. */
+#define SPARGE_CPU_MAX_D 256
+static inline sparge_status cpu_check_head_dim(int64_t D, const char *backend)
+{
+    if (D > SPARGE_CPU_MAX_D)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dimension D = %lld exceeds the CPU limit of %d", backend,
+                           (long long)D, SPARGE_CPU_MAX_D);
+    return SPARGE_OK;
+}
+
 /* Host memory ops shared by both tiers. */
 sparge_status sparge_cpu_alloc(void *impl, size_t bytes, void **ptr);
 sparge_status sparge_cpu_free(void *impl, void *ptr);

@@ -167,6 +167,9 @@ static sparge_status cpu_pooled_map(void *impl, const sparge_map_args *a)
 
 static sparge_status cpu_forward(void *impl, const sparge_fwd_args *a)
 {
+    sparge_status st = cpu_check_head_dim(a->q.D, "cpu");
+    if (st)
+        return st;
     const cpu_ctx *ctx = impl;
     const sparge_simd_ops *k_ = ctx->simd;
     int64_t D = a->q.D, Nq = a->q.N, Nk = a->k.N, H = a->q.H;
@@ -250,6 +253,9 @@ static void block_grads(const sparge_simd_ops *k_, const float *qt, const float 
 
 static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
 {
+    sparge_status st = cpu_check_head_dim(a->q.D, "cpu");
+    if (st)
+        return st;
     const cpu_ctx *ctx = impl;
     const sparge_simd_ops *k_ = ctx->simd;
     int64_t D = a->q.D, Nq = a->q.N, Nk = a->k.N, H = a->q.H, BH = a->q.B * H;

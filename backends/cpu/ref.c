@@ -180,6 +180,9 @@ static const uint8_t *head_keep(const sparge_mask_view *m, int64_t b, int64_t h)
 static sparge_status ref_forward(void *impl, const sparge_fwd_args *a)
 {
     (void)impl;
+    sparge_status st = cpu_check_head_dim(a->q.D, "cpu-ref");
+    if (st)
+        return st;
     int64_t Nq = a->q.N, Nk = a->k.N, D = a->q.D;
     double *b[5];
     const int64_t sizes[5] = {Nq * D, Nk * D, Nk * D, Nq * D, Nq};
@@ -204,6 +207,9 @@ static sparge_status ref_forward(void *impl, const sparge_fwd_args *a)
 static sparge_status ref_backward(void *impl, const sparge_bwd_args *a)
 {
     (void)impl;
+    sparge_status st = cpu_check_head_dim(a->q.D, "cpu-ref");
+    if (st)
+        return st;
     int64_t Nq = a->q.N, Nk = a->k.N, D = a->q.D;
     double *b[9];
     const int64_t sizes[9] = {Nq * D, Nk * D, Nk * D, Nq * D, Nq * D, Nq, Nq * D, Nk * D, Nk * D};
