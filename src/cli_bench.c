@@ -1,0 +1,325 @@
+/* sparge bench: time mask prediction (pool + map + select), forward and
+ * backward on one backend, over a list of sparsity levels. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+static const char help[] =
+    "usage: sparge bench [options]\n"
+    "\n"
+    "Times mask prediction (pooling + pooled map + hybrid selection), the block-sparse\n"
+    "forward and backward on one backend, and prints a table (median of --reps runs after\n"
+    "--warmup runs, device timers). Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t (x2.5 for the\n"
+    "backward); effective TFLOP/s counts only the kept token pairs.\n"
+    "\n"
+    "  --backend NAME      device: cpu, cpu-ref, cuda[:N], cuda-generic[:N], hip[:N], auto (default auto)\n"
+    "  --B N --H N         batch and heads (default 1, 2)\n"
+    "  --N N               tokens (default 8192); --Nq/--Nk set them apart\n"
+    "  --D N               head dimension (default 128)\n"
+    "  --dtype T           f32, f16, bf16 (default f32 on CPU, bf16 on GPU)\n"
+    "  --layout L          bhnd or bnhd (default bhnd)\n"
+    "  --block-q N --block-k N   mask blocks (default 128, 64)\n"
+    "  --topk K --topp P   hybrid mask parameters (default 0.03, 0.2: the paper's)\n"
+    "  --sparsity LIST     comma list of levels: 'dense', 'hybrid' (k, p above) or a target\n"
+    "                      sparsity in [0,1) reached with Top-k = 1 - s (default dense,hybrid)\n"
+    "  --ops LIST          subset of mask,fwd,bwd (default mask,fwd,bwd)\n"
+    "  --reps N --warmup N timed and warm-up runs (default 10, 2)\n"
+    "  --deterministic     backward without atomics (bitwise reproducible)\n"
+    "  --seed N            input seed (default 1)\n"
+    "  --output FILE       also write the rows as CSV (.csv) or JSON (.json)\n"
+    "  --export-mask PFX   write the last level's mask as PFX.json + PFX.u8 (dense uint8 [B,H,Nqb,Nkb])\n"
+    "\n"
+    "example: sparge bench --backend cuda --H 12 --N 32760 --D 128 --dtype bf16 --sparsity dense,0.9,0.95,hybrid\n";
+
+typedef struct {
+    char level[32];
+    double sparsity, density;
+    double mask_ms, fwd_ms, bwd_ms;
+} bench_row;
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median time of `reps` runs of op(ctx) after `warmup`, or NAN on failure. */
+typedef sparge_status (*bench_op)(void *ctx);
+static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, int reps, const char *what)
+{
+    sparge_status s;
+    for (int i = 0; i < warmup; i++)
+        if ((s = op(ctx))) {
+            cli_fail(what, s);
+            return NAN;
+        }
+    double *t = malloc((size_t)reps * sizeof *t);
+    for (int i = 0; i < reps; i++) {
+        if ((s = sparge_timer_start(dev)) || (s = op(ctx)) || (s = sparge_timer_stop(dev, &t[i]))) {
+            cli_fail(what, s);
+            free(t);
+            return NAN;
+        }
+    }
+    qsort(t, (size_t)reps, sizeof *t, cmp_double);
+    double med = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
+    free(t);
+    return med;
+}
+
+typedef struct {
+    sparge_device *dev;
+    sparge_tensor q, k, v, o, d_o, dq, dk, dv;
+    float *lse;
+    sparge_mask *mask; /* NULL: dense */
+    sparge_mask_params mp;
+    sparge_attn_params ap;
+} bench_ctx;
+
+static sparge_status op_mask(void *p)
+{
+    bench_ctx *c = p;
+    return sparge_mask_predict(c->dev, &c->q, &c->k, &c->mp, c->mask);
+}
+static sparge_status op_fwd(void *p)
+{
+    bench_ctx *c = p;
+    return sparge_attention_forward(c->dev, &c->q, &c->k, &c->v, c->mask, &c->ap, &c->o, c->lse);
+}
+static sparge_status op_bwd(void *p)
+{
+    bench_ctx *c = p;
+    return sparge_attention_backward(c->dev, &c->q, &c->k, &c->v, &c->o, &c->d_o, c->lse, c->mask, &c->ap, &c->dq,
+                                     &c->dk, &c->dv);
+}
+
+static sparge_status export_mask(const sparge_mask *m, const char *prefix, sparge_dtype dt, int64_t D, double sparsity)
+{
+    sparge_mask_shape ms;
+    sparge_status s = sparge_mask_get_shape(m, &ms);
+    if (s)
+        return s;
+    size_t cells = (size_t)(ms.B * ms.H * ms.Nqb * ms.Nkb);
+    uint8_t *dense = malloc(cells);
+    if (!dense)
+        return SPARGE_ERR_OUT_OF_MEMORY;
+    if ((s = sparge_mask_get_dense(m, dense))) {
+        free(dense);
+        return s;
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s.u8", prefix);
+    FILE *f = fopen(path, "wb");
+    int ok = f && fwrite(dense, 1, cells, f) == cells;
+    if (f)
+        ok &= fclose(f) == 0;
+    free(dense);
+    snprintf(path, sizeof path, "%s.json", prefix);
+    FILE *j = ok ? fopen(path, "w") : NULL;
+    if (j) {
+        fprintf(j,
+                "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, \"block_k\": %d, "
+                "\"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", \"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
+                (long long)ms.B, (long long)ms.H, (long long)ms.Nq, (long long)ms.Nk, (long long)D, ms.block_q,
+                ms.block_k, (long long)ms.Nqb, (long long)ms.Nkb, sparsity, sparge_dtype_name(dt));
+        ok &= fclose(j) == 0;
+    }
+    if (!ok || !j) {
+        fprintf(stderr, "sparge: cannot write %s.{u8,json}\n", prefix);
+        return SPARGE_ERR_INVALID;
+    }
+    return SPARGE_OK;
+}
+
+int cli_bench(int argc, char **argv)
+{
+    const char *backend = "auto", *levels = "dense,hybrid", *ops = "mask,fwd,bwd", *output = NULL, *export_pfx = NULL,
+               *dtype_s = NULL, *layout = "bhnd", *v;
+    int64_t B = 1, H = 2, Nq = 8192, Nk = -1, D = 128, reps = 10, warmup = 2, seed = 1;
+    int bq = 128, bk = 64, det = 0;
+    double topk = 0.03, topp = 0.2;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(help, stdout);
+            return 0;
+        }
+        if ((v = cli_opt(argc, argv, &i, "--backend"))) backend = v;
+        else if ((v = cli_opt(argc, argv, &i, "--B"))) B = cli_int(v, "--B");
+        else if ((v = cli_opt(argc, argv, &i, "--H"))) H = cli_int(v, "--H");
+        else if ((v = cli_opt(argc, argv, &i, "--N"))) Nq = cli_int(v, "--N");
+        else if ((v = cli_opt(argc, argv, &i, "--Nq"))) Nq = cli_int(v, "--Nq");
+        else if ((v = cli_opt(argc, argv, &i, "--Nk"))) Nk = cli_int(v, "--Nk");
+        else if ((v = cli_opt(argc, argv, &i, "--D"))) D = cli_int(v, "--D");
+        else if ((v = cli_opt(argc, argv, &i, "--dtype"))) dtype_s = v;
+        else if ((v = cli_opt(argc, argv, &i, "--layout"))) layout = v;
+        else if ((v = cli_opt(argc, argv, &i, "--block-q"))) bq = (int)cli_int(v, "--block-q");
+        else if ((v = cli_opt(argc, argv, &i, "--block-k"))) bk = (int)cli_int(v, "--block-k");
+        else if ((v = cli_opt(argc, argv, &i, "--topk"))) topk = cli_double(v, "--topk");
+        else if ((v = cli_opt(argc, argv, &i, "--topp"))) topp = cli_double(v, "--topp");
+        else if ((v = cli_opt(argc, argv, &i, "--sparsity"))) levels = v;
+        else if ((v = cli_opt(argc, argv, &i, "--ops"))) ops = v;
+        else if ((v = cli_opt(argc, argv, &i, "--reps"))) reps = cli_int(v, "--reps");
+        else if ((v = cli_opt(argc, argv, &i, "--warmup"))) warmup = cli_int(v, "--warmup");
+        else if ((v = cli_opt(argc, argv, &i, "--seed"))) seed = cli_int(v, "--seed");
+        else if ((v = cli_opt(argc, argv, &i, "--output"))) output = v;
+        else if ((v = cli_opt(argc, argv, &i, "--export-mask"))) export_pfx = v;
+        else if (!strcmp(argv[i], "--deterministic")) det = 1;
+        else {
+            fprintf(stderr, "sparge bench: unknown option '%s' (see sparge bench --help)\n", argv[i]);
+            return 2;
+        }
+    }
+    if (Nk < 0)
+        Nk = Nq;
+    if (reps < 1 || warmup < 0) {
+        fprintf(stderr, "sparge bench: --reps must be ≥ 1 and --warmup ≥ 0\n");
+        return 2;
+    }
+    if (strcmp(layout, "bhnd") && strcmp(layout, "bnhd")) {
+        fprintf(stderr, "sparge bench: --layout must be bhnd or bnhd\n");
+        return 2;
+    }
+    bench_ctx c = {0};
+    sparge_status s = sparge_device_open(backend, &c.dev);
+    if (s)
+        return cli_fail("opening the device", s);
+    int gpu = strncmp(sparge_device_backend(c.dev), "cpu", 3) != 0;
+    sparge_dtype dt = dtype_s ? cli_dtype(dtype_s) : gpu ? SPARGE_BF16 : SPARGE_F32;
+    int bnhd = !strcmp(layout, "bnhd");
+    sparge_tensor (*view)(void *, sparge_dtype, int64_t, int64_t, int64_t, int64_t) =
+        bnhd ? sparge_tensor_bnhd : sparge_tensor_bhnd;
+    size_t es = sparge_dtype_size(dt), qbytes = (size_t)(B * H * Nq * D) * es, kbytes = (size_t)(B * H * Nk * D) * es;
+    void *buf[8] = {0};
+    size_t sizes[8] = {qbytes, kbytes, kbytes, qbytes, qbytes, qbytes, kbytes, kbytes};
+    int want_bwd = strstr(ops, "bwd") != NULL;
+    int nbuf = want_bwd ? 8 : 4;
+    for (int i = 0; i < nbuf; i++)
+        if ((s = sparge_malloc(c.dev, sizes[i], &buf[i])))
+            return cli_fail("allocating tensors", s);
+    if ((s = sparge_malloc(c.dev, (size_t)(B * H * Nq) * 4, (void **)&c.lse)))
+        return cli_fail("allocating LSE", s);
+    c.q = view(buf[0], dt, B, H, Nq, D);
+    c.k = view(buf[1], dt, B, H, Nk, D);
+    c.v = view(buf[2], dt, B, H, Nk, D);
+    c.o = view(buf[3], dt, B, H, Nq, D);
+    if (want_bwd) {
+        c.d_o = view(buf[4], dt, B, H, Nq, D);
+        c.dq = view(buf[5], dt, B, H, Nq, D);
+        c.dk = view(buf[6], dt, B, H, Nk, D);
+        c.dv = view(buf[7], dt, B, H, Nk, D);
+    }
+    if ((s = cli_fill_random(c.dev, &c.q, (uint64_t)seed)) || (s = cli_fill_random(c.dev, &c.k, (uint64_t)seed + 1)) ||
+        (s = cli_fill_random(c.dev, &c.v, (uint64_t)seed + 2)) ||
+        (want_bwd && (s = cli_fill_random(c.dev, &c.d_o, (uint64_t)seed + 3))))
+        return cli_fail("filling inputs", s);
+    sparge_mask *mask;
+    if ((s = sparge_mask_create(c.dev, B, H, Nq, Nk, bq, bk, &mask)))
+        return cli_fail("creating the mask", s);
+    c.ap.deterministic = det;
+
+    printf("sparge bench on %s (%s)\n", sparge_device_name(c.dev), sparge_device_description(c.dev));
+    printf("B=%lld H=%lld Nq=%lld Nk=%lld D=%lld %s %s, blocks %dx%d, median of %lld after %lld warm-up\n\n",
+           (long long)B, (long long)H, (long long)Nq, (long long)Nk, (long long)D, sparge_dtype_name(dt), layout, bq, bk,
+           (long long)reps, (long long)warmup);
+    printf("%-12s %8s %8s %9s %9s %11s %9s %9s %9s %9s\n", "level", "sparsity", "mask ms", "fwd ms", "fwd+mask",
+           "fwd TFLOP/s", "eff TF/s", "bwd ms", "bwd TF/s", "speedup");
+    double flops = 4.0 * (double)B * (double)H * (double)Nq * (double)Nk * (double)D, dense_fwd = NAN;
+    bench_row rows[32];
+    int nrows = 0;
+    char *list = malloc(strlen(levels) + 1);
+    strcpy(list, levels);
+    for (char *tok = strtok(list, ","); tok && nrows < 32; tok = strtok(NULL, ",")) {
+        bench_row *r = &rows[nrows];
+        memset(r, 0, sizeof *r);
+        snprintf(r->level, sizeof r->level, "%s", tok);
+        r->mask_ms = r->fwd_ms = r->bwd_ms = NAN;
+        int dense = !strcmp(tok, "dense");
+        c.mask = dense ? NULL : mask;
+        c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f};
+        if (!dense && strcmp(tok, "hybrid")) {
+            double target = cli_double(tok, "--sparsity");
+            if (!(target >= 0.0 && target < 1.0)) {
+                fprintf(stderr, "sparge bench: sparsity level %s is outside [0, 1)\n", tok);
+                return 2;
+            }
+            c.mp.topk = 1.0 - target; /* Top-k only: exactly that share of blocks per row */
+            c.mp.topp = 0.0;
+        }
+        if (dense) {
+            r->density = 1.0;
+        } else {
+            if (strstr(ops, "mask"))
+                r->mask_ms = time_op(c.dev, op_mask, &c, (int)warmup, (int)reps, "mask prediction");
+            else if ((s = op_mask(&c)))
+                return cli_fail("mask prediction", s);
+            sparge_mask_stats st;
+            if ((s = sparge_mask_get_stats(mask, &st, NULL, NULL)))
+                return cli_fail("mask statistics", s);
+            r->sparsity = st.sparsity;
+            r->density = st.token_density;
+        }
+        if (strstr(ops, "fwd") || want_bwd) {
+            double t = time_op(c.dev, op_fwd, &c, strstr(ops, "fwd") ? (int)warmup : 0, strstr(ops, "fwd") ? (int)reps : 1,
+                               "forward");
+            if (strstr(ops, "fwd"))
+                r->fwd_ms = t;
+        }
+        if (want_bwd)
+            r->bwd_ms = time_op(c.dev, op_bwd, &c, (int)warmup, (int)reps, "backward");
+        if (dense)
+            dense_fwd = r->fwd_ms;
+        double total = r->fwd_ms + (dense ? 0.0 : r->mask_ms);
+        printf("%-12s %7.2f%% %8.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %8.2fx\n", r->level, 100.0 * r->sparsity,
+               r->mask_ms, r->fwd_ms, total, flops / (r->fwd_ms * 1e9), flops * r->density / (r->fwd_ms * 1e9),
+               r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), dense_fwd / total);
+        fflush(stdout);
+        nrows++;
+        if (export_pfx && !dense && (s = export_mask(mask, export_pfx, dt, D, r->sparsity)))
+            return cli_fail("exporting the mask", s);
+    }
+    free(list);
+    if (output) {
+        FILE *f = fopen(output, "w");
+        if (!f) {
+            fprintf(stderr, "sparge bench: cannot write %s\n", output);
+            return 1;
+        }
+        int json = strlen(output) > 5 && !strcmp(output + strlen(output) - 5, ".json");
+        if (json)
+            fprintf(f, "[\n");
+        else
+            fprintf(f, "device,B,H,Nq,Nk,D,dtype,layout,block_q,block_k,level,sparsity,token_density,mask_ms,fwd_ms,"
+                       "bwd_ms,fwd_tflops,bwd_tflops\n");
+        for (int i = 0; i < nrows; i++) {
+            bench_row *r = &rows[i];
+            if (json)
+                fprintf(f,
+                        "  {\"device\": \"%s\", \"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, "
+                        "\"dtype\": \"%s\", \"layout\": \"%s\", \"block_q\": %d, \"block_k\": %d, \"level\": \"%s\", "
+                        "\"sparsity\": %.6f, \"token_density\": %.6f, \"mask_ms\": %.6g, \"fwd_ms\": %.6g, "
+                        "\"bwd_ms\": %.6g}%s\n",
+                        sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
+                        (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
+                        isnan(r->mask_ms) ? -1.0 : r->mask_ms, isnan(r->fwd_ms) ? -1.0 : r->fwd_ms,
+                        isnan(r->bwd_ms) ? -1.0 : r->bwd_ms, i + 1 < nrows ? "," : "");
+            else
+                fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.2f,%.2f\n",
+                        sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
+                        (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
+                        r->mask_ms, r->fwd_ms, r->bwd_ms, flops / (r->fwd_ms * 1e9), 2.5 * flops / (r->bwd_ms * 1e9));
+        }
+        if (json)
+            fprintf(f, "]\n");
+        fclose(f);
+        printf("\nwrote %s\n", output);
+    }
+    sparge_mask_destroy(mask);
+    for (int i = 0; i < nbuf; i++)
+        sparge_free(c.dev, buf[i]);
+    sparge_free(c.dev, c.lse);
+    sparge_device_close(c.dev);
+    return 0;
+}

@@ -1,0 +1,373 @@
+/* Conformance of one backend (BACKEND) against cpu-ref, the fp64 oracle:
+ * the shared mask vectors, pooling, the pooled map, mask selection, forward
+ * and backward over a grid of shapes (several B·H, ragged N, Nq ≠ Nk, D from
+ * 32 to 256, BHND and BNHD views, f32/f16/bf16), fresh random inputs and
+ * poisoned outputs. Exits 77 when the backend is compiled in but has no device.
+ * Combinations a backend does not support must fail cleanly with
+ * SPARGE_ERR_UNSUPPORTED and leave the outputs untouched. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+
+static sparge_device *dev, *ref;
+
+typedef struct {
+    int64_t B, H, Nq, Nk, D;
+    int bq, bk;
+} shape;
+
+static const shape grid[] = {
+    {1, 1, 128, 128, 64, 128, 64},   {2, 3, 300, 300, 64, 128, 64},  {1, 2, 1000, 700, 128, 128, 64},
+    {2, 1, 77, 200, 128, 128, 128},  {1, 2, 520, 390, 128, 128, 128}, {1, 3, 260, 190, 32, 64, 32},
+    {1, 1, 150, 333, 256, 128, 64},  {3, 2, 129, 65, 64, 128, 64},
+};
+enum { GRID = sizeof grid / sizeof grid[0] };
+static const sparge_dtype dtypes[] = {SPARGE_F32, SPARGE_F16, SPARGE_BF16};
+
+static int skipped, ran;
+
+/* Fresh inputs per case: normal with a per-head "sink" key block so masks are not flat. */
+static void fill_inputs(tu_tensor *x, tu_rng *r, int sink_block, int bk, double sd)
+{
+    int64_t B = x->t.shape[0], H = x->t.shape[1], N = x->t.shape[2], D = x->t.shape[3];
+    double *v = malloc((size_t)(B * H * N * D) * sizeof *v);
+    for (int64_t i = 0; i < B * H * N * D; i++) {
+        int64_t n = i / D % N;
+        v[i] = sd * tu_normal(r) + (sink_block >= 0 && n / bk == sink_block ? 0.8 : 0.0);
+    }
+    tu_set(x, v);
+    free(v);
+}
+
+/* A backend may refuse a valid combination; then nothing may be written. */
+static int unsupported(sparge_status s, tu_tensor **outs, int n, const char *what)
+{
+    if (s != SPARGE_ERR_UNSUPPORTED)
+        return 0;
+    for (int i = 0; i < n; i++)
+        assert_true(tu_still_poisoned(outs[i]));
+    if (!sparge_last_error()[0])
+        fail_msg("%s: unsupported without a message", what);
+    skipped++;
+    return 1;
+}
+
+static void check_close(const char *what, const shape *s, sparge_dtype dt, tu_layout lay, double *got, double *want,
+                        int64_t n, double tol)
+{
+    double e = tu_rel_l2(got, want, n);
+    if (!(e <= tol))
+        fail_msg("%s: B=%lld H=%lld Nq=%lld Nk=%lld D=%lld bq=%d bk=%d %s %s: rel L2 %.3g > %.3g", what,
+                 (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk, (long long)s->D, s->bq, s->bk,
+                 sparge_dtype_name(dt), lay == TU_BHND ? "BHND" : "BNHD", e, tol);
+}
+
+/* The decision for row i differs between the backend and the reference: accept
+ * only if the reference's decision was within 1e-5 (relative) of flipping. */
+static int close_call(const float *row, int64_t n, double k, double p, int64_t kept_ref)
+{
+    int32_t *order = malloc((size_t)n * sizeof *order);
+    for (int64_t j = 0; j < n; j++)
+        order[j] = (int32_t)j;
+    for (int64_t a = 1; a < n; a++) /* insertion sort: descending, ties by index */
+        for (int64_t b = a; b > 0 && (row[order[b]] > row[order[b - 1]]); b--) {
+            int32_t t = order[b]; order[b] = order[b - 1]; order[b - 1] = t;
+        }
+    int close = 0;
+    if (kept_ref < n) {
+        double x = row[order[kept_ref - 1]], y = row[order[kept_ref]];
+        close |= fabs(x - y) <= 1e-5 * fmax(fabs(x), fabs(y));
+    }
+    if (p > 0.0) {
+        double cum = 0.0;
+        for (int64_t t = 0; t < n; t++) {
+            cum += row[order[t]];
+            close |= fabs(cum - p) <= 1e-5 * fmax(p, 1e-30);
+        }
+    }
+    (void)k;
+    free(order);
+    return close;
+}
+
+static void compare_masks(sparge_mask *got, sparge_mask *want, const sparge_mask_params *mp, const shape *s)
+{
+    sparge_mask_shape ms;
+    assert_int_equal(sparge_mask_get_shape(want, &ms), SPARGE_OK);
+    int64_t rows = ms.B * ms.H * ms.Nqb, cells = rows * ms.Nkb;
+    uint8_t *dg = malloc((size_t)cells), *dw = malloc((size_t)cells);
+    float *map = malloc((size_t)cells * sizeof *map);
+    int32_t *cnt = malloc((size_t)rows * 4), *idx = malloc((size_t)cells * 4);
+    int32_t *tcnt = malloc((size_t)(ms.B * ms.H * ms.Nkb) * 4), *tidx = malloc((size_t)cells * 4);
+    assert_int_equal(sparge_mask_get_dense(got, dg), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_dense(want, dw), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_pooled_map(want, map), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_csr(got, cnt, idx, tcnt, tidx), SPARGE_OK);
+    int64_t differing = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t kept = 0, c = 0;
+        for (int64_t j = 0; j < ms.Nkb; j++) {
+            kept += dw[r * ms.Nkb + j];
+            if (dg[r * ms.Nkb + j]) /* CSR agrees with the dense view, ascending */
+                assert_int_equal(idx[r * ms.Nkb + c++], j);
+        }
+        assert_int_equal(cnt[r], c);
+        assert_true(c >= 1);
+        if (memcmp(dg + r * ms.Nkb, dw + r * ms.Nkb, (size_t)ms.Nkb) != 0) {
+            differing++;
+            if (!close_call(map + r * ms.Nkb, ms.Nkb, mp->topk, mp->topp, kept))
+                fail_msg("mask row %lld differs from cpu-ref and the decision was not close (B=%lld H=%lld Nq=%lld)",
+                         (long long)r, (long long)s->B, (long long)s->H, (long long)s->Nq);
+        }
+    }
+    if (differing)
+        printf("  note: %lld mask row(s) differ within the 1e-5 rounding margin\n", (long long)differing);
+    /* the transpose lists exactly the kept (i, j) pairs, ascending */
+    for (int64_t bh = 0; bh < ms.B * ms.H; bh++)
+        for (int64_t j = 0; j < ms.Nkb; j++) {
+            int64_t c = 0;
+            for (int64_t i = 0; i < ms.Nqb; i++)
+                if (dg[(bh * ms.Nqb + i) * ms.Nkb + j])
+                    assert_int_equal(tidx[(bh * ms.Nkb + j) * ms.Nqb + c++], i);
+            assert_int_equal(tcnt[bh * ms.Nkb + j], c);
+        }
+    free(dg);
+    free(dw);
+    free(map);
+    free(cnt);
+    free(idx);
+    free(tcnt);
+    free(tidx);
+}
+
+static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng)
+{
+    int64_t B = s->B, H = s->H, Nq = s->Nq, Nk = s->Nk, D = s->D;
+    tu_tensor q = tu_alloc(dev, dt, lay, B, H, Nq, D), k = tu_alloc(dev, dt, lay, B, H, Nk, D),
+              v = tu_alloc(dev, dt, lay, B, H, Nk, D), o = tu_alloc(dev, dt, lay, B, H, Nq, D),
+              d_o = tu_alloc(dev, dt, lay, B, H, Nq, D), dq = tu_alloc(dev, dt, lay, B, H, Nq, D),
+              dk = tu_alloc(dev, dt, lay, B, H, Nk, D), dv = tu_alloc(dev, dt, lay, B, H, Nk, D);
+    tu_tensor rq = tu_alloc(ref, dt, lay, B, H, Nq, D), rk = tu_alloc(ref, dt, lay, B, H, Nk, D),
+              rv = tu_alloc(ref, dt, lay, B, H, Nk, D), ro = tu_alloc(ref, dt, lay, B, H, Nq, D),
+              rdo = tu_alloc(ref, dt, lay, B, H, Nq, D), rdq = tu_alloc(ref, dt, lay, B, H, Nq, D),
+              rdk = tu_alloc(ref, dt, lay, B, H, Nk, D), rdv = tu_alloc(ref, dt, lay, B, H, Nk, D);
+    uint64_t seed = tu_next(rng);
+    tu_rng r1 = {seed}, r2 = {seed};
+    int sink = (int)(tu_next(rng) % (uint64_t)((Nk + s->bk - 1) / s->bk));
+    fill_inputs(&q, &r1, -1, s->bk, 1.0); fill_inputs(&rq, &r2, -1, s->bk, 1.0);
+    fill_inputs(&k, &r1, sink, s->bk, 1.0); fill_inputs(&rk, &r2, sink, s->bk, 1.0);
+    fill_inputs(&v, &r1, -1, s->bk, 1.0); fill_inputs(&rv, &r2, -1, s->bk, 1.0);
+    fill_inputs(&d_o, &r1, -1, s->bk, 1.0); fill_inputs(&rdo, &r2, -1, s->bk, 1.0);
+
+    /* pooling: every element written, matches fp64 means */
+    int64_t nqb = (Nq + s->bq - 1) / s->bq, nkb = (Nk + s->bk - 1) / s->bk;
+    tu_tensor pq = tu_alloc(dev, SPARGE_F32, TU_BHND, B, H, nqb, D), rpq = tu_alloc(ref, SPARGE_F32, TU_BHND, B, H, nqb, D);
+    tu_poison(&pq);
+    sparge_status st = sparge_pool(dev, &q.t, s->bq, &pq.t);
+    if (!unsupported(st, (tu_tensor *[]){&pq}, 1, "pool")) {
+        assert_int_equal(st, SPARGE_OK);
+        assert_int_equal(sparge_pool(ref, &rq.t, s->bq, &rpq.t), SPARGE_OK);
+        double *g = tu_get(&pq), *w = tu_get(&rpq);
+        check_close("pool", s, dt, lay, g, w, tu_numel(&pq), 1e-5);
+        free(g);
+        free(w);
+    }
+    tu_free(&pq);
+    tu_free(&rpq);
+
+    /* mask prediction on both; hybrid with values that keep a few blocks */
+    sparge_mask_params mp = {s->bq, s->bk, 0.1, 0.5, 0.0f};
+    sparge_mask *m, *rm;
+    assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, s->bq, s->bk, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, s->bq, s->bk, &rm), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
+    st = sparge_mask_predict(dev, &q.t, &k.t, &mp, m);
+    assert_int_equal(st, SPARGE_OK);
+    compare_masks(m, rm, &mp, s);
+
+    /* attention with the reference's mask on both sides (identical selections) */
+    uint8_t *dense = malloc((size_t)(B * H * nqb * nkb));
+    assert_int_equal(sparge_mask_get_dense(rm, dense), SPARGE_OK);
+    assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
+    free(dense);
+    float *lse, *rlse;
+    assert_int_equal(sparge_malloc(dev, (size_t)(B * H * Nq) * 4, (void **)&lse), SPARGE_OK);
+    rlse = malloc((size_t)(B * H * Nq) * 4);
+    float *lse_host = malloc((size_t)(B * H * Nq) * 4);
+    for (int masked = 0; masked < 2; masked++) {
+        const sparge_mask *use = masked ? m : NULL, *ruse = masked ? rm : NULL;
+        tu_poison(&o);
+        assert_int_equal(sparge_memset(dev, lse, 0xff, (size_t)(B * H * Nq) * 4), SPARGE_OK);
+        st = sparge_attention_forward(dev, &q.t, &k.t, &v.t, use, NULL, &o.t, lse);
+        if (unsupported(st, (tu_tensor *[]){&o}, 1, "forward"))
+            continue;
+        assert_int_equal(st, SPARGE_OK);
+        assert_int_equal(sparge_attention_forward(ref, &rq.t, &rk.t, &rv.t, ruse, NULL, &ro.t, rlse), SPARGE_OK);
+        double *g = tu_get(&o), *w = tu_get(&ro);
+        check_close(masked ? "forward O (masked)" : "forward O (dense)", s, dt, lay, g, w, tu_numel(&o), tu_tolerance(dt));
+        free(g);
+        free(w);
+        assert_int_equal(sparge_memcpy_to_host(dev, lse_host, lse, (size_t)(B * H * Nq) * 4), SPARGE_OK);
+        double *gl = malloc((size_t)(B * H * Nq) * sizeof *gl), *wl = malloc((size_t)(B * H * Nq) * sizeof *wl);
+        for (int64_t t = 0; t < B * H * Nq; t++) {
+            gl[t] = lse_host[t];
+            wl[t] = rlse[t];
+        }
+        check_close("forward LSE", s, dt, lay, gl, wl, B * H * Nq, 1e-5);
+        free(gl);
+        free(wl);
+
+        /* backward from identical O and LSE (the reference's) on both sides */
+        double *ref_o = tu_get(&ro);
+        tu_set(&o, ref_o);
+        free(ref_o);
+        assert_int_equal(sparge_memcpy_to_device(dev, lse, rlse, (size_t)(B * H * Nq) * 4), SPARGE_OK);
+        for (int det = 0; det < 2; det++) {
+            tu_poison(&dq);
+            tu_poison(&dk);
+            tu_poison(&dv);
+            sparge_attn_params ap = {0.0f, det};
+            st = sparge_attention_backward(dev, &q.t, &k.t, &v.t, &o.t, &d_o.t, lse, use, &ap, &dq.t, &dk.t, &dv.t);
+            if (unsupported(st, (tu_tensor *[]){&dq, &dk, &dv}, 3, "backward"))
+                break;
+            assert_int_equal(st, SPARGE_OK);
+            assert_int_equal(sparge_attention_backward(ref, &rq.t, &rk.t, &rv.t, &ro.t, &rdo.t, rlse, ruse, &ap, &rdq.t,
+                                                       &rdk.t, &rdv.t),
+                             SPARGE_OK);
+            tu_tensor *outs[3] = {&dq, &dk, &dv}, *refs[3] = {&rdq, &rdk, &rdv};
+            static const char *names[3] = {"backward dQ", "backward dK", "backward dV"};
+            for (int i = 0; i < 3; i++) {
+                double *gg = tu_get(outs[i]), *ww = tu_get(refs[i]);
+                check_close(names[i], s, dt, lay, gg, ww, tu_numel(outs[i]), tu_tolerance(dt));
+                free(gg);
+                free(ww);
+            }
+        }
+        ran++;
+    }
+    free(rlse);
+    free(lse_host);
+    sparge_free(dev, lse);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(rm);
+    tu_tensor *all[] = {&q, &k, &v, &o, &d_o, &dq, &dk, &dv, &rq, &rk, &rv, &ro, &rdo, &rdq, &rdk, &rdv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        tu_free(all[i]);
+}
+
+static void test_grid(void **state)
+{
+    (void)state;
+    tu_rng rng = {20260214};
+    for (int g = 0; g < GRID; g++)
+        for (int d = 0; d < 3; d++)
+            for (int lay = 0; lay < 2; lay++)
+                run_case(&grid[g], dtypes[d], (tu_layout)lay, &rng);
+    printf("  %d forward/backward cases ran, %d unsupported combinations refused cleanly\n", ran, skipped);
+    assert_true(ran > 0);
+}
+
+/* The shared vectors: each row as a 1-row pooled map; rows with margin < 1e-5 may flip. */
+static void test_mask_vectors(void **state)
+{
+    (void)state;
+    tu_mask_case *c;
+    int n = tu_load_mask_cases(&c), flipped = 0;
+    assert_true(n >= 10);
+    for (int i = 0; i < n; i++) {
+        sparge_mask *m;
+        assert_int_equal(sparge_mask_create(dev, 1, 1, 1, c[i].n, 1, 1, &m), SPARGE_OK);
+        float *row;
+        assert_int_equal(sparge_malloc(dev, (size_t)c[i].n * 4, (void **)&row), SPARGE_OK);
+        float *host = malloc((size_t)c[i].n * 4);
+        for (int j = 0; j < c[i].n; j++)
+            host[j] = (float)c[i].row[j];
+        assert_int_equal(sparge_memcpy_to_device(dev, row, host, (size_t)c[i].n * 4), SPARGE_OK);
+        sparge_tensor map = sparge_tensor_bhnd(row, SPARGE_F32, 1, 1, 1, c[i].n);
+        sparge_mask_params mp = {1, 1, c[i].k, c[i].p, 0.0f};
+        assert_int_equal(sparge_mask_select(dev, &map, &mp, m), SPARGE_OK);
+        int32_t cnt, *idx = malloc((size_t)c[i].n * 4);
+        assert_int_equal(sparge_mask_get_csr(m, &cnt, idx, NULL, NULL), SPARGE_OK);
+        int same = cnt == c[i].nkeep;
+        for (int j = 0; same && j < cnt; j++)
+            same = idx[j] == c[i].keep[j];
+        if (!same) {
+            if (!(c[i].margin < 1e-5))
+                fail_msg("mask vector %d (%s, k=%g p=%g): kept %d blocks, expected %d", i, c[i].note, c[i].k, c[i].p,
+                         cnt, c[i].nkeep);
+            flipped++;
+        }
+        free(idx);
+        free(host);
+        sparge_free(dev, row);
+        sparge_mask_destroy(m);
+    }
+    printf("  %d mask vectors, %d within the rounding margin flipped\n", n, flipped);
+    tu_free_mask_cases(c, n);
+}
+
+/* End-to-end vectors: Q, K → pooled means, pooled map and kept blocks. */
+static void test_pooled_vectors(void **state)
+{
+    (void)state;
+    tu_pooled_case *c;
+    int n = tu_load_pooled_cases(&c);
+    assert_true(n >= 1);
+    for (int i = 0; i < n; i++) {
+        tu_pooled_case *pc = &c[i];
+        tu_tensor q = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, 1, pc->Nq, pc->D),
+                  k = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, 1, pc->Nk, pc->D);
+        tu_set(&q, pc->Q);
+        tu_set(&k, pc->K);
+        sparge_mask *m;
+        assert_int_equal(sparge_mask_create(dev, 1, 1, pc->Nq, pc->Nk, pc->bq, pc->bk, &m), SPARGE_OK);
+        sparge_mask_params mp = {pc->bq, pc->bk, pc->k, pc->p, (float)pc->scale};
+        assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+        float *map = malloc((size_t)(pc->Nqb * pc->Nkb) * 4);
+        assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+        double *mapd = malloc((size_t)(pc->Nqb * pc->Nkb) * sizeof *mapd);
+        for (int j = 0; j < pc->Nqb * pc->Nkb; j++)
+            mapd[j] = map[j];
+        assert_true(tu_rel_l2(mapd, pc->map, pc->Nqb * pc->Nkb) <= 1e-5);
+        int32_t *cnt = malloc((size_t)pc->Nqb * 4), *idx = malloc((size_t)(pc->Nqb * pc->Nkb) * 4);
+        assert_int_equal(sparge_mask_get_csr(m, cnt, idx, NULL, NULL), SPARGE_OK);
+        for (int r = 0; r < pc->Nqb; r++) {
+            assert_int_equal(cnt[r], pc->keep_count[r]);
+            for (int j = 0; j < cnt[r]; j++)
+                assert_int_equal(idx[r * pc->Nkb + j], pc->keep[r * pc->Nkb + j]);
+        }
+        free(map);
+        free(mapd);
+        free(cnt);
+        free(idx);
+        sparge_mask_destroy(m);
+        tu_free(&q);
+        tu_free(&k);
+    }
+    tu_free_pooled_cases(c, n);
+}
+
+int main(void)
+{
+    if (sparge_backend_device_count(BACKEND) == 0) {
+        fprintf(stderr, "backend '%s' has no device here: SKIP\n", BACKEND);
+        return TU_SKIP;
+    }
+    dev = tu_open_or_null(BACKEND);
+    ref = tu_open_or_null("cpu-ref");
+    if (!dev || !ref)
+        return 1;
+    printf("conformance of %s (%s) against cpu-ref\n", sparge_device_name(dev), sparge_device_description(dev));
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mask_vectors),
+        cmocka_unit_test(test_pooled_vectors),
+        cmocka_unit_test(test_grid),
+    };
+    int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
+    sparge_device_close(dev);
+    sparge_device_close(ref);
+    return rc;
+}
