@@ -16,7 +16,7 @@ AC_DEFUN([SPARGE_HIP], [
       HIPCC_ARCH=
       for a in $with_hip_arch; do HIPCC_ARCH="$HIPCC_ARCH --offload-arch=$a"; done
       echo '#include <hip/hip_runtime.h>
-__global__ void k(float *x) { x[threadIdx.x] = 1.f; }' > conftest.hip.cpp
+__global__ void k(float *x) { x@<:@threadIdx.x@:>@ = 1.f; }' > conftest.hip.cpp
       AS_IF([$HIPCC $HIPCC_ARCH -x hip -fPIC -c conftest.hip.cpp -o conftest.hip.o >&AS_MESSAGE_LOG_FD 2>&1],
             [have_hip=yes], [have_hip=no])
       rm -f conftest.hip.cpp conftest.hip.o
