@@ -15,7 +15,9 @@ AC_DEFUN([SPARGE_HIP], [
       AC_MSG_CHECKING([whether $HIPCC builds for $with_hip_arch])
       HIPCC_ARCH=
       for a in $with_hip_arch; do HIPCC_ARCH="$HIPCC_ARCH --offload-arch=$a"; done
+      dnl mask.cu sorts rows with rocPRIM's block radix sort (librocprim-dev).
       echo '#include <hip/hip_runtime.h>
+#include <rocprim/rocprim.hpp>
 __global__ void k(float *x) { x@<:@threadIdx.x@:>@ = 1.f; }' > conftest.hip.cpp
       AS_IF([$HIPCC $HIPCC_ARCH -x hip -fPIC -c conftest.hip.cpp -o conftest.hip.o >&AS_MESSAGE_LOG_FD 2>&1],
             [have_hip=yes], [have_hip=no])
@@ -24,7 +26,7 @@ __global__ void k(float *x) { x@<:@threadIdx.x@:>@ = 1.f; }' > conftest.hip.cpp
     ])
   ])
   AS_IF([test "x$with_hip" != xno && test "x$with_hip" != xguess && test "x$have_hip" = xno],
-        [AC_MSG_ERROR([--with-hip was given but hipcc could not build for $with_hip_arch (apt-get install hipcc libamdhip64-dev)])])
+        [AC_MSG_ERROR([--with-hip was given but hipcc could not build for $with_hip_arch (apt-get install hipcc libamdhip64-dev librocprim-dev)])])
   AS_IF([test "x$have_hip" = xyes], [
     HIP_LIBS="-lamdhip64"
     AC_DEFINE([SPARGE_HAVE_HIP], [1], [HIP backend built])
@@ -32,7 +34,7 @@ __global__ void k(float *x) { x@<:@threadIdx.x@:>@ = 1.f; }' > conftest.hip.cpp
     sparge_backends_extra="$sparge_backends_extra hip"
     sparge_hip_summary="yes ($HIPCC, $with_hip_arch)"
   ], [test "x$with_hip" = xno], [sparge_hip_summary="no (disabled)"],
-     [SPARGE_WARN([HIP not found: the HIP backend is not built (apt-get install hipcc libamdhip64-dev)])])
+     [SPARGE_WARN([HIP not found: the HIP backend is not built (apt-get install hipcc libamdhip64-dev librocprim-dev)])])
   AC_SUBST([HIPCC]) AC_SUBST([HIPCC_ARCH]) AC_SUBST([HIP_LIBS])
   AM_CONDITIONAL([HAVE_HIP], [test "x$have_hip" = xyes])
 ])

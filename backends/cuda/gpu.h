@@ -38,6 +38,28 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ gpu_half from_f32<gpu_half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ gpu_bf16 from_f32<gpu_bf16>(float x) { return sparge_float_to_bf16(x); }
 
+/* 16-byte vector load: vec16<T>::n elements of T, converted to fp32.
+ * p must be 16-byte aligned. */
+template <typename T> struct vec16 { static constexpr int n = 16 / (int)sizeof(T); };
+template <typename T> __device__ __forceinline__ void load_vec16(const T *p, float *out)
+{
+    uint4 raw = *(const uint4 *)p;
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+    if constexpr (sizeof(T) == 4) {
+        for (int e = 0; e < 4; e++)
+            out[e] = __uint_as_float(w[e]);
+    } else {
+        for (int e = 0; e < 4; e++) {
+            unsigned short lo = (unsigned short)(w[e] & 0xffffu), hi = (unsigned short)(w[e] >> 16);
+            T tlo, thi;
+            __builtin_memcpy(&tlo, &lo, 2);
+            __builtin_memcpy(&thi, &hi, 2);
+            out[2 * e] = to_f32<T>(tlo);
+            out[2 * e + 1] = to_f32<T>(thi);
+        }
+    }
+}
+
 /* Entry points of the op files (SPARGE_GPU_FN adds the vendor prefix). */
 sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a);
 sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a);

@@ -57,6 +57,9 @@ typedef __half gpu_half;
 #define SPARGE_FULL_MASK 0xffffffffffffffffull
 #define sparge_shfl_xor(v, m) __shfl_xor((v), (m))
 #define sparge_shfl(v, l) __shfl((v), (l))
+#define sparge_shfl_up(v, d) __shfl_up((v), (d))
+/* Bit i = predicate of lane i (the upper 32 bits are 0 on wave32). */
+#define sparge_ballot(p) ((unsigned long long)__ballot(p))
 __device__ __forceinline__ float sparge_bf16_to_float(gpu_bf16 x)
 {
     unsigned short bits;
@@ -112,6 +115,8 @@ typedef __nv_bfloat16 gpu_bf16;
 #define SPARGE_FULL_MASK 0xffffffffu
 #define sparge_shfl_xor(v, m) __shfl_xor_sync(SPARGE_FULL_MASK, (v), (m))
 #define sparge_shfl(v, l) __shfl_sync(SPARGE_FULL_MASK, (v), (l))
+#define sparge_shfl_up(v, d) __shfl_up_sync(SPARGE_FULL_MASK, (v), (d))
+#define sparge_ballot(p) ((unsigned long long)__ballot_sync(SPARGE_FULL_MASK, (p)))
 #define sparge_bf16_to_float __bfloat162float
 #define sparge_float_to_bf16 __float2bfloat16_rn
 #endif
