@@ -20,6 +20,13 @@ struct gpu_ctx {
     size_t workspace_bytes;
 };
 
+/* CUDA and HIP objects of the same sources are linked into one library, so
+ * everything with external linkage must differ per vendor: shared helpers are
+ * renamed here, and each .cu file keeps its kernels and local helpers in an
+ * anonymous namespace (or static). */
+#define gpu_check SPARGE_GPU_FN(check)
+#define gpu_workspace SPARGE_GPU_FN(workspace)
+
 /* Turn a runtime error into a status with the runtime's message. */
 sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *what);
 #define GPU_CHECK(call) gpu_check((call), __FILE__, __LINE__, #call)
