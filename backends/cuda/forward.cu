@@ -1,9 +1,444 @@
-/* Block-sparse attention forward on tensor cores (mma.sync): work in progress. */
+/* Block-sparse attention forward on tensor cores (mma.sync m16n8k16, sm_80+).
+ *
+ * FlashAttention-2 style: one CTA per (b, h, query block of 128 rows) walks only
+ * the kept key blocks of its row (CSR of the mask; all blocks when dense) in
+ * compute tiles of 64 keys, with Q·Kᵀ and P·V on tensor cores, an fp32 online
+ * softmax in registers and K/V tiles streamed by cp.async through a
+ * multi-stage shared-memory ring. O is written in the input dtype, LSE in fp32.
+ *
+ * Load balance: under the hybrid mask rows keep very different numbers of
+ * blocks. A small kernel ranks the rows of each (b, h) by descending block
+ * count on the device (no host synchronization after mask prediction); the
+ * attention grid then runs heads in order and, inside a head, the heaviest
+ * query blocks first, so the last wave holds the light rows (short tail) while
+ * the CTAs in flight share one or two heads' K/V in L2.
+ *
+ * Layers: kernel (templated on dtype, D, warps, stages) → launcher → entry point.
+ *
+ * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages" overrides tiles.h
+ * with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off. */
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "mma.cuh"
+#include "tiles.h"
+
+using namespace sparge_mma;
+
+namespace {
+
+constexpr int BLOCK_Q = 128; /* query rows per CTA (= the mask's bq) */
+constexpr int TILE_K = 64;   /* keys per compute tile */
+
+struct fwd_params {
+    const void *q, *k, *v;
+    void *o;
+    int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn;
+    int H, Nq, Nk;
+    int Nqb;       /* query blocks per (b, h) */
+    int Nkb;       /* row stride of the CSR indices (mask) or 64-key tiles per row (dense) */
+    int sub_shift; /* log2(bk / 64): compute tiles per kept block */
+    const int32_t *counts, *indices; /* NULL: dense */
+    const int32_t *order;            /* launch order of (bh, i) work items; NULL: identity */
+    float *lse;
+    float scale_log2; /* softmax scale · log2(e): scores are exponentiated with exp2 */
+};
+
+template <typename T, int D, int WARPS, int STAGES>
+struct fwd_kernel_traits {
+    static constexpr int THREADS = WARPS * 32;
+    static constexpr int M_TILES = BLOCK_Q / (16 * WARPS); /* m16 tiles per warp */
+    static constexpr int ROWS_PER_WARP = 16 * M_TILES;
+    static constexpr int ROW_CHUNKS = D / 8; /* 16-byte chunks per row */
+    static constexpr int Q_BYTES = BLOCK_Q * D * 2;
+    static constexpr int KV_BYTES = TILE_K * D * 2;
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * KV_BYTES;
+    /* Q fragments stay in registers when they are small (≤ 32 registers). */
+    static constexpr bool Q_IN_REGS = M_TILES == 1 && D <= 128;
+    static_assert(BLOCK_Q % (16 * WARPS) == 0 && STAGES >= 2, "bad tile");
+};
+
+/* Copy ROWS rows of D elements starting at row0 into a swizzled tile; rows at or
+ * past `limit` are zero-filled. */
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_rows(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
+{
+    constexpr int ROW_CHUNKS = D / 8;
+    constexpr int CHUNKS = ROWS * ROW_CHUNKS;
+    static_assert(CHUNKS % THREADS == 0, "tile not divisible among threads");
+#pragma unroll
+    for (int it = 0; it < CHUNKS / THREADS; it++) {
+        int c = it * THREADS + tid;
+        int r = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
+        bool ok = row0 + r < limit;
+        const T *src = ok ? base + (int64_t)(row0 + r) * sn + ch * 8 : base;
+        cp_async_16(dst + swizzle<ROW_CHUNKS>(r, ch), src, ok);
+    }
+}
+
+template <typename T, int D, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
+{
+    using K = fwd_kernel_traits<T, D, WARPS, STAGES>;
+    constexpr int M_TILES = K::M_TILES, ROW_CHUNKS = K::ROW_CHUNKS, N_TILES = TILE_K / 8, D_TILES = D / 8;
+    extern __shared__ __align__(128) unsigned char smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
+    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
+    const int b = bh / p.H, h = bh - b * p.H;
+    const int q0 = qblock * BLOCK_Q;
+
+    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
+    const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
+    const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+    const int32_t *row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
+    const int n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
+    const int sub_mask = (1 << p.sub_shift) - 1;
+    auto tile_key0 = [&](int t) {
+        int block = row_blocks ? row_blocks[t >> p.sub_shift] : t;
+        return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
+    };
+
+    const uint32_t q_smem = smem_addr(smem);
+    auto k_smem = [&](int stage) { return q_smem + K::Q_BYTES + stage * 2 * K::KV_BYTES; };
+    auto v_smem = [&](int stage) { return k_smem(stage) + K::KV_BYTES; };
+    auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
+        if (t < n_tiles) {
+            int key0 = tile_key0(t);
+            load_rows<T, D, TILE_K, K::THREADS>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
+            cp_async_commit();
+            load_rows<T, D, TILE_K, K::THREADS>(v_smem(t % STAGES), v, p.v_sn, key0, p.Nk, tid);
+            cp_async_commit();
+        } else {
+            cp_async_commit();
+            cp_async_commit();
+        }
+    };
+
+    /* Groups in commit order: Q, K0, V0, K1, V1, ... */
+    load_rows<T, D, BLOCK_Q, K::THREADS>(q_smem, q, p.q_sn, q0, p.Nq, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; t++)
+        issue_tile(t);
+
+    const int warp_row0 = warp * K::ROWS_PER_WARP;
+    constexpr int ROW_BYTES = D * 2;
+    /* Lane parts of the ldmatrix addresses (see swizzle_kstep in mma.cuh). */
+    const uint32_t a_lane = lane_a_row(lane) * ROW_BYTES, a_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
+    const uint32_t bt_lane = lane_bt_row(lane) * ROW_BYTES,
+                   bt_xor = swizzle_lane_xor(lane_bt_row(lane), lane_bt_chunk(lane));
+    const uint32_t q_warp = q_smem + warp_row0 * ROW_BYTES + a_lane;
+    uint32_t q_frag[K::Q_IN_REGS ? M_TILES : 1][K::Q_IN_REGS ? D / 16 : 1][4];
+    if constexpr (K::Q_IN_REGS) {
+        cp_async_wait<2 * (STAGES - 1)>();
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                ldmatrix_x4(q_frag[mt][kk], q_warp + mt * 16 * ROW_BYTES + swizzle_kstep(kk, a_xor));
+    }
+
+    float o_acc[M_TILES][D_TILES][4];
+    float row_max[M_TILES][2], row_sum[M_TILES][2]; /* row_max in the exp2 domain; row_sum per lane */
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++) {
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                o_acc[mt][dt][e] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            row_max[mt][r] = -INFINITY;
+            row_sum[mt][r] = 0.0f;
+        }
+    }
+
+    for (int t = 0; t < n_tiles; t++) {
+        const int stage = t % STAGES;
+        const uint32_t k_stage = k_smem(stage) + bt_lane, v_stage = v_smem(stage) + a_lane;
+        /* K(t) landed; every warp is done with tile t-1, whose buffers the prefetch reuses. */
+        cp_async_wait<2 * STAGES - 3>();
+        __syncthreads();
+        issue_tile(t + STAGES - 1);
+
+        float s[M_TILES][N_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    s[mt][nt][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            uint32_t a[M_TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; mt++) {
+                if constexpr (K::Q_IN_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        a[mt][e] = q_frag[K::Q_IN_REGS ? mt : 0][K::Q_IN_REGS ? kk : 0][e];
+                } else {
+                    ldmatrix_x4(a[mt], q_warp + mt * 16 * ROW_BYTES + swizzle_kstep(kk, a_xor));
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < N_TILES / 2; np++) {
+                uint32_t bfrag[4];
+                ldmatrix_x4(bfrag, k_stage + np * 16 * ROW_BYTES + swizzle_kstep(kk, bt_xor));
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; mt++) {
+                    mma_16816<T>(s[mt][2 * np], a[mt], bfrag);
+                    mma_16816<T>(s[mt][2 * np + 1], a[mt], bfrag + 2);
+                }
+            }
+        }
+
+        const int key0 = tile_key0(t);
+        if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
+                            s[mt][nt][e] = -INFINITY;
+        }
+
+        /* Online softmax: rows g (e = 0,1) and g+8 (e = 2,3) of each m16 tile. */
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; mt++) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; nt++)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                mx = quad_max(mx) * p.scale_log2;
+                const float m_new = fmaxf(row_max[mt][r], mx);
+                const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* no (-inf) - (-inf) */
+                const float alpha = exp2f(row_max[mt][r] - m_use);
+                row_max[mt][r] = m_new;
+                float sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; e++) {
+                        s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], p.scale_log2, -m_use));
+                        sum += s[mt][nt][e];
+                    }
+                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+                for (int dt = 0; dt < D_TILES; dt++) {
+                    o_acc[mt][dt][2 * r] *= alpha;
+                    o_acc[mt][dt][2 * r + 1] *= alpha;
+                }
+            }
+        }
+
+        /* P in 16-bit A fragments now, so the fp32 scores die before P·V (register peak). */
+        uint32_t pa[M_TILES][TILE_K / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; mt++)
+#pragma unroll
+            for (int kk = 0; kk < TILE_K / 16; kk++)
+                c_pair_to_a<T>(pa[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
+
+        cp_async_wait<2 * STAGES - 2>(); /* V(t) landed */
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++) {
+#pragma unroll
+            for (int dp = 0; dp < D / 16; dp++) {
+                uint32_t bfrag[4];
+                ldmatrix_x4_trans(bfrag, v_stage + kk * 16 * ROW_BYTES + swizzle_kstep(dp, a_xor));
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; mt++) {
+                    mma_16816<T>(o_acc[mt][2 * dp], pa[mt][kk], bfrag);
+                    mma_16816<T>(o_acc[mt][2 * dp + 1], pa[mt][kk], bfrag + 2);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    /* Epilogue: normalize, LSE, then stage O through this warp's own Q rows (only
+     * this warp ever read them) for 16-byte coalesced stores. */
+    __syncwarp();
+    unsigned char *o_stage = smem + warp_row0 * D * 2;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; mt++) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const float l = quad_sum(row_sum[mt][r]);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int row_local = mt * 16 + frag_row(lane) + 8 * r;
+            const int row = q0 + warp_row0 + row_local;
+            if (p.lse && (lane & 3) == 0 && row < p.Nq)
+                p.lse[(int64_t)bh * p.Nq + row] = l > 0.0f ? (row_max[mt][r] + log2f(l)) * 0.69314718055994531f
+                                                           : -INFINITY;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; dt++)
+                *reinterpret_cast<uint32_t *>(o_stage + swizzle<ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
+                    pack2<T>(o_acc[mt][dt][2 * r] * inv, o_acc[mt][dt][2 * r + 1] * inv);
+        }
+    }
+    __syncwarp();
+    T *o = (T *)p.o + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+    for (int it = 0; it < K::ROWS_PER_WARP * ROW_CHUNKS / 32; it++) {
+        const int c = it * 32 + lane;
+        const int row_local = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
+        const int row = q0 + warp_row0 + row_local;
+        if (row < p.Nq)
+            *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
+                *reinterpret_cast<const uint4 *>(o_stage + swizzle<ROW_CHUNKS>(row_local, ch));
+    }
+}
+
+/* One CTA per (b, h): order[bh·Nqb + rank] = bh·Nqb + i, ranking the query blocks by
+ * descending kept-block count, ties by lower i (a deterministic, stable order). */
+__global__ void rank_rows_kernel(const int32_t *counts, int Nqb, int32_t *order)
+{
+    extern __shared__ int32_t row_counts[];
+    const int64_t base = (int64_t)blockIdx.x * Nqb;
+    for (int i = threadIdx.x; i < Nqb; i += blockDim.x)
+        row_counts[i] = counts[base + i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < Nqb; i += blockDim.x) {
+        const int c = row_counts[i];
+        int rank = 0;
+        for (int j = 0; j < Nqb; j++) {
+            const int cj = row_counts[j];
+            rank += cj > c || (cj == c && j < i);
+        }
+        order[base + rank] = (int32_t)(base + i);
+    }
+}
+constexpr int RANK_MAX_ROWS = 12288; /* 48 KB of counts in shared memory */
+
+template <typename T, int D, int WARPS, int STAGES>
+sparge_status launch_fwd(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
+{
+    using K = fwd_kernel_traits<T, D, WARPS, STAGES>;
+    if ((size_t)K::SMEM_BYTES > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
+                           "cuda: forward tile (D=%d, %d warps, %d stages) needs %d bytes of shared memory, the "
+                           "device allows %zu; use \"cuda-generic\"",
+                           D, WARPS, STAGES, K::SMEM_BYTES, ctx->smem_optin);
+    sparge_status s;
+    auto kernel = fwd_kernel<T, D, WARPS, STAGES>;
+    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, K::SMEM_BYTES))))
+        return s;
+    kernel<<<(unsigned)n_items, K::THREADS, K::SMEM_BYTES, ctx->stream>>>(p);
+    return GPU_CHECK_LAUNCH("fwd_kernel");
+}
+
+template <typename T>
+sparge_status dispatch_tile(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, int D, fwd_tile tile)
+{
+    if (D == 128 && tile.warps == 4 && tile.stages == 2)
+        return launch_fwd<T, 128, 4, 2>(ctx, p, n_items);
+    if (D == 128 && tile.warps == 8 && tile.stages == 2)
+        return launch_fwd<T, 128, 8, 2>(ctx, p, n_items);
+    if (D == 64 && tile.warps == 4 && tile.stages == 3)
+        return launch_fwd<T, 64, 4, 3>(ctx, p, n_items);
+    if (D == 64 && tile.warps == 4 && tile.stages == 2)
+        return launch_fwd<T, 64, 4, 2>(ctx, p, n_items);
+    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: no forward kernel compiled for D=%d, %d warps, %d stages "
+                       "(tiles.h and forward.cu disagree)", D, tile.warps, tile.stages);
+}
+
+/* The kernel reads and writes whole 16-byte rows: unit stride along D, row starts aligned. */
+sparge_status check_view(const sparge_view *t, const char *name)
+{
+    if (t->sd != 1)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: %s must have unit stride along D (stride %lld); the "
+                           "tensor-core forward needs contiguous rows, use \"cuda-generic\"", name, (long long)t->sd);
+    if ((uintptr_t)t->data % 16 || t->sb % 8 || t->sh % 8 || t->sn % 8)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: every row of %s must start on a 16-byte boundary (data "
+                           "pointer and B/H/N strides multiples of 8 elements); use \"cuda-generic\"", name);
+    return SPARGE_OK;
+}
+
+} // namespace
 
 sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
 {
-    (void)ctx;
-    (void)a;
-    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: tensor-core forward not built yet; use \"cuda-generic\"");
+    const sparge_dtype dt = a->q.dtype;
+    const int64_t D = a->q.D, B = a->q.B, H = a->q.H, Nq = a->q.N, Nk = a->k.N;
+    if (dt != SPARGE_F16 && dt != SPARGE_BF16)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes f16 and bf16, not %s; use "
+                           "\"cuda-generic\"", sparge_dtype_name(dt));
+    if ((D != 64 && D != 128) || a->v.D != D)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes head dim 64 or 128 (got "
+                           "%lld); use \"cuda-generic\"", (long long)D);
+    if (ctx->cc_major < 8)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward needs sm_80 or newer (device is "
+                           "sm_%d%d); use \"cuda-generic\"", ctx->cc_major, ctx->cc_minor);
+    const sparge_mask_view *m = a->mask;
+    if (m && (m->bq != BLOCK_Q || (m->bk != 64 && m->bk != 128)))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes masks of bq = 128 and bk = 64 "
+                           "or 128 (got %d × %d); use \"cuda-generic\"", m->bq, m->bk);
+    if (Nq > INT_MAX - BLOCK_Q || Nk > INT_MAX - 128)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes at most %d tokens per head",
+                           INT_MAX - 128);
+    sparge_status s;
+    if ((s = check_view(&a->q, "q")) || (s = check_view(&a->k, "k")) || (s = check_view(&a->v, "v")) ||
+        (s = check_view(&a->o, "o")))
+        return s;
+
+    const int64_t Nqb = (Nq + BLOCK_Q - 1) / BLOCK_Q;
+    const int64_t n_items = B * H * Nqb;
+    if (n_items > INT_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes at most %d query blocks in "
+                           "all (B·H·ceil(Nq/128) = %lld)", INT_MAX, (long long)n_items);
+    if (n_items == 0)
+        return SPARGE_OK;
+
+    fwd_params p = {};
+    p.q = a->q.data, p.k = a->k.data, p.v = a->v.data, p.o = a->o.data;
+    p.q_sb = a->q.sb, p.q_sh = a->q.sh, p.q_sn = a->q.sn;
+    p.k_sb = a->k.sb, p.k_sh = a->k.sh, p.k_sn = a->k.sn;
+    p.v_sb = a->v.sb, p.v_sh = a->v.sh, p.v_sn = a->v.sn;
+    p.o_sb = a->o.sb, p.o_sh = a->o.sh, p.o_sn = a->o.sn;
+    p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk, p.Nqb = (int)Nqb;
+    p.lse = a->lse;
+    p.scale_log2 = a->scale * 1.4426950408889634f;
+    if (m) {
+        p.Nkb = (int)m->Nkb;
+        p.sub_shift = m->bk == 128 ? 1 : 0;
+        p.counts = m->counts;
+        p.indices = m->indices;
+        const char *order_env = getenv("SPARGE_CUDA_FWD_ORDER");
+        const bool natural = order_env && !strcmp(order_env, "natural");
+        if (Nqb > 1 && Nqb <= RANK_MAX_ROWS && !natural) { /* beyond RANK_MAX_ROWS, launch in natural order */
+            void *ws;
+            if ((s = gpu_workspace(ctx, (size_t)n_items * sizeof(int32_t), &ws)))
+                return s;
+            p.order = (const int32_t *)ws;
+            rank_rows_kernel<<<(unsigned)(B * H), 256, (size_t)Nqb * sizeof(int32_t), ctx->stream>>>(
+                m->counts, (int)Nqb, (int32_t *)ws);
+            if ((s = GPU_CHECK_LAUNCH("rank_rows_kernel")))
+                return s;
+        }
+    } else {
+        p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
+    }
+
+    fwd_tile tile = fwd_tile_for(ctx->cc_major, ctx->cc_minor, (int)D);
+    const char *tile_env = getenv("SPARGE_CUDA_FWD_TILE");
+    if (tile_env && sscanf(tile_env, "%d,%d", &tile.warps, &tile.stages) != 2)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_TILE must be \"warps,stages\", got \"%s\"",
+                           tile_env);
+    return dt == SPARGE_BF16 ? dispatch_tile<gpu_bf16>(ctx, p, n_items, (int)D, tile)
+                             : dispatch_tile<gpu_half>(ctx, p, n_items, (int)D, tile);
 }

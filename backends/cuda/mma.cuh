@@ -57,6 +57,14 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk)
     return (uint32_t)((row * ROW_CHUNKS + (chunk ^ (row & 7))) * 16);
 }
 
+/* The same offset split for unrolled ldmatrix loops over 16-wide k steps: the chunk
+ * pair (2·kk, 2·kk + 1) that a lane reads at k step kk sits at byte
+ *   swizzle<ROW_CHUNKS>(row, 2·kk + c) = row·ROW_CHUNKS·16 + (kk·32 ^ swizzle_lane_xor(row, c)),   c ∈ {0, 1},
+ * so a loop keeps one lane base address and one XOR per kk (row offsets by multiples of
+ * 8 rows do not change it) instead of one register per (row, chunk) pair. */
+__device__ __forceinline__ uint32_t swizzle_lane_xor(int row, int c) { return (uint32_t)(((c ^ row) & 7) * 16); }
+__device__ __forceinline__ uint32_t swizzle_kstep(int kk, uint32_t lane_xor) { return (uint32_t)(kk * 32) ^ lane_xor; }
+
 /* ldmatrix lane addressing, see the header comment. */
 __device__ __forceinline__ int lane_a_row(int lane) { return lane & 15; }
 __device__ __forceinline__ int lane_a_chunk(int lane) { return lane >> 4; }

@@ -1,0 +1,54 @@
+/* Per-architecture tile table of the tensor-core forward (forward.cu).
+ *
+ * Fixed for every entry: a CTA owns one query block of 128 rows (bq = 128) and
+ * walks the kept key blocks in compute tiles of 64 keys (a bk = 128 block is two
+ * tiles). Its warps split the 128 rows: 4 warps → 32 rows (two m16 tiles) each,
+ * 8 warps → 16 rows each. K and V tiles go through a ring of `stages` shared-memory
+ * buffers filled by cp.async; Q stays in shared memory (128 × D × 2 bytes).
+ * Shared memory per CTA = 128·D·2 + stages · 2 · 64·D·2 bytes:
+ *   D = 64:  16 KB + stages · 16 KB        D = 128: 32 KB + stages · 32 KB
+ *
+ * Why 4 warps × 32 rows is the default: every warp reads the whole K and V tile
+ * from shared memory per 64 keys, so two m16 tiles per warp halve that traffic
+ * against 8 warps × 16 rows (the ldmatrix bandwidth, not the tensor cores, limits
+ * the 8-warp layout on sm_80/sm_90). It costs registers: at D = 128 the O
+ * accumulator is 128 floats and S 64 floats per thread, hence Q is re-read from
+ * shared memory for each tile instead of living in registers.
+ *
+ * Only the (D, warps, stages) combinations listed here are compiled
+ * (forward.cu instantiates them); change both together. */
+#ifndef SPARGE_CUDA_TILES_H
+#define SPARGE_CUDA_TILES_H
+
+typedef struct {
+    int warps;  /* 4 (32 query rows per warp) or 8 (16 rows per warp) */
+    int stages; /* K/V shared-memory ring depth, ≥ 2 */
+} fwd_tile;
+
+/* The tile for a device of compute capability major.minor and head dim D (64 or 128). */
+static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
+{
+    (void)cc_minor;
+    if (cc_major >= 12) {
+        /* sm_120 (RTX 5090): about 100 KB of shared memory per CTA and per SM, 64 K registers.
+         * GUESSES — no sm_120 device was reachable, none of this was measured.
+         * D = 128: 4 warps × 2 stages (96 KB) would leave one 4-warp CTA per SM, too few warps
+         * to hide latency; 8 warps × 2 stages fits the same 96 KB with twice the warps, and
+         * 16 rows per warp keep Q in registers (ldmatrix traffic is the price).
+         * D = 64: 4 warps × 2 stages = 48 KB, two CTAs per SM. */
+        if (D == 128)
+            return (fwd_tile){8, 2};
+        return (fwd_tile){4, 2};
+    }
+    /* sm_80 (A100: 164 KB per SM) and sm_90 (H100/H200: 228 KB per SM), same mma.sync path.
+     * D = 128: 4 warps × 2 stages = 96 KB, two CTAs (8 warps) per SM on either chip — the
+     *   register file (≈ 230 registers × 128 threads per CTA) also allows two, not three.
+     *   FlashAttention-2 uses the same 128 × 64, 4-warp shape on these chips.
+     * D = 64: registers drop to ≈ 150, so depth is cheap: 3 stages = 64 KB, two CTAs per SM
+     *   on sm_80 and three on sm_90; the third stage hides L2 latency of scattered kept blocks. */
+    if (D == 128)
+        return (fwd_tile){4, 2};
+    return (fwd_tile){4, 3};
+}
+
+#endif
