@@ -1,0 +1,240 @@
+/* Helpers shared by the experiment drivers (experiments/README.md documents them):
+ * a seeded RNG, the three synthetic attention-input families, a safetensors
+ * reader/writer, a device session that runs sparge's masks and attention and
+ * measures errors against dense attention, calibration to equal sparsity, and
+ * small output helpers (CSV, Markdown, progress). Everything is built on the
+ * public API in src/sparge.h only. */
+#ifndef SPARGE_EXP_H
+#define SPARGE_EXP_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "sparge.h"
+
+/* ---------------------------------------------------------------- RNG */
+
+/* xoshiro256** seeded through splitmix64: the same seed gives the same
+ * stream on every platform. */
+typedef struct {
+    uint64_t s[4];
+} exp_rng;
+
+void exp_rng_seed(exp_rng *r, uint64_t seed);
+uint64_t exp_rng_next(exp_rng *r);
+double exp_rng_uniform(exp_rng *r); /* [0, 1) */
+double exp_rng_normal(exp_rng *r);  /* N(0, 1) */
+
+/* ---------------------------------------------------------------- inputs */
+
+typedef enum { EXP_UNIFORM = 0, EXP_SINK, EXP_VIDEO, EXP_FILE } exp_family;
+
+const char *exp_family_name(exp_family f);
+/* "uniform", "sink", "video" (or "file"); returns -1 if unknown. */
+int exp_family_parse(const char *name);
+
+/* Generator parameters. exp_gen_defaults() fills documented defaults for a
+ * family; every field may be overridden before exp_generate(). */
+typedef struct {
+    exp_family family;
+    int64_t B, H, N, D; /* self-attention: Nq = Nk = N; video sets N = T*Hg*Wg */
+    int block_q, block_k; /* the blocking the structure is aimed at (the mask's) */
+    uint64_t seed;
+
+    /* values: v = value_mean * m_h + value_block * (block/position component) + value_noise * eps */
+    double value_mean, value_block, value_noise;
+    double token_jitter; /* std of the per-token part of q and k (relative to the structured part) */
+
+    /* uniform: per query block, the pooled logits have std tau_i, log-uniform in [tau_min, tau_max] */
+    double tau_min, tau_max;
+
+    /* locality (sink base in 1-D, video in 3-D): logit = sharpness * exp(-|dp/len|^2 / 2) */
+    double sharpness;
+    double len_seq;                /* sink family: length scale in tokens */
+    int grid_t, grid_h, grid_w;    /* video grid, raster order (t, y, x) */
+    double len_t, len_s;           /* video: length scales in frames and in latent pixels */
+    double value_len;              /* length-scale multiplier of the value field */
+
+    /* Sink overlay: sink_blocks key blocks carry a share of a pooled row drawn
+     * uniformly in [sink_mass_min, sink_mass_max]; each query-block row gets
+     * the overlay with probability sink_rows (others keep their base map).
+     * sink family: every row, near no-op values (attention sinks).
+     * uniform family: a quarter of the rows focus on one informative "hub"
+     * block (values unscaled) — rows that differ in flatness from the rest. */
+    int sink_blocks;
+    double sink_mass_min, sink_mass_max;
+    double sink_rows;
+    double sink_value_scale; /* the sink tokens' values are scaled by this */
+} exp_gen_params;
+
+void exp_gen_defaults(exp_family f, exp_gen_params *p);
+
+/* Host Q, K, V: f32, contiguous [B, H, N, D]. */
+typedef struct {
+    int64_t B, H, N, D;
+    float *q, *k, *v;
+    char label[96];
+    /* with a sink overlay: requested sink share of each pooled row [B*H*Nqb],
+     * negative for rows left without the overlay (NULL without sinks) */
+    double *sink_share;
+    int sink_blocks;
+    int32_t *sink_index; /* [sink_blocks] key-block indices of the sinks */
+} exp_qkv;
+
+/* Returns 0 on success; on failure writes a message to stderr and returns -1. */
+int exp_generate(const exp_gen_params *p, exp_qkv *out);
+void exp_qkv_free(exp_qkv *x);
+
+/* Pooled map in double on the host, exactly as DESIGN.md §1 defines it:
+ * map [B,H,Nqb,Nkb], scale 0 -> 1/sqrt(D). Used by the generators and tests. */
+void exp_pooled_map_host(const exp_qkv *x, int block_q, int block_k, double scale, double *map);
+
+/* Summary of a pooled map's rows (over all B*H*Nqb rows). */
+typedef struct {
+    double entropy_mean, entropy_min, entropy_max; /* normalized: H(row) / log(Nkb), 1 = flat */
+    double flat_ratio_max;  /* max over rows of max_j P / min_j P */
+    double top1_mean;       /* mean of the largest entry */
+    double sink_err_max;    /* max |sink share − requested| (0 if the input has no sinks) */
+    double sink_share_mean; /* mean measured sink share (NaN without sinks) */
+    double locality;        /* video: mass-weighted mean block distance / unweighted mean (NaN otherwise) */
+} exp_map_summary;
+
+/* grid_t/h/w: the video grid (0 for 1-D inputs). */
+void exp_map_summarize(const exp_qkv *x, const double *map, int block_q, int block_k, int grid_t, int grid_h,
+                       int grid_w, exp_map_summary *out);
+
+/* ---------------------------------------------------------------- safetensors */
+
+typedef struct {
+    char name[128];
+    char dtype[8]; /* "F32", "F16", "BF16" */
+    int ndim;
+    int64_t shape[8];
+    uint64_t begin, end; /* byte offsets into the data section */
+} exp_st_tensor;
+
+typedef struct {
+    int count;
+    exp_st_tensor *tensors;
+    uint64_t data_start; /* file offset of the data section */
+    char path[512];
+} exp_st_file;
+
+/* Parse the header. Returns 0, or -1 with a message in err. */
+int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len);
+void exp_st_close(exp_st_file *f);
+const exp_st_tensor *exp_st_find(const exp_st_file *f, const char *name);
+/* Read a tensor converted to f32 (malloc'd). Returns NULL with a message in err. */
+float *exp_st_read_f32(const exp_st_file *f, const exp_st_tensor *t, char *err, size_t err_len);
+/* Write n tensors, each 4-D or less, stored as dtype (f32 data converted). */
+int exp_st_write(const char *path, int n, const char *const *names, const float *const *data, const int *ndims,
+                 const int64_t (*shapes)[8], sparge_dtype dtype, const char *metadata_json, char *err, size_t err_len);
+
+/* Load Q/K/V named names[0..2] from a safetensors file into x. Accepts 4-D
+ * [B,H,N,D] (bnhd = 0) or [B,N,H,D] (bnhd = 1), or 3-D [H,N,D]. */
+int exp_load_qkv(const char *path, const char *const names[3], int bnhd, exp_qkv *x);
+
+/* ---------------------------------------------------------------- session */
+
+/* One input on one device: Q/K/V uploaded in `dtype`, the dense output as the
+ * reference, the pooled map (from sparge_mask_predict) for re-selection, and
+ * a mask to fill. */
+typedef struct {
+    sparge_device *dev, *ref_dev;
+    const exp_qkv *x;
+    sparge_dtype dtype;
+    int block_q, block_k;
+    int64_t Nqb, Nkb, rows; /* rows = B*H*Nqb */
+    void *dq, *dk, *dv, *dout; /* device memory */
+    sparge_tensor tq, tk, tv, tout;
+    float *map_host;   /* pooled map [B,H,Nqb,Nkb] */
+    void *dmap;
+    sparge_tensor tmap;
+    sparge_mask *mask;
+    float *o_ref;      /* dense output, host f32 [B,H,N,D] */
+    float *o_sparse;   /* last sparse output, host f32 */
+    double ref_l1;     /* sum |o_ref| */
+} exp_session;
+
+/* ref_backend: NULL or "" -> dense on `backend` itself; otherwise a separate
+ * device (e.g. "cpu-ref") computes the dense reference in f32 inputs. */
+int exp_session_open(exp_session *s, const char *backend, const char *ref_backend, const exp_qkv *x,
+                     sparge_dtype dtype, int block_q, int block_k);
+void exp_session_close(exp_session *s);
+
+/* Fill s->mask by sparge_mask_select on the stored pooled map. Returns kept block pairs, -1 on error. */
+int64_t exp_select(exp_session *s, double k, double p);
+/* Run the sparse forward with s->mask into s->o_sparse. Returns 0 / -1. */
+int exp_sparse_forward(exp_session *s);
+
+typedef struct {
+    double k, p;
+    int64_t kept;
+    double sparsity, token_density, mean_row_mass;
+    double rel_l1, rel_l2;
+} exp_point;
+
+/* Select (k, p), run the forward, fill *pt. Returns 0 / -1. */
+int exp_measure(exp_session *s, double k, double p, exp_point *pt);
+
+/* Equal sparsity: find p (k fixed, may be 0) whose mask keeps the number of
+ * block pairs closest to target_kept (bisection on the achieved sparsity;
+ * ties prefer the smaller p). Returns the kept count, -1 on error. */
+int64_t exp_calibrate_p(exp_session *s, double k, int64_t target_kept, double *p_out);
+/* Top-k fraction whose count per row is n (so every row keeps exactly n blocks). */
+double exp_topk_for_count(int64_t n, int64_t Nkb);
+
+/* A masking rule: Top-k (p = 0), Top-p (k = 0) or hybrid. */
+typedef struct {
+    const char *name;
+    double k, p;
+} exp_rule;
+
+enum { EXP_TOPK, EXP_TOPP, EXP_HYBRID, EXP_RULES };
+/* The paper's ablation arms: Top-k k = 0.05, Top-p p = 0.4, hybrid k = 0.03, p = 0.2. */
+extern const exp_rule exp_paper_arms[EXP_RULES];
+/* The three rules at equal sparsity: Top-k keeps n = floor(topk·Nkb) blocks
+ * per row; Top-p's p and the hybrid's p (its k fixed at hybrid_k) are
+ * calibrated to the same kept count. Returns 0 / -1. */
+int exp_equal_sparsity_rules(exp_session *s, double topk, double hybrid_k, exp_rule out[EXP_RULES]);
+
+/* Per query-block row: kept blocks, kept pooled mass, rel. L1 of the row's output. */
+int exp_row_stats(exp_session *s, int32_t *counts, float *mass, double *row_err);
+
+/* ---------------------------------------------------------------- output */
+
+/* Common command-line options of all drivers. */
+typedef struct {
+    const char *backend;     /* --backend (default "cpu") */
+    const char *ref_backend; /* --ref (default: same backend) */
+    sparge_dtype dtype;      /* --dtype f32|f16|bf16 */
+    const char *csv, *md;    /* --csv PATH, --md PATH */
+    const char *input;       /* --input FILE.safetensors */
+    const char *names[3];    /* --names q,k,v */
+    int bnhd;                /* --layout bnhd */
+    int quiet;               /* --quiet */
+    int seeds;               /* --seeds N (repetitions with seed, seed+1, ...) */
+    exp_gen_params gen[3];   /* per family, defaults + overrides */
+} exp_opts;
+
+void exp_opts_init(exp_opts *o);
+/* Try to consume argv[*i] (and its value). Returns 1 if consumed, 0 if not
+ * a common option, -1 on a bad value (message printed). */
+int exp_opts_parse(exp_opts *o, int argc, char **argv, int *i);
+/* Help text of the common options. */
+void exp_opts_usage(FILE *out);
+
+/* Progress to stderr ("[table1] uniform seed 1: Top-p calibrated ..."), unless quiet. */
+void exp_progress(const exp_opts *o, const char *tag, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* fopen for writing, creating nothing on NULL path; prints an error on failure. */
+FILE *exp_open_out(const char *path);
+/* Seconds of wall clock (monotonic). */
+double exp_now(void);
+/* Prints "what: sparge message" and returns -1 when s != OK. */
+int exp_check(sparge_status s, const char *what);
+
+#endif

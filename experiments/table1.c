@@ -1,0 +1,193 @@
+/* exp_table1: the paper's Table 1 analogue — relative L1 error of the
+ * attention output for Top-k, Top-p and hybrid masks at EQUAL sparsity.
+ *
+ * Top-k keeps n = floor(k·Nkb) blocks in every row (k = --topk, default the
+ * paper's Top-k arm 0.05); Top-p's p and the hybrid's p (with the hybrid's k
+ * fixed at --hybrid-k, default the paper's 0.03) are calibrated by bisection
+ * so that their masks keep the same number of block pairs. Errors are against
+ * dense attention (mask NULL) on the same backend, or on --ref. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exp.h"
+
+enum { RULES = EXP_RULES };
+static const char *const rule_name[RULES] = {"Top-k", "Top-p", "hybrid"};
+
+/* The paper's Table 1 (relative L1 at equal sparsity). */
+static double paper_value(exp_family f, int rule)
+{
+    static const double uniform[RULES] = {0.4150, 0.3726, 0.3707}, skewed[RULES] = {0.1664, 0.2160, 0.1671};
+    return f == EXP_UNIFORM ? uniform[rule] : f == EXP_SINK ? skewed[rule] : NAN;
+}
+
+static void usage(void)
+{
+    fputs("usage: exp_table1 [--families uniform,sink,video] [--topk K] [--hybrid-k K] [options]\n", stderr);
+    exp_opts_usage(stderr);
+}
+
+typedef struct {
+    exp_point pt[RULES];
+} result;
+
+static int parse_families(const char *s, int *fam, int *n)
+{
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", s);
+    *n = 0;
+    for (char *tok = strtok(buf, ","); tok && *n < 4; tok = strtok(NULL, ",")) {
+        int f = exp_family_parse(tok);
+        if (f < 0 || f == EXP_FILE) {
+            fprintf(stderr, "unknown family '%s'\n", tok);
+            return -1;
+        }
+        fam[(*n)++] = f;
+    }
+    return *n ? 0 : -1;
+}
+
+static const char *ordering(const double *v, char *buf, size_t len)
+{
+    int idx[RULES] = {0, 1, 2};
+    for (int a = 0; a < RULES; a++)
+        for (int b = a + 1; b < RULES; b++)
+            if (v[idx[b]] < v[idx[a]]) {
+                int t = idx[a];
+                idx[a] = idx[b];
+                idx[b] = t;
+            }
+    snprintf(buf, len, "%s < %s < %s", rule_name[idx[0]], rule_name[idx[1]], rule_name[idx[2]]);
+    return buf;
+}
+
+int main(int argc, char **argv)
+{
+    exp_opts o;
+    exp_opts_init(&o);
+    int fam[4] = {EXP_UNIFORM, EXP_SINK}, nfam = 2;
+    double topk = 0.05, hybrid_k = 0.03;
+    for (int i = 1; i < argc; i++) {
+        int r = exp_opts_parse(&o, argc, argv, &i);
+        if (r < 0)
+            return 2;
+        if (r)
+            continue;
+        if (!strcmp(argv[i], "--families") && i + 1 < argc) {
+            if (parse_families(argv[++i], fam, &nfam))
+                return 2;
+        } else if (!strcmp(argv[i], "--topk") && i + 1 < argc)
+            topk = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--hybrid-k") && i + 1 < argc)
+            hybrid_k = atof(argv[++i]);
+        else {
+            usage();
+            return strcmp(argv[i], "--help") ? 2 : 0;
+        }
+    }
+    if (o.input) {
+        fam[0] = EXP_FILE;
+        nfam = 1;
+    }
+    FILE *csv = exp_open_out(o.csv), *md = o.md ? exp_open_out(o.md) : stdout;
+    if ((o.csv && !csv) || !md)
+        return 1;
+    if (csv)
+        fprintf(csv, "family,seed,rule,k,p,kept_blocks,sparsity,token_density,mean_row_mass,rel_l1,rel_l2,paper_rel_l1\n");
+    result *res = calloc((size_t)(nfam * o.seeds), sizeof *res);
+    char label[4][96];
+    double sparsity_target[4] = {0};
+    if (!res)
+        return 1;
+    for (int fi = 0; fi < nfam; fi++)
+        for (int si = 0; si < o.seeds; si++) {
+            exp_family f = (exp_family)fam[fi];
+            exp_qkv x;
+            exp_gen_params g = o.gen[f == EXP_FILE ? EXP_UNIFORM : f];
+            g.seed += (uint64_t)si;
+            double t0 = exp_now();
+            if (f == EXP_FILE ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(&g, &x))
+                return 1;
+            snprintf(label[fi], sizeof label[fi], "%s", x.label);
+            exp_session s;
+            if (exp_session_open(&s, o.backend, o.ref_backend, &x, o.dtype, g.block_q, g.block_k))
+                return 1;
+            exp_progress(&o, "table1", "%s seed %llu: dense reference on %s done (%.1fs)", x.label,
+                         (unsigned long long)g.seed, sparge_device_name(s.dev), exp_now() - t0);
+            result *r = &res[fi * o.seeds + si];
+            exp_rule rules[RULES];
+            if (exp_equal_sparsity_rules(&s, topk, hybrid_k, rules))
+                return 1;
+            for (int rule = 0; rule < RULES; rule++)
+                if (exp_measure(&s, rules[rule].k, rules[rule].p, &r->pt[rule]))
+                    return 1;
+            sparsity_target[fi] = r->pt[EXP_TOPK].sparsity;
+            for (int rule = 0; rule < RULES; rule++) {
+                const exp_point *pt = &r->pt[rule];
+                exp_progress(&o, "table1", "  %-6s k=%.4f p=%.4f sparsity %.4f rel.L1 %.4f", rule_name[rule], pt->k,
+                             pt->p, pt->sparsity, pt->rel_l1);
+                if (csv)
+                    fprintf(csv, "%s,%llu,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.4f\n", exp_family_name(f),
+                            (unsigned long long)g.seed, rule_name[rule], pt->k, pt->p, (long long)pt->kept,
+                            pt->sparsity, pt->token_density, pt->mean_row_mass, pt->rel_l1, pt->rel_l2,
+                            paper_value(f, rule));
+            }
+            exp_session_close(&s);
+            exp_qkv_free(&x);
+        }
+    fprintf(md, "| input | rule | k | p | sparsity | kept pooled mass | rel. L1 (ours) | rel. L2 (ours) | rel. L1 (paper) |\n"
+                "|---|---|---|---|---|---|---|---|---|\n");
+    for (int fi = 0; fi < nfam; fi++)
+        for (int rule = 0; rule < RULES; rule++) {
+            double l1 = 0.0, l2 = 0.0, lo = INFINITY, hi = -INFINITY, sp = 0.0, mass = 0.0, k = 0.0, p = 0.0;
+            for (int si = 0; si < o.seeds; si++) {
+                const exp_point *pt = &res[fi * o.seeds + si].pt[rule];
+                l1 += pt->rel_l1 / o.seeds;
+                l2 += pt->rel_l2 / o.seeds;
+                sp += pt->sparsity / o.seeds;
+                mass += pt->mean_row_mass / o.seeds;
+                k += pt->k / o.seeds;
+                p += pt->p / o.seeds;
+                lo = pt->rel_l1 < lo ? pt->rel_l1 : lo;
+                hi = pt->rel_l1 > hi ? pt->rel_l1 : hi;
+            }
+            double paper = paper_value((exp_family)fam[fi], rule);
+            char pbuf[16] = "—", spread[48] = "";
+            if (!isnan(paper))
+                snprintf(pbuf, sizeof pbuf, "%.4f", paper);
+            if (o.seeds > 1)
+                snprintf(spread, sizeof spread, " (%.4f–%.4f)", lo, hi);
+            fprintf(md, "| %s | %s | %.4f | %.4f | %.2f %% | %.3f | %.4f%s | %.4f | %s |\n", label[fi], rule_name[rule],
+                    k, p, 100.0 * sp, mass, l1, spread, l2, pbuf);
+        }
+    fprintf(md, "\nOrderings by mean rel. L1 (lower is better):\n\n");
+    for (int fi = 0; fi < nfam; fi++) {
+        double ours[RULES] = {0}, paper[RULES];
+        int wins[RULES] = {0};
+        for (int rule = 0; rule < RULES; rule++) {
+            for (int si = 0; si < o.seeds; si++)
+                ours[rule] += res[fi * o.seeds + si].pt[rule].rel_l1 / o.seeds;
+            paper[rule] = paper_value((exp_family)fam[fi], rule);
+        }
+        for (int si = 0; si < o.seeds; si++) {
+            const result *r = &res[fi * o.seeds + si];
+            int best = 0;
+            for (int rule = 1; rule < RULES; rule++)
+                best = r->pt[rule].rel_l1 < r->pt[best].rel_l1 ? rule : best;
+            wins[best]++;
+        }
+        char a[64], b[64];
+        fprintf(md, "- %s at %.2f %% sparsity: ours %s", label[fi], 100.0 * sparsity_target[fi],
+                ordering(ours, a, sizeof a));
+        if (!isnan(paper[0]))
+            fprintf(md, "; paper %s", ordering(paper, b, sizeof b));
+        fprintf(md, " (best per seed: Top-k %d, Top-p %d, hybrid %d of %d)\n", wins[0], wins[1], wins[2], o.seeds);
+    }
+    if (csv)
+        fclose(csv);
+    if (md != stdout)
+        fclose(md);
+    free(res);
+    return 0;
+}
