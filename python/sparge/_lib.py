@@ -118,6 +118,8 @@ def _load():
     tried = []
     for path, how in _candidates():
         if os.sep in path and not os.path.exists(path):
+            if how == "SPARGE_LIBRARY":
+                tried.append(f"{path} ({how}): no such file")
             continue
         try:
             return ctypes.CDLL(path), path
