@@ -1,9 +1,638 @@
-/* Block-sparse attention backward on tensor cores (mma.sync): work in progress. */
+/* Block-sparse attention backward on tensor cores (mma.sync m16n8k16, ldmatrix, cp.async).
+ *
+ * FlashAttention-2 backward restricted to the kept blocks (DESIGN.md §1), in three launches:
+ *   1. prep:  D_t = rowsum(dO∘O) and LSE·log2(e) per query token into padded fp32 arrays (and, for the
+ *             atomic dQ variant, zeroes the fp32 dQ accumulator);
+ *   2. dK/dV: one CTA per key block (b,h,j) iterating over the query blocks that keep j (the transposed
+ *             mask), recomputing Pᵀ = exp(s·K Qᵀ − LSE) with keys as rows so that Pᵀ and dSᵀ go from the
+ *             accumulators straight into the A operand of dV += Pᵀ dO and dK += dSᵀ Q;
+ *   3. dQ:    either fp32 atomics from the dK/dV pass (dQ += dS K per tile, then one conversion kernel), or
+ *             a separate pass with one CTA per query block over its CSR row (no atomics: bitwise
+ *             reproducible, used when deterministic is set).
+ * SPARGE_CUDA_DQ=atomic|pass overrides the variant used when deterministic is 0 (for benchmarks).
+ *
+ * Tile shapes (all architectures, sm_80/90/120; 256 threads, one CTA per SM):
+ *   dK/dV: BN = bk keys per CTA; 8 warps as (BN/16 along keys) × (8·16/BN along queries), each warp owns
+ *          16 keys × 64 queries, so a step covers BM = 64·(8·16/BN) query rows (64 for bk = 128, 128 for
+ *          bk = 64). Per warp: Sᵀ and dPᵀ 16×64 (32 fp32 registers each), dK and dV 16×D (D/2 each).
+ *   dQ pass: 8 warps × 16 query rows = one query block of 128; keys in steps of 64 (S, dP 16×64, dQ 16×D).
+ * Shared-memory tiles are rows of 16-byte chunks with chunk' = chunk ^ (row mod 8), so the 8 row
+ * addresses of every ldmatrix and cp.async phase fall into distinct banks. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "gpu.h"
+#include "mma.cuh"
+
+namespace {
+
+using namespace sparge_mma;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlockQ = 128; /* query block of the mask (bq) */
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct bwd_params {
+    const void *q, *k, *v, *o, *d_o;
+    void *dq, *dk, *dv;
+    int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn;
+    int64_t dq_sb, dq_sh, dq_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn;
+    int H, Nq, Nk;
+    int Nqb, Nkb;      /* blocks of the kernel's tiling (the mask's when a mask is given) */
+    int Nq_pad;        /* Nqb · 128: row stride of the padded per-token arrays */
+    float scale, scale_log2;
+    const float *lse;  /* [B·H·Nq], natural log (input) */
+    float *lse2;       /* [B·H·Nq_pad], LSE·log2(e), +inf past Nq */
+    float *dt;         /* [B·H·Nq_pad], rowsum(dO∘O), 0 past Nq */
+    float *dq_accum;   /* [B·H·Nq_pad·D] fp32, or NULL: no atomic dQ */
+    const int32_t *counts, *indices;     /* CSR rows (row stride Nkb), NULL: dense */
+    const int32_t *t_counts, *t_indices; /* transposed (row stride Nqb), NULL: dense */
+};
+
+/* Copy `rows` rows of D elements starting at global row row0 (rows ≥ n are zero-filled) into the swizzled
+ * tile at shared address `tile`, spread over the CTA's threads. */
+template <typename T, int D, int rows>
+__device__ __forceinline__ void load_rows(uint32_t tile, const T *base, int64_t sn, int row0, int n)
+{
+    constexpr int chunks = D / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < rows * chunks; c += kThreads) {
+        int r = c / chunks, ch = c % chunks, gr = row0 + r;
+        bool ok = gr < n;
+        cp_async_16(tile + swizzle<chunks>(r, ch), base + (int64_t)(ok ? gr : 0) * sn + ch * 8, ok);
+    }
+}
+
+/* Store a swizzled [rows][D] tile of T to global rows row0.. (rows ≥ n skipped), 16 bytes per access. */
+template <typename T, int D, int rows>
+__device__ __forceinline__ void store_rows(T *base, int64_t sn, int row0, int n, const T *tile)
+{
+    constexpr int chunks = D / 8;
+#pragma unroll
+    for (int c = threadIdx.x; c < rows * chunks; c += kThreads) {
+        int r = c / chunks, ch = c % chunks, gr = row0 + r;
+        if (gr < n)
+            *(uint4 *)(base + (int64_t)gr * sn + ch * 8) =
+                *(const uint4 *)((const char *)tile + swizzle<chunks>(r, ch));
+    }
+}
+
+/* Write an accumulator pair (row, col..col+1) as T into a swizzled tile with rows of `cols` elements. */
+template <typename T, int cols>
+__device__ __forceinline__ void put2(T *tile, int row, int col, float x, float y)
+{
+    *(uint32_t *)((char *)tile + swizzle<cols / 8>(row, col >> 3) + (col & 7) * sizeof(T)) = pack2<T>(x, y);
+}
+
+/* acc[16 × 64] = A[16 rows from a_row0] · B[64 rows from b_row0]ᵀ, contraction over D: both are swizzled
+ * [rows][D] tiles at shared addresses a and b (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, S = Q Kᵀ, dP = dO Vᵀ). */
+template <typename T, int D>
+__device__ __forceinline__ void gemm_nt_16x64(float (&acc)[8][4], uint32_t a, int a_row0, uint32_t b, int b_row0,
+                                              int lane)
+{
+    constexpr int row_bytes = D * 2;
+    const uint32_t a_base = a + (a_row0 + lane_a_row(lane)) * row_bytes,
+                   a_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
+    const uint32_t b_base = b + (b_row0 + lane_bt_row(lane)) * row_bytes,
+                   b_xor = swizzle_lane_xor(lane_bt_row(lane), lane_bt_chunk(lane));
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            acc[nt][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t af[4];
+        ldmatrix_x4(af, a_base + swizzle_kstep(kk, a_xor));
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            uint32_t bf[4];
+            ldmatrix_x4(bf, b_base + np * 16 * row_bytes + swizzle_kstep(kk, b_xor));
+            mma_16816<T>(acc[2 * np], af, bf);
+            mma_16816<T>(acc[2 * np + 1], af, bf + 2);
+        }
+    }
+}
+
+/* acc[16 × D] += X[16 × 64] · B[64 rows from b_row0][D]: X comes from 16×64 accumulator registers (rounded
+ * to T), B is a swizzled [rows][D] tile read transposed (dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K). */
+template <typename T, int D>
+__device__ __forceinline__ void gemm_rn_16x64(float (&acc)[D / 8][4], const float (&x)[8][4], uint32_t b, int b_row0,
+                                              int lane)
+{
+    constexpr int row_bytes = D * 2;
+    const uint32_t b_base = b + (b_row0 + lane_a_row(lane)) * row_bytes,
+                   b_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        uint32_t af[4];
+        c_pair_to_a<T>(af, x[2 * kk], x[2 * kk + 1]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; dp++) {
+            uint32_t bf[4];
+            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + swizzle_kstep(dp, b_xor));
+            mma_16816<T>(acc[2 * dp], af, bf);
+            mma_16816<T>(acc[2 * dp + 1], af, bf + 2);
+        }
+    }
+}
+
+/* fp32 atomic add of two adjacent elements (one vector reduction where the ISA has it). */
+__device__ __forceinline__ void red_add2(float *p, float x, float y)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------ prep */
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) bwd_prep_kernel(bwd_params p, int64_t rows)
+{
+    constexpr int group = D / 8; /* threads per token, 8 elements (16 bytes) each */
+    int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
+    int part = threadIdx.x % group;
+    int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad);
+    bool real = row < rows && t < p.Nq;
+    float sum = 0.0f;
+    if (real) {
+        int b = bh / p.H, h = bh % p.H;
+        const T *o = (const T *)p.o + b * p.o_sb + h * p.o_sh + t * p.o_sn + part * 8;
+        const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh + t * p.do_sn + part * 8;
+        uint4 ov = *(const uint4 *)o, dv = *(const uint4 *)d_o;
+        const T *oe = (const T *)&ov, *de = (const T *)&dv;
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            sum += to_f32(oe[e]) * to_f32(de[e]);
+    }
+#pragma unroll
+    for (int m = group / 2; m > 0; m /= 2)
+        sum += sparge_shfl_xor(sum, m);
+    if (row >= rows)
+        return;
+    if (part == 0) {
+        p.dt[row] = sum;
+        p.lse2[row] = real ? p.lse[(int64_t)bh * p.Nq + t] * kLog2e : INFINITY;
+    }
+    if (p.dq_accum) {
+        float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float4 *acc = (float4 *)(p.dq_accum + row * D + part * 8);
+        acc[0] = zero;
+        acc[1] = zero;
+    }
+}
+
+/* dq = scale · dq_accum in the output dtype, 16 bytes per thread. */
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) bwd_dq_convert_kernel(bwd_params p, int64_t rows)
+{
+    constexpr int group = D / 8;
+    int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
+    int part = threadIdx.x % group;
+    int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad);
+    if (row >= rows || t >= p.Nq)
+        return;
+    const float4 *acc = (const float4 *)(p.dq_accum + row * D + part * 8);
+    float4 x = acc[0], y = acc[1];
+    uint4 out = {pack2<T>(x.x * p.scale, x.y * p.scale), pack2<T>(x.z * p.scale, x.w * p.scale),
+                 pack2<T>(y.x * p.scale, y.y * p.scale), pack2<T>(y.z * p.scale, y.w * p.scale)};
+    int b = bh / p.H, h = bh % p.H;
+    *(uint4 *)((T *)p.dq + b * p.dq_sb + h * p.dq_sh + t * p.dq_sn + part * 8) = out;
+}
+
+/* ------------------------------------------------------------------------------------------ dK/dV */
+
+template <typename T, int D, int BN> struct dkdv_tile {
+    static constexpr int WN = BN / 16;       /* warps along keys */
+    static constexpr int WM = kWarps / WN;   /* warps along queries */
+    static constexpr int BM = 64 * WM;       /* query rows per step */
+    static constexpr int SUB = kBlockQ / BM; /* steps per query block */
+    static constexpr int DQ_WM = BM / 32, DQ_WN = kWarps / DQ_WM, DQ_COLS = D / DQ_WN; /* dQ = dS K tiling */
+    static constexpr size_t smem = sizeof(T) * (2 * BN * D + 4 * BM * D + BN * BM) + sizeof(float) * 4 * BM;
+    static_assert(BN == 64 || BN == 128, "key block");
+    static_assert(DQ_COLS % 16 == 0, "dQ warp tile");
+    static_assert(WM == 1 || (size_t)WN * (D / 2) * 32 * 2 * sizeof(float) <= 4 * BM * D * sizeof(T),
+                  "the cross-warp dK/dV reduction reuses the Q/dO buffers");
+};
+
+template <typename T, int D, int BN>
+__global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
+{
+    using tile = dkdv_tile<T, D, BN>;
+    constexpr int BM = tile::BM, SUB = tile::SUB, row_bytes = D * 2;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *sK = (T *)smem_raw, *sV = sK + BN * D, *sQ = sV + BN * D, *sdO = sQ + 2 * BM * D, *sdS = sdO + 2 * BM * D;
+    float *sLse = (float *)(sdS + BN * BM), *sDt = sLse + 2 * BM;
+    const uint32_t aK = smem_addr(sK), aV = smem_addr(sV), aQ = smem_addr(sQ), adO = smem_addr(sdO),
+                   adS = smem_addr(sdS);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kw = warp % tile::WN, qw = warp / tile::WN;
+    const int kr0 = 16 * kw, qc0 = 64 * qw; /* the warp's keys and queries inside the tile */
+    const int g = frag_row(lane), c2 = frag_col(lane);
+
+    const int bh = blockIdx.x / p.Nkb, j = blockIdx.x % p.Nkb, b = bh / p.H, h = bh % p.H;
+    const int key0 = j * BN;
+    const int32_t *list = p.t_counts ? p.t_indices + (int64_t)blockIdx.x * p.Nqb : nullptr;
+    const int nsteps = (list ? p.t_counts[blockIdx.x] : p.Nqb) * SUB;
+
+    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
+    const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh;
+    const float *lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, *dt = p.dt + (int64_t)bh * p.Nq_pad;
+
+    auto step_row0 = [&](int n) { return (list ? list[n / SUB] : n / SUB) * kBlockQ + (n % SUB) * BM; };
+    auto issue = [&](int n, int buf) {
+        int q0 = step_row0(n);
+        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, q, p.q_sn, q0, p.Nq);
+        load_rows<T, D, BM>(adO + buf * BM * row_bytes, d_o, p.do_sn, q0, p.Nq);
+        int t = threadIdx.x;
+        if (t < BM / 4)
+            cp_async_16(smem_addr(sLse + buf * BM + 4 * t), lse2 + q0 + 4 * t, true);
+        else if (t < BM / 2)
+            cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), dt + q0 + 4 * (t - BM / 4), true);
+    };
+
+    if (nsteps > 0) {
+        load_rows<T, D, BN>(aK, (const T *)p.k + b * p.k_sb + h * p.k_sh, p.k_sn, key0, p.Nk);
+        load_rows<T, D, BN>(aV, (const T *)p.v + b * p.v_sb + h * p.v_sh, p.v_sn, key0, p.Nk);
+        issue(0, 0);
+    }
+    cp_async_commit();
+
+    /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
+    const bool key_ok0 = key0 + kr0 + g < p.Nk, key_ok1 = key0 + kr0 + g + 8 < p.Nk;
+    float dv[D / 8][4], dk[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            dv[nt][e] = dk[nt][e] = 0.0f;
+
+    for (int n = 0; n < nsteps; n++) {
+        const int buf = n & 1;
+        if (n + 1 < nsteps) {
+            issue(n + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint32_t tq = aQ + buf * BM * row_bytes, tdo = adO + buf * BM * row_bytes;
+        const float *tl = sLse + buf * BM, *td = sDt + buf * BM;
+
+        /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e), keys as rows, queries as columns. */
+        float s[8][4];
+        gemm_nt_16x64<T, D>(s, aK, kr0, tq, qc0, lane);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            float2 l = *(const float2 *)(tl + qc0 + nt * 8 + c2);
+            s[nt][0] = key_ok0 ? exp2f(fmaf(s[nt][0], p.scale_log2, -l.x)) : 0.0f;
+            s[nt][1] = key_ok0 ? exp2f(fmaf(s[nt][1], p.scale_log2, -l.y)) : 0.0f;
+            s[nt][2] = key_ok1 ? exp2f(fmaf(s[nt][2], p.scale_log2, -l.x)) : 0.0f;
+            s[nt][3] = key_ok1 ? exp2f(fmaf(s[nt][3], p.scale_log2, -l.y)) : 0.0f;
+        }
+        gemm_rn_16x64<T, D>(dv, s, tdo, qc0, lane);
+
+        /* dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ. */
+        float ds[8][4];
+        gemm_nt_16x64<T, D>(ds, aV, kr0, tdo, qc0, lane);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            float2 d = *(const float2 *)(td + qc0 + nt * 8 + c2);
+            ds[nt][0] = s[nt][0] * (ds[nt][0] - d.x);
+            ds[nt][1] = s[nt][1] * (ds[nt][1] - d.y);
+            ds[nt][2] = s[nt][2] * (ds[nt][2] - d.x);
+            ds[nt][3] = s[nt][3] * (ds[nt][3] - d.y);
+        }
+        gemm_rn_16x64<T, D>(dk, ds, tq, qc0, lane);
+
+        if (p.dq_accum) {
+            /* dQ[BM × D] += dS K, through dSᵀ in shared memory, accumulated with fp32 reductions. */
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                put2<T, BM>(sdS, kr0 + g, qc0 + nt * 8 + c2, ds[nt][0], ds[nt][1]);
+                put2<T, BM>(sdS, kr0 + g + 8, qc0 + nt * 8 + c2, ds[nt][2], ds[nt][3]);
+            }
+            __syncthreads();
+            constexpr int NT = tile::DQ_COLS / 8;
+            const int m0 = (warp / tile::DQ_WN) * 32, d0 = (warp % tile::DQ_WN) * tile::DQ_COLS;
+            /* A = dS [query][key] is dSᵀ [key][query] read transposed: the Bᵀ lane addressing of mma.cuh. */
+            const uint32_t a_base = adS + lane_bt_row(lane) * BM * 2,
+                           a_xor = swizzle_lane_xor(lane_bt_row(lane), lane_bt_chunk(lane));
+            const uint32_t b_base = aK + lane_a_row(lane) * row_bytes,
+                           b_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
+            float acc[2][NT][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        acc[mt][nt][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+                uint32_t af[2][4];
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+                    ldmatrix_x4_trans(af[mt], a_base + kk * 16 * BM * 2 + swizzle_kstep(m0 / 16 + mt, a_xor));
+#pragma unroll
+                for (int np = 0; np < NT / 2; np++) {
+                    uint32_t bf[4];
+                    ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + swizzle_kstep(d0 / 16 + np, b_xor));
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        mma_16816<T>(acc[mt][2 * np], af[mt], bf);
+                        mma_16816<T>(acc[mt][2 * np + 1], af[mt], bf + 2);
+                    }
+                }
+            }
+            float *dst = p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n) + m0) * D + d0;
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    float *e = dst + (mt * 16 + g) * D + nt * 8 + c2;
+                    red_add2(e, acc[mt][nt][0], acc[mt][nt][1]);
+                    red_add2(e + 8 * D, acc[mt][nt][2], acc[mt][nt][3]);
+                }
+        }
+        __syncthreads(); /* the next step's loads overwrite this step's buffers */
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    /* Epilogue: with two query warp rows, sum their partial dK/dV (through the free Q/dO buffers). */
+    if constexpr (tile::WM > 1) {
+        float *red = (float *)sQ;
+        constexpr int NR = D / 2; /* registers per tensor per thread */
+        if (qw == 1)
+#pragma unroll
+            for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    red[((kw * NR + nt * 4 + e) * 2 + 0) * 32 + lane] = dv[nt][e];
+                    red[((kw * NR + nt * 4 + e) * 2 + 1) * 32 + lane] = dk[nt][e];
+                }
+        __syncthreads();
+        if (qw == 0)
+#pragma unroll
+            for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    dv[nt][e] += red[((kw * NR + nt * 4 + e) * 2 + 0) * 32 + lane];
+                    dk[nt][e] += red[((kw * NR + nt * 4 + e) * 2 + 1) * 32 + lane];
+                }
+    }
+    if (qw == 0)
+#pragma unroll
+        for (int nt = 0; nt < D / 8; nt++) {
+            int col = nt * 8 + c2;
+            put2<T, D>(sV, kr0 + g, col, dv[nt][0], dv[nt][1]);
+            put2<T, D>(sV, kr0 + g + 8, col, dv[nt][2], dv[nt][3]);
+            put2<T, D>(sK, kr0 + g, col, dk[nt][0] * p.scale, dk[nt][1] * p.scale);
+            put2<T, D>(sK, kr0 + g + 8, col, dk[nt][2] * p.scale, dk[nt][3] * p.scale);
+        }
+    __syncthreads();
+    store_rows<T, D, BN>((T *)p.dv + b * p.dv_sb + h * p.dv_sh, p.dv_sn, key0, p.Nk, sV);
+    store_rows<T, D, BN>((T *)p.dk + b * p.dk_sb + h * p.dk_sh, p.dk_sn, key0, p.Nk, sK);
+}
+
+/* ------------------------------------------------------------------------------------------ dQ pass */
+
+template <typename T, int D> struct dq_tile {
+    static constexpr int KT = 64; /* keys per step */
+    static constexpr size_t smem = sizeof(T) * (2 * kBlockQ * D + 4 * KT * D);
+};
+
+template <typename T, int D, int BN>
+__global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
+{
+    constexpr int KT = dq_tile<T, D>::KT, SUB = BN / KT, row_bytes = D * 2;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *sQ = (T *)smem_raw, *sdO = sQ + kBlockQ * D, *sK = sdO + kBlockQ * D, *sV = sK + 2 * KT * D;
+    const uint32_t aQ = smem_addr(sQ), adO = smem_addr(sdO), aK = smem_addr(sK), aV = smem_addr(sV);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r0 = 16 * warp, g = frag_row(lane), c2 = frag_col(lane);
+    const int bh = blockIdx.x / p.Nqb, i = blockIdx.x % p.Nqb, b = bh / p.H, h = bh % p.H;
+    const int q0 = i * kBlockQ;
+    const int32_t *list = p.counts ? p.indices + (int64_t)blockIdx.x * p.Nkb : nullptr;
+    const int nsteps = (list ? p.counts[blockIdx.x] : p.Nkb) * SUB;
+
+    const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh, *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+    auto step_key0 = [&](int n) { return (list ? list[n / SUB] : n / SUB) * BN + (n % SUB) * KT; };
+    auto issue = [&](int n, int buf) {
+        int k0 = step_key0(n);
+        load_rows<T, D, KT>(aK + buf * KT * row_bytes, k, p.k_sn, k0, p.Nk);
+        load_rows<T, D, KT>(aV + buf * KT * row_bytes, v, p.v_sn, k0, p.Nk);
+    };
+
+    load_rows<T, D, kBlockQ>(aQ, (const T *)p.q + b * p.q_sb + h * p.q_sh, p.q_sn, q0, p.Nq);
+    load_rows<T, D, kBlockQ>(adO, (const T *)p.d_o + b * p.do_sb + h * p.do_sh, p.do_sn, q0, p.Nq);
+    if (nsteps > 0)
+        issue(0, 0);
+    cp_async_commit();
+
+    const int64_t row = (int64_t)bh * p.Nq_pad + q0 + r0 + g;
+    const float lse_0 = p.lse2[row], lse_1 = p.lse2[row + 8], dt_0 = p.dt[row], dt_1 = p.dt[row + 8];
+    float dq[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            dq[nt][e] = 0.0f;
+
+    for (int n = 0; n < nsteps; n++) {
+        const int buf = n & 1;
+        if (n + 1 < nsteps) {
+            issue(n + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint32_t tk = aK + buf * KT * row_bytes, tv = aV + buf * KT * row_bytes;
+        const int k0 = step_key0(n);
+
+        float s[8][4];
+        gemm_nt_16x64<T, D>(s, aQ, r0, tk, 0, lane);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            /* Keys past Nk (ragged last block) get P = 0. */
+            bool ok0 = k0 + nt * 8 + c2 < p.Nk, ok1 = k0 + nt * 8 + c2 + 1 < p.Nk;
+            s[nt][0] = ok0 ? exp2f(fmaf(s[nt][0], p.scale_log2, -lse_0)) : 0.0f;
+            s[nt][1] = ok1 ? exp2f(fmaf(s[nt][1], p.scale_log2, -lse_0)) : 0.0f;
+            s[nt][2] = ok0 ? exp2f(fmaf(s[nt][2], p.scale_log2, -lse_1)) : 0.0f;
+            s[nt][3] = ok1 ? exp2f(fmaf(s[nt][3], p.scale_log2, -lse_1)) : 0.0f;
+        }
+        float ds[8][4];
+        gemm_nt_16x64<T, D>(ds, adO, r0, tv, 0, lane);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            ds[nt][0] = s[nt][0] * (ds[nt][0] - dt_0);
+            ds[nt][1] = s[nt][1] * (ds[nt][1] - dt_0);
+            ds[nt][2] = s[nt][2] * (ds[nt][2] - dt_1);
+            ds[nt][3] = s[nt][3] * (ds[nt][3] - dt_1);
+        }
+        gemm_rn_16x64<T, D>(dq, ds, tk, 0, lane);
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++) {
+        put2<T, D>(sQ, r0 + g, nt * 8 + c2, dq[nt][0] * p.scale, dq[nt][1] * p.scale);
+        put2<T, D>(sQ, r0 + g + 8, nt * 8 + c2, dq[nt][2] * p.scale, dq[nt][3] * p.scale);
+    }
+    __syncthreads();
+    store_rows<T, D, kBlockQ>((T *)p.dq + b * p.dq_sb + h * p.dq_sh, p.dq_sn, q0, p.Nq, sQ);
+}
+
+/* ------------------------------------------------------------------------------------------ host */
+
+template <typename K>
+sparge_status launch(gpu_ctx *ctx, K kernel, unsigned grid, size_t smem, const bwd_params &p, const char *what)
+{
+    if (smem > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: %s needs %zu bytes of shared memory, the device allows %zu",
+                           what, smem, ctx->smem_optin);
+    sparge_status s;
+    if (smem > 48 * 1024 && (s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem))))
+        return s;
+    if (grid == 0)
+        return SPARGE_OK;
+    kernel<<<grid, kThreads, smem, ctx->stream>>>(p);
+    return GPU_CHECK_LAUNCH(what);
+}
+
+template <typename K>
+sparge_status launch_rows(gpu_ctx *ctx, K kernel, int64_t rows, int D, const bwd_params &p, const char *what)
+{
+    int64_t per_block = kThreads / (D / 8);
+    unsigned grid = (unsigned)((rows + per_block - 1) / per_block);
+    if (grid == 0)
+        return SPARGE_OK;
+    kernel<<<grid, kThreads, 0, ctx->stream>>>(p, rows);
+    return GPU_CHECK_LAUNCH(what);
+}
+
+template <typename T, int D>
+sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq)
+{
+    sparge_status s;
+    const int64_t rows = BH * p.Nq_pad;
+    if ((s = launch_rows(ctx, bwd_prep_kernel<T, D>, rows, D, p, "backward prep kernel")))
+        return s;
+    /* The dK/dV pass tiles keys by bk; the dense path uses 128-key tiles (fewer atomics per FLOP). */
+    bwd_params pk = p;
+    if (!p.t_counts)
+        pk.Nkb = (p.Nk + bk - 1) / bk;
+    if (!atomic_dq)
+        pk.dq_accum = nullptr;
+    unsigned grid_kv = (unsigned)(BH * pk.Nkb);
+    s = bk == 64 ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
+                 : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk,
+                          "backward dK/dV kernel");
+    if (s)
+        return s;
+    if (atomic_dq)
+        return launch_rows(ctx, bwd_dq_convert_kernel<T, D>, rows, D, p, "backward dQ conversion kernel");
+    /* Dense dQ pass: 64-key blocks, so a ragged Nk wastes at most one partial step. */
+    bwd_params pq = p;
+    int bkq = p.counts ? bk : 64;
+    if (!p.counts)
+        pq.Nkb = (p.Nk + 63) / 64;
+    unsigned grid_q = (unsigned)(BH * pq.Nqb);
+    return bkq == 64 ? launch(ctx, bwd_dq_kernel<T, D, 64>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel")
+                     : launch(ctx, bwd_dq_kernel<T, D, 128>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel");
+}
+
+const char *const kView[8] = {"q", "k", "v", "o", "d_o", "dq", "dk", "dv"};
+
+sparge_status check_view(const sparge_view *x, const char *name)
+{
+    const char *hint = "use the \"cuda-generic\" backend";
+    if (x->sd != 1)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: %s needs unit stride along D (got %lld); %s", name,
+                           (long long)x->sd, hint);
+    if ((uintptr_t)x->data % 16 || x->sb % 8 || x->sh % 8 || x->sn % 8)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
+                           "cuda backward: %s rows must be 16-byte aligned (data %% 16 == 0, strides B/H/N %% 8 == 0 "
+                           "elements; got %lld/%lld/%lld); %s",
+                           name, (long long)x->sb, (long long)x->sh, (long long)x->sn, hint);
+    return SPARGE_OK;
+}
+
+} // namespace
 
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
 {
-    (void)ctx;
-    (void)a;
-    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: tensor-core backward not built yet; use \"cuda-generic\"");
+    const char *hint = "use the \"cuda-generic\" backend";
+    const int64_t D = a->q.D, BH = a->q.B * a->q.H, Nq = a->q.N, Nk = a->k.N;
+    if (a->q.dtype != SPARGE_BF16 && a->q.dtype != SPARGE_F16)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: tensor cores need f16 or bf16 (got %s); %s",
+                           sparge_dtype_name(a->q.dtype), hint);
+    if (D != 64 && D != 128)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: head dim D must be 64 or 128 (got %lld); %s",
+                           (long long)D, hint);
+    if (a->mask && (a->bq != kBlockQ || (a->bk != 64 && a->bk != 128)))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: mask blocks must be bq = 128, bk = 64 or 128 (got %d×%d); %s",
+                           a->bq, a->bk, hint);
+    if (Nq > INT32_MAX - kBlockQ || Nk > INT32_MAX - 128 || BH * ((Nq + kBlockQ - 1) / kBlockQ) > INT32_MAX ||
+        BH * ((Nk + 63) / 64) > INT32_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: more than 2^31 tokens or blocks; %s", hint);
+    const sparge_view *views[8] = {&a->q, &a->k, &a->v, &a->o, &a->d_o, &a->dq, &a->dk, &a->dv};
+    sparge_status s;
+    for (int i = 0; i < 8; i++)
+        if ((s = check_view(views[i], kView[i])))
+            return s;
+
+    /* Variant of dQ: the separate pass is deterministic; atomics are the default otherwise. */
+    int atomic_dq = !a->deterministic;
+    const char *env = getenv("SPARGE_CUDA_DQ");
+    if (atomic_dq && env && !strcmp(env, "pass"))
+        atomic_dq = 0;
+
+    bwd_params p;
+    memset(&p, 0, sizeof p);
+    p.q = a->q.data, p.k = a->k.data, p.v = a->v.data, p.o = a->o.data, p.d_o = a->d_o.data;
+    p.dq = a->dq.data, p.dk = a->dk.data, p.dv = a->dv.data;
+    p.q_sb = a->q.sb, p.q_sh = a->q.sh, p.q_sn = a->q.sn, p.k_sb = a->k.sb, p.k_sh = a->k.sh, p.k_sn = a->k.sn;
+    p.v_sb = a->v.sb, p.v_sh = a->v.sh, p.v_sn = a->v.sn, p.o_sb = a->o.sb, p.o_sh = a->o.sh, p.o_sn = a->o.sn;
+    p.do_sb = a->d_o.sb, p.do_sh = a->d_o.sh, p.do_sn = a->d_o.sn;
+    p.dq_sb = a->dq.sb, p.dq_sh = a->dq.sh, p.dq_sn = a->dq.sn, p.dk_sb = a->dk.sb, p.dk_sh = a->dk.sh,
+    p.dk_sn = a->dk.sn, p.dv_sb = a->dv.sb, p.dv_sh = a->dv.sh, p.dv_sn = a->dv.sn;
+    p.H = (int)a->q.H, p.Nq = (int)Nq, p.Nk = (int)Nk;
+    p.Nqb = (int)((Nq + kBlockQ - 1) / kBlockQ);
+    p.Nq_pad = p.Nqb * kBlockQ;
+    p.scale = a->scale, p.scale_log2 = a->scale * kLog2e;
+    p.lse = a->lse;
+    int bk = 128;
+    if (a->mask) {
+        bk = a->bk;
+        p.Nkb = (int)a->mask->Nkb;
+        p.counts = a->mask->counts, p.indices = a->mask->indices;
+        p.t_counts = a->mask->t_counts, p.t_indices = a->mask->t_indices;
+    }
+
+    const size_t padded = (size_t)BH * p.Nq_pad;
+    size_t bytes = 2 * padded * sizeof(float) + (atomic_dq ? padded * D * sizeof(float) : 0);
+    void *ws;
+    if ((s = gpu_workspace(ctx, bytes, &ws)))
+        return s;
+    p.dt = (float *)ws;
+    p.lse2 = p.dt + padded;
+    p.dq_accum = atomic_dq ? p.lse2 + padded : nullptr;
+
+    if (a->q.dtype == SPARGE_BF16)
+        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq) : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq);
+    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq) : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq);
 }
