@@ -82,9 +82,11 @@ class Flex:
     def block_mask(self, dense, Nq, Nk):
         self.keep.copy_(dense.bool())
         keep, bq, bk = self.keep, self.bq, self.bk
+        last_q, last_k = keep.shape[2] - 1, keep.shape[3] - 1
 
         def lookup(b, h, q_idx, kv_idx):
-            return keep[b, h, q_idx // bq, kv_idx // bk]
+            # Clamped: the builder may pad the lengths past the last block; FlexAttention masks padding itself.
+            return keep[b, h, torch.clamp(q_idx // bq, max=last_q), torch.clamp(kv_idx // bk, max=last_k)]
 
         B, H = keep.shape[:2]
         # _compile=True builds the mask block by block; uncompiled, it materializes [B,H,Nq,Nk].

@@ -12,58 +12,82 @@ LAYOUTS = ("bhnd", "bnhd")
 
 
 class Device:
-    """An open sparge device ("cpu", "cuda:0", ...). One per name per process, shared by every call:
-    the lock serialises the stream hand-off and the call that follows it, since a handle has one stream."""
+    """An open sparge device ("cpu", "cuda:0", ...), kept for the life of the process and shared by every
+    call. torch_device is where its tensors live. The lock serialises the stream hand-off and the call that
+    follows it, since a sparge handle has one stream."""
 
-    def __init__(self, name):
+    def __init__(self, name, torch_device):
+        self.torch_device = torch_device
+        self.lock = threading.RLock()
         handle = ctypes.c_void_p()
-        _lib.call("sparge_device_open", name.encode(), ctypes.byref(handle))
+        with self.guard():
+            _lib.call("sparge_device_open", name.encode(), ctypes.byref(handle))
         self.handle = handle
         self.name = _lib.lib.sparge_device_name(handle).decode()
         self.backend = _lib.lib.sparge_device_backend(handle).decode()
         self.description = _lib.lib.sparge_device_description(handle).decode()
-        self.lock = threading.RLock()
 
     def __repr__(self):
         return f"sparge.Device({self.name!r}: {self.description})"
 
     @contextlib.contextmanager
-    def bound(self, torch_device):
-        """Hold the device and point it at torch's current stream on torch_device, so sparge's work is
-        ordered with PyTorch's without a synchronization. Yields the stream (None on the CPU)."""
+    def guard(self):
+        """Hold the device for a call. sparge makes its GPU the current device; torch.cuda.device gives the
+        caller's current device back afterwards."""
         with self.lock:
-            if torch_device.type != "cuda":
+            if self.torch_device.type == "cuda":
+                with torch.cuda.device(self.torch_device):
+                    yield
+            else:
+                yield
+
+    @contextlib.contextmanager
+    def bound(self):
+        """Hold the device and point it at torch's current stream, so that sparge's work is ordered with
+        PyTorch's without a synchronization. Yields the stream (None on the CPU)."""
+        with self.guard():
+            if self.torch_device.type != "cuda":
                 yield None
                 return
-            # torch.cuda.device restores the caller's current device: sparge switches to its own.
-            with torch.cuda.device(torch_device):
-                stream = torch.cuda.current_stream(torch_device).cuda_stream
-                _lib.call("sparge_set_stream", self.handle, ctypes.c_void_p(stream))
-                yield stream
+            stream = torch.cuda.current_stream(self.torch_device).cuda_stream
+            _lib.call("sparge_set_stream", self.handle, ctypes.c_void_p(stream))
+            yield stream
 
     def synchronize(self):
-        _lib.call("sparge_synchronize", self.handle)
+        with self.bound():
+            _lib.call("sparge_synchronize", self.handle)
 
 
 _devices = {}
 _devices_lock = threading.Lock()
 
 
-def open_device(name):
-    """The shared sparge Device for a name such as "cpu", "cpu-ref", "cuda:1"."""
+def open_device(name, torch_device=None):
+    """The shared sparge Device for a name such as "cpu", "cpu-ref", "cuda:1", "cuda-generic:0"; torch_device
+    (where its tensors live) is read from the name unless given."""
+    if torch_device is None:
+        backend, _, index = name.partition(":")
+        if backend == "auto":
+            raise ValueError("sparge: name the device ('cpu', 'cuda:0', ...); 'auto' is for the C API")
+        torch_device = torch.device("cpu") if backend.startswith("cpu") else torch.device("cuda", int(index or 0))
     with _devices_lock:
         dev = _devices.get(name)
         if dev is None:
-            dev = _devices[name] = Device(name)
+            dev = _devices[name] = Device(name, torch_device)
         return dev
 
 
 def sparge_device_name(torch_device, backend=None):
     """sparge's name for the device a tensor lives on: "cpu" for CPU tensors, "cuda:N" (or "hip:N" under a
     ROCm build of torch) for GPU tensors. backend replaces the backend part ("cpu-ref", "cuda-generic")."""
+    # A backend of the other kind would hand host pointers to GPU kernels or device pointers to the CPU.
     if torch_device.type == "cpu":
+        if backend in ("cuda", "cuda-generic", "hip"):
+            raise ValueError(f"sparge: backend '{backend}' needs CUDA tensors, these are on the CPU")
         return backend or "cpu"
     if torch_device.type == "cuda":
+        if backend is not None and backend.startswith("cpu"):
+            raise ValueError(f"sparge: backend '{backend}' needs CPU tensors, these are on {torch_device}")
         index = torch_device.index if torch_device.index is not None else torch.cuda.current_device()
         default = "hip" if getattr(torch.version, "hip", None) else "cuda"
         return f"{backend or default}:{index}"
@@ -71,7 +95,7 @@ def sparge_device_name(torch_device, backend=None):
 
 
 def device_for(tensor, backend=None):
-    return open_device(sparge_device_name(tensor.device, backend))
+    return open_device(sparge_device_name(tensor.device, backend), tensor.device)
 
 
 def check_layout(layout):

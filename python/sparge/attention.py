@@ -8,8 +8,8 @@ from . import _lib, _torch
 from .mask import Mask, _scale_arg, predict_mask
 
 
-def _bound(mask, dev, torch_device):
-    return mask.bound() if mask is not None else dev.bound(torch_device)
+def _bound(mask, dev):
+    return mask.bound() if mask is not None else dev.bound()
 
 
 def _device_of(q, mask, backend):
@@ -40,7 +40,7 @@ def attention_forward(q, k, v, mask=None, *, scale=None, layout="bhnd", backend=
     lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
     ov = _torch.view(o, layout, "o")
     params = _attn_params(scale, False)
-    with _bound(mask, dev, q.device):
+    with _bound(mask, dev):
         _lib.call("sparge_attention_forward", dev.handle, ctypes.byref(qv), ctypes.byref(kv), ctypes.byref(vv),
                   mask.handle if mask is not None else None, ctypes.byref(params), ctypes.byref(ov),
                   ctypes.c_void_p(lse.data_ptr()))
@@ -75,7 +75,7 @@ def attention_backward(grad_out, q, k, v, o, lse, mask=None, *, scale=None, layo
     dv = _torch.empty_in_layout(B, H, Nk, v.shape[-1], layout, v.dtype, v.device)
     grads = [_torch.view(dq, layout, "dq"), _torch.view(dk, layout, "dk"), _torch.view(dv, layout, "dv")]
     params = _attn_params(scale, deterministic)
-    with _bound(mask, dev, q.device):
+    with _bound(mask, dev):
         _lib.call("sparge_attention_backward", dev.handle, *[ctypes.byref(x) for x in views],
                   ctypes.c_void_p(lse.data_ptr()), mask.handle if mask is not None else None, ctypes.byref(params),
                   *[ctypes.byref(x) for x in grads])

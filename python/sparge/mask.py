@@ -23,7 +23,7 @@ def _current_stream(torch_device):
 
 
 def _destroy(device, handle):
-    with device.lock:
+    with device.guard():
         _lib.lib.sparge_mask_destroy(handle)
 
 
@@ -73,7 +73,7 @@ class Mask:
         self.torch_device = torch.device(device)
         if self.torch_device.type == "cuda" and self.torch_device.index is None:
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
-        self.device = _torch.open_device(_torch.sparge_device_name(self.torch_device, backend))
+        self.device = _torch.open_device(_torch.sparge_device_name(self.torch_device, backend), self.torch_device)
         key = (self.device, int(B), int(H), int(Nq), int(Nk), int(block_q), int(block_k))
         stream = _current_stream(self.torch_device)
         with _pool_lock:
@@ -81,7 +81,7 @@ class Mask:
             handle = kept.pop() if kept else None
         if handle is None:
             handle = ctypes.c_void_p()
-            with self.device.lock:
+            with self.device.guard():
                 _lib.call("sparge_mask_create", self.device.handle, *key[1:], ctypes.byref(handle))
         self.handle = handle
         self._streams = {stream}  # streams its work was queued on (see _release)
@@ -100,7 +100,7 @@ class Mask:
     @contextlib.contextmanager
     def bound(self):
         """Context for a sparge call that uses this mask on the current stream (recorded for reuse)."""
-        with self.device.bound(self.torch_device) as stream:
+        with self.device.bound() as stream:
             self._streams.add(stream)
             yield
 

@@ -73,6 +73,21 @@ class ForwardBackward(unittest.TestCase):
         self.assertTrue(torch.isfinite(proj.weight.grad).all())
         self.assertGreater(float(proj.weight.grad.abs().sum()), 0.0)
 
+    def test_given_mask_is_used_as_is(self):
+        q, k, v = qkv(1, 2, 256, 320, 64, requires_grad=True)
+        dense = torch.zeros(1, 2, 2, 5, dtype=torch.uint8)
+        dense[..., 0] = 1
+        dense[0, 1, 1, 3] = 1
+        mask = sparge.Mask.from_dense(dense, 256, 320)
+        out = sparge.sparge_attention(q, k, v, mask=mask, topk=0.9)  # topk is not used: the mask is given
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref, _ = dense_masked_attention(q64, k64, v64, mask.token_mask())
+        self.assertLess(rel_l2(out, ref), F32_TOL)
+        d_out = randn(*out.shape, seed=4)
+        for g, r in zip(torch.autograd.grad(out, (q, k, v), d_out),
+                        torch.autograd.grad(ref, (q64, k64, v64), d_out.double())):
+            self.assertLess(rel_l2(g, r), F32_TOL)
+
     def test_cpu_ref_backend_agrees(self):
         q, k, v = qkv(1, 2, 300, 300, 64)
         mask = sparge.predict_mask(q, k, topk=0.1)
@@ -273,6 +288,16 @@ class Errors(unittest.TestCase):
         q, k, v = qkv(1, 1, 64, 64, 32)
         self.assertSpargeError("SPARGE_ERR_NO_DEVICE", "unknown or not compiled-in backend 'nope'",
                                sparge.attention_forward, q, k, v, backend="nope")
+        with self.assertRaisesRegex(ValueError, "backend 'cuda' needs CUDA tensors"):
+            sparge.attention_forward(q, k, v, backend="cuda")
+
+    def test_tensors_on_different_devices(self):
+        q, k, v = qkv(1, 1, 64, 64, 32)
+        mask = sparge.predict_mask(q, k)
+        with self.assertRaisesRegex(ValueError, "mask is on cpu but q is on meta"):
+            sparge.attention_forward(q.to("meta"), k.to("meta"), v.to("meta"), mask)
+        with self.assertRaisesRegex(ValueError, "k is on meta but q is on cpu"):
+            sparge.attention_forward(q, k.to("meta"), v)
 
 
 if __name__ == "__main__":
