@@ -19,7 +19,7 @@ AC_DEFUN([SPARGE_HIP], [
       echo '#include <hip/hip_runtime.h>
 #include <rocprim/rocprim.hpp>
 __global__ void k(float *x) { x@<:@threadIdx.x@:>@ = 1.f; }' > conftest.hip.cpp
-      AS_IF([$HIPCC $HIPCC_ARCH -x hip -fPIC -c conftest.hip.cpp -o conftest.hip.o >&AS_MESSAGE_LOG_FD 2>&1],
+      AS_IF([$HIPCC -std=c++17 $HIPCC_ARCH -x hip -fPIC -c conftest.hip.cpp -o conftest.hip.o >&AS_MESSAGE_LOG_FD 2>&1],
             [have_hip=yes], [have_hip=no])
       rm -f conftest.hip.cpp conftest.hip.o
       AC_MSG_RESULT([$have_hip])
