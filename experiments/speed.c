@@ -1,0 +1,231 @@
+/* exp_speed: kernel time against sparsity on one backend, timed with the
+ * library's device timers (sparge_timer_start/stop: CUDA/HIP events on GPUs,
+ * wall clock after a synchronize on CPUs). Median of --reps runs after
+ * --warmup runs, for: dense attention (mask NULL), mask prediction (pool +
+ * map + select) and the block-sparse forward (optionally the backward).
+ * Masks are Top-k masks (k = 1 − sparsity) predicted from uniform-family
+ * inputs, so every row keeps the same count and the sparsity is exact. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exp.h"
+
+static void usage(void)
+{
+    fputs("usage: exp_speed [--batch B] [--heads H] [--tokens N] [--dim D] [--sparsities s1,s2,...]\n"
+          "                 [--reps R] [--warmup W] [--backward] [--paper-speedup X] [options]\n"
+          "  defaults: B=1 H=2 N=4096 D=64, sparsities 0,0.5,0.75,0.9,0.95,0.97,0.98, reps 10, warmup 2\n",
+          stderr);
+    exp_opts_usage(stderr);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef enum { OP_DENSE, OP_MASK, OP_SPARSE, OP_DENSE_BWD, OP_SPARSE_BWD } op_kind;
+
+typedef struct {
+    sparge_device *dev;
+    sparge_tensor q, k, v, o, d_o, dq, dk, dv;
+    float *lse;
+    sparge_mask *mask;
+    sparge_mask_params mp;
+} bench;
+
+static sparge_status run_op(bench *b, op_kind op)
+{
+    switch (op) {
+    case OP_DENSE: return sparge_attention_forward(b->dev, &b->q, &b->k, &b->v, NULL, NULL, &b->o, b->lse);
+    case OP_MASK: return sparge_mask_predict(b->dev, &b->q, &b->k, &b->mp, b->mask);
+    case OP_SPARSE: return sparge_attention_forward(b->dev, &b->q, &b->k, &b->v, b->mask, NULL, &b->o, b->lse);
+    case OP_DENSE_BWD:
+        return sparge_attention_backward(b->dev, &b->q, &b->k, &b->v, &b->o, &b->d_o, b->lse, NULL, NULL, &b->dq,
+                                         &b->dk, &b->dv);
+    case OP_SPARSE_BWD:
+        return sparge_attention_backward(b->dev, &b->q, &b->k, &b->v, &b->o, &b->d_o, b->lse, b->mask, NULL, &b->dq,
+                                         &b->dk, &b->dv);
+    }
+    return SPARGE_ERR_INVALID;
+}
+
+/* Median time in ms, or -1 on error. */
+static double time_op(bench *b, op_kind op, int warmup, int reps)
+{
+    double *t = malloc(sizeof(double) * (size_t)reps), med;
+    if (!t)
+        return -1.0;
+    for (int i = 0; i < warmup; i++)
+        if (exp_check(run_op(b, op), "warm-up run")) {
+            free(t);
+            return -1.0;
+        }
+    for (int i = 0; i < reps; i++)
+        if (exp_check(sparge_timer_start(b->dev), "sparge_timer_start") || exp_check(run_op(b, op), "timed run") ||
+            exp_check(sparge_timer_stop(b->dev, &t[i]), "sparge_timer_stop")) {
+            free(t);
+            return -1.0;
+        }
+    qsort(t, (size_t)reps, sizeof *t, cmp_double);
+    med = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
+    free(t);
+    return med;
+}
+
+int main(int argc, char **argv)
+{
+    exp_opts o;
+    exp_opts_init(&o);
+    exp_gen_params *g = &o.gen[EXP_UNIFORM];
+    g->N = 4096;
+    double sp[32] = {0.0, 0.5, 0.75, 0.9, 0.95, 0.97, 0.98}, paper_speedup = 16.2;
+    int nsp = 7, reps = 10, warmup = 2, backward = 0;
+    int64_t batch = 1;
+    for (int i = 1; i < argc; i++) {
+        int r = exp_opts_parse(&o, argc, argv, &i);
+        if (r < 0)
+            return 2;
+        if (r)
+            continue;
+        if (!strcmp(argv[i], "--sparsities") && i + 1 < argc) {
+            char buf[512];
+            snprintf(buf, sizeof buf, "%s", argv[++i]);
+            nsp = 0;
+            for (char *tok = strtok(buf, ","); tok && nsp < 32; tok = strtok(NULL, ","))
+                sp[nsp++] = atof(tok);
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+            reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--warmup") && i + 1 < argc)
+            warmup = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
+            batch = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--paper-speedup") && i + 1 < argc)
+            paper_speedup = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--backward"))
+            backward = 1;
+        else {
+            usage();
+            return strcmp(argv[i], "--help") ? 2 : 0;
+        }
+    }
+    if (reps < 1 || warmup < 0 || batch < 1) {
+        usage();
+        return 2;
+    }
+    g->B = batch;
+    exp_qkv x;
+    if (o.input ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(g, &x))
+        return 1;
+    FILE *csv = exp_open_out(o.csv), *md = o.md ? exp_open_out(o.md) : stdout;
+    if ((o.csv && !csv) || !md)
+        return 1;
+    bench b = {0};
+    if (exp_check(sparge_device_open(o.backend, &b.dev), "sparge_device_open"))
+        return 1;
+    size_t n = (size_t)(x.B * x.H * x.N * x.D), es = sparge_dtype_size(o.dtype);
+    void *buf[8] = {0};
+    const float *src[8] = {x.q, x.k, x.v, NULL, x.v, NULL, NULL, NULL}; /* d_o: reuse V as a fixed upstream gradient */
+    int nbuf = backward ? 8 : 4;
+    uint16_t *tmp = o.dtype == SPARGE_F32 ? NULL : malloc(n * 2);
+    for (int i = 0; i < nbuf; i++) {
+        if (exp_check(sparge_malloc(b.dev, n * es, &buf[i]), "sparge_malloc"))
+            return 1;
+        if (src[i]) {
+            const void *h = src[i];
+            if (tmp) {
+                for (size_t e = 0; e < n; e++)
+                    tmp[e] = o.dtype == SPARGE_F16 ? sparge_f32_to_f16(src[i][e]) : sparge_f32_to_bf16(src[i][e]);
+                h = tmp;
+            }
+            if (exp_check(sparge_memcpy_to_device(b.dev, buf[i], h, n * es), "sparge_memcpy_to_device"))
+                return 1;
+        }
+    }
+    free(tmp);
+    sparge_tensor *views[8] = {&b.q, &b.k, &b.v, &b.o, &b.d_o, &b.dq, &b.dk, &b.dv};
+    for (int i = 0; i < nbuf; i++)
+        *views[i] = sparge_tensor_bhnd(buf[i], o.dtype, x.B, x.H, x.N, x.D);
+    void *lse = NULL;
+    if (exp_check(sparge_malloc(b.dev, (size_t)(x.B * x.H * x.N) * sizeof(float), &lse), "sparge_malloc") ||
+        exp_check(sparge_mask_create(b.dev, x.B, x.H, x.N, x.N, g->block_q, g->block_k, &b.mask), "sparge_mask_create"))
+        return 1;
+    b.lse = lse;
+    double flops = 4.0 * (double)x.B * (double)x.H * (double)x.N * (double)x.N * (double)x.D;
+    exp_progress(&o, "speed", "%s on %s (%s), B=%lld H=%lld N=%lld D=%lld %s, median of %d after %d warm-up",
+                 x.label, sparge_device_name(b.dev), sparge_device_description(b.dev), (long long)x.B, (long long)x.H,
+                 (long long)x.N, (long long)x.D, sparge_dtype_name(o.dtype), reps, warmup);
+    double t_dense = time_op(&b, OP_DENSE, warmup, reps), t_dense_bwd = -1.0;
+    if (t_dense < 0)
+        return 1;
+    if (backward && (t_dense_bwd = time_op(&b, OP_DENSE_BWD, warmup, reps)) < 0)
+        return 1;
+    exp_progress(&o, "speed", "  dense forward %.3f ms (%.3f TFLOP/s)", t_dense, flops / t_dense * 1e-9);
+    if (csv)
+        fprintf(csv, "backend,device,dtype,B,H,N,D,target_sparsity,sparsity,token_density,mask_ms,fwd_ms,total_ms,"
+                     "dense_ms,speedup_fwd,speedup_total,dense_equiv_tflops,effective_tflops,bwd_ms,dense_bwd_ms,"
+                     "speedup_bwd\n");
+    fprintf(md, "Device: %s (%s). Shape B=%lld H=%lld N=%lld D=%lld, %s, blocks %dx%d. Median of %d runs after %d "
+                "warm-up; timer: sparge_timer_start/stop.\n\nDense forward (mask NULL): %.3f ms (%.3f TFLOP/s).\n\n",
+            sparge_device_name(b.dev), sparge_device_description(b.dev), (long long)x.B, (long long)x.H,
+            (long long)x.N, (long long)x.D, sparge_dtype_name(o.dtype), g->block_q, g->block_k, reps, warmup, t_dense,
+            flops / t_dense * 1e-9);
+    if (backward)
+        fprintf(md, "Dense backward: %.3f ms.\n\n", t_dense_bwd);
+    fprintf(md, "| sparsity | token density | mask prediction ms | sparse forward ms | total ms | speedup (forward) "
+                "| speedup (with mask) | dense-equiv. TFLOP/s | effective TFLOP/s |%s\n|---|---|---|---|---|---|---|---|---|%s\n",
+            backward ? " backward ms | speedup (backward) |" : "", backward ? "---|---|" : "");
+    double speedup_at_95 = NAN;
+    int64_t nkb = (x.N + g->block_k - 1) / g->block_k, last_count = -1;
+    for (int i = 0; i < nsp; i++) {
+        /* Top-k with exactly `count` blocks per row; targets rounding to the same count are run once */
+        int64_t count = (int64_t)floor((1.0 - sp[i]) * (double)nkb + 1e-6);
+        count = count < 1 ? 1 : count > nkb ? nkb : count;
+        if (count == last_count)
+            continue;
+        last_count = count;
+        b.mp = (sparge_mask_params){g->block_q, g->block_k, exp_topk_for_count(count, nkb), 0.0, 0.0f};
+        sparge_mask_stats st;
+        double t_mask = time_op(&b, OP_MASK, warmup, reps);
+        if (t_mask < 0 || exp_check(sparge_mask_get_stats(b.mask, &st, NULL, NULL), "sparge_mask_get_stats"))
+            return 1;
+        double t_fwd = time_op(&b, OP_SPARSE, warmup, reps), t_bwd = -1.0;
+        if (t_fwd < 0 || (backward && (t_bwd = time_op(&b, OP_SPARSE_BWD, warmup, reps)) < 0))
+            return 1;
+        double total = t_mask + t_fwd;
+        if (fabs(st.sparsity - 0.95) < 0.01)
+            speedup_at_95 = t_dense / total;
+        fprintf(md, "| %.2f %% | %.4f | %.3f | %.3f | %.3f | %.2f× | %.2f× | %.3f | %.3f |", 100.0 * st.sparsity,
+                st.token_density, t_mask, t_fwd, total, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
+                flops * (1.0 - st.sparsity) / t_fwd * 1e-9);
+        if (backward)
+            fprintf(md, " %.3f | %.2f× |", t_bwd, t_dense_bwd / t_bwd);
+        fprintf(md, "\n");
+        if (csv)
+            fprintf(csv, "%s,%s,%s,%lld,%lld,%lld,%lld,%.4f,%.6f,%.6f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f\n",
+                    sparge_device_backend(b.dev), sparge_device_name(b.dev), sparge_dtype_name(o.dtype), (long long)x.B,
+                    (long long)x.H, (long long)x.N, (long long)x.D, sp[i], st.sparsity, st.token_density, t_mask, t_fwd,
+                    total, t_dense, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
+                    flops * (1.0 - st.sparsity) / t_fwd * 1e-9, t_bwd, t_dense_bwd,
+                    backward ? t_dense_bwd / t_bwd : -1.0);
+        exp_progress(&o, "speed", "  sparsity %.4f: mask %.3f ms, sparse forward %.3f ms, speedup %.2fx (%.2fx with mask)",
+                     st.sparsity, t_mask, t_fwd, t_dense / t_fwd, t_dense / total);
+    }
+    if (!isnan(speedup_at_95))
+        fprintf(md, "\nAt 95 %% sparsity: %.2f× over dense (mask prediction included); paper: %.1f× (RTX 5090, "
+                    "their kernel against their dense baseline).\n",
+                speedup_at_95, paper_speedup);
+    for (int i = 0; i < nbuf; i++)
+        sparge_free(b.dev, buf[i]);
+    sparge_free(b.dev, lse);
+    sparge_mask_destroy(b.mask);
+    sparge_device_close(b.dev);
+    exp_qkv_free(&x);
+    if (csv)
+        fclose(csv);
+    if (md != stdout)
+        fclose(md);
+    return 0;
+}

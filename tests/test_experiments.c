@@ -1,0 +1,485 @@
+/* Tests of the experiment helpers (experiments/exp.h): the input generators'
+ * statistics, the calibration to equal sparsity, the safetensors reader and
+ * writer, and the error decomposition the drivers report. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "exp.h"
+
+static exp_gen_params small(exp_family f)
+{
+    exp_gen_params p;
+    exp_gen_defaults(f, &p);
+    p.H = 2;
+    p.N = 2048; /* Nqb = 16, Nkb = 32 */
+    p.D = 32;
+    p.seed = 7;
+    return p;
+}
+
+static double *pooled(const exp_qkv *x, const exp_gen_params *p)
+{
+    int64_t nqb = (x->N + p->block_q - 1) / p->block_q, nkb = (x->N + p->block_k - 1) / p->block_k;
+    double *map = malloc(sizeof(double) * (size_t)(x->B * x->H * nqb * nkb));
+    assert_non_null(map);
+    exp_pooled_map_host(x, p->block_q, p->block_k, 0.0, map);
+    return map;
+}
+
+static double row_entropy(const double *row, int64_t n)
+{
+    double h = 0.0;
+    for (int64_t j = 0; j < n; j++)
+        h -= row[j] > 0.0 ? row[j] * log(row[j]) : 0.0;
+    return h / log((double)n);
+}
+
+static void test_rng(void **state)
+{
+    (void)state;
+    exp_rng a, b, c;
+    exp_rng_seed(&a, 42);
+    exp_rng_seed(&b, 42);
+    exp_rng_seed(&c, 43);
+    int differ = 0;
+    for (int i = 0; i < 100; i++) {
+        uint64_t x = exp_rng_next(&a);
+        assert_true(x == exp_rng_next(&b));
+        differ |= x != exp_rng_next(&c);
+    }
+    assert_true(differ);
+    double s = 0.0, s2 = 0.0;
+    const int n = 200000;
+    for (int i = 0; i < n; i++) {
+        double z = exp_rng_normal(&a);
+        s += z;
+        s2 += z * z;
+    }
+    assert_true(fabs(s / n) < 0.01);
+    assert_true(fabs(s2 / n - 1.0) < 0.02);
+}
+
+static void test_generators_seeded(void **state)
+{
+    (void)state;
+    for (int f = EXP_UNIFORM; f <= EXP_VIDEO; f++) {
+        exp_gen_params p = small((exp_family)f);
+        if (f == EXP_VIDEO) {
+            p.grid_t = 2;
+            p.grid_h = 8;
+            p.grid_w = 16;
+        }
+        exp_qkv a, b;
+        assert_int_equal(exp_generate(&p, &a), 0);
+        assert_int_equal(exp_generate(&p, &b), 0);
+        size_t n = (size_t)(a.B * a.H * a.N * a.D);
+        assert_memory_equal(a.q, b.q, n * sizeof(float));
+        assert_memory_equal(a.k, b.k, n * sizeof(float));
+        assert_memory_equal(a.v, b.v, n * sizeof(float));
+        exp_qkv_free(&b);
+        p.seed++;
+        assert_int_equal(exp_generate(&p, &b), 0);
+        assert_true(memcmp(a.q, b.q, n * sizeof(float)) != 0);
+        exp_qkv_free(&a);
+        exp_qkv_free(&b);
+    }
+}
+
+/* Every sink row carries exactly the requested pooled mass — in the host map
+ * and in the map the library predicts from the same Q and K. */
+static void check_sinks(int sink_blocks)
+{
+    exp_gen_params p = small(EXP_SINK);
+    p.sink_blocks = sink_blocks;
+    exp_qkv x;
+    assert_int_equal(exp_generate(&p, &x), 0);
+    assert_non_null(x.sink_share);
+    assert_int_equal(x.sink_blocks, sink_blocks);
+    double *map = pooled(&x, &p);
+    int64_t nqb = 16, nkb = 32, rows = x.B * x.H * nqb;
+    double lo = 1.0, hi = 0.0;
+    for (int64_t r = 0; r < rows; r++) {
+        double share = 0.0;
+        for (int s = 0; s < x.sink_blocks; s++)
+            share += map[r * nkb + x.sink_index[s]];
+        assert_true(fabs(share - x.sink_share[r]) < 1e-6);
+        assert_true(x.sink_share[r] >= p.sink_mass_min && x.sink_share[r] <= p.sink_mass_max);
+        lo = fmin(lo, x.sink_share[r]);
+        hi = fmax(hi, x.sink_share[r]);
+    }
+    assert_true(hi - lo > 0.2); /* shares really are spread over the requested range */
+
+    sparge_device *dev;
+    sparge_mask *mask;
+    assert_int_equal(sparge_device_open("cpu", &dev), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(dev, x.B, x.H, x.N, x.N, p.block_q, p.block_k, &mask), SPARGE_OK);
+    sparge_tensor q = sparge_tensor_bhnd(x.q, SPARGE_F32, x.B, x.H, x.N, x.D), k = q;
+    k.data = x.k;
+    sparge_mask_params mp = sparge_mask_params_default();
+    assert_int_equal(sparge_mask_predict(dev, &q, &k, &mp, mask), SPARGE_OK);
+    float *lib = malloc(sizeof(float) * (size_t)(rows * nkb));
+    assert_non_null(lib);
+    assert_int_equal(sparge_mask_get_pooled_map(mask, lib), SPARGE_OK);
+    for (int64_t r = 0; r < rows; r++) {
+        double share = 0.0;
+        for (int s = 0; s < x.sink_blocks; s++)
+            share += lib[r * nkb + x.sink_index[s]];
+        assert_true(fabs(share - x.sink_share[r]) < 1e-4);
+    }
+    exp_map_summary sum;
+    exp_map_summarize(&x, map, p.block_q, p.block_k, 0, 0, 0, &sum);
+    assert_true(sum.sink_err_max < 1e-6);
+    free(lib);
+    free(map);
+    sparge_mask_destroy(mask);
+    sparge_device_close(dev);
+    exp_qkv_free(&x);
+}
+
+static void test_sink_mass_one(void **state)
+{
+    (void)state;
+    check_sinks(1);
+}
+
+static void test_sink_mass_several(void **state)
+{
+    (void)state;
+    check_sinks(3);
+}
+
+/* Near-uniform rows are flat; the uniform family's hub rows put the requested
+ * mass on the hub, and the rest of the matrix stays flat. */
+static void test_uniform_flat(void **state)
+{
+    (void)state;
+    exp_gen_params p = small(EXP_UNIFORM);
+    exp_qkv x;
+    assert_int_equal(exp_generate(&p, &x), 0);
+    double *map = pooled(&x, &p);
+    int64_t nkb = 32, rows = x.B * x.H * 16, hubs = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const double *row = map + r * nkb;
+        if (x.sink_share[r] >= 0.0) {
+            hubs++;
+            assert_true(fabs(row[x.sink_index[0]] - 0.95) < 1e-6);
+            continue;
+        }
+        double mx = 0.0, mn = 1.0;
+        for (int64_t j = 0; j < nkb; j++) {
+            mx = fmax(mx, row[j]);
+            mn = fmin(mn, row[j]);
+        }
+        /* pooled logits with std <= 0.5: normalized entropy ≈ 1 − 0.5²/(2 ln 32) ≈ 0.96 */
+        assert_true(row_entropy(row, nkb) > 0.95);
+        assert_true(mx / mn < 20.0);
+        assert_true(mx < 4.0 / nkb);
+    }
+    assert_true(hubs > 0 && hubs < rows);
+    free(map);
+    exp_qkv_free(&x);
+
+    /* without hub rows every row is flat */
+    p.sink_rows = 0.0;
+    assert_int_equal(exp_generate(&p, &x), 0);
+    map = pooled(&x, &p);
+    exp_map_summary s;
+    exp_map_summarize(&x, map, p.block_q, p.block_k, 0, 0, 0, &s);
+    assert_true(s.entropy_min > 0.95);
+    assert_true(s.top1_mean < 2.5 / nkb);
+    free(map);
+    exp_qkv_free(&x);
+}
+
+/* Video tokens in raster order: attention mass concentrates on blocks near the
+ * query block in (frame, row, column), and neighbours' keys are more alike
+ * than distant ones. */
+static void test_video_locality(void **state)
+{
+    (void)state;
+    exp_gen_params p = small(EXP_VIDEO);
+    p.grid_t = 4;
+    p.grid_h = 12;
+    p.grid_w = 20;
+    exp_qkv x;
+    assert_int_equal(exp_generate(&p, &x), 0);
+    assert_int_equal(x.N, 4 * 12 * 20);
+    double *map = pooled(&x, &p);
+    exp_map_summary s;
+    exp_map_summarize(&x, map, p.block_q, p.block_k, p.grid_t, p.grid_h, p.grid_w, &s);
+    assert_true(s.locality < 0.85);
+    /* token level: cosine of k_t with its right neighbour vs with a token two frames away */
+    double near = 0.0, far = 0.0;
+    int64_t hw = 12 * 20, cnt = 0, D = x.D;
+    for (int64_t t = 0; t + 2 * hw < x.N; t += 7) {
+        if ((t + 1) % 20 == 0)
+            continue;
+        const float *a = x.k + t * D, *b = x.k + (t + 1) * D, *c = x.k + (t + 2 * hw + (hw / 2)) % x.N * D;
+        double ab = 0, ac = 0, aa = 0, bb = 0, cc = 0;
+        for (int64_t d = 0; d < D; d++) {
+            ab += a[d] * b[d];
+            ac += a[d] * c[d];
+            aa += a[d] * a[d];
+            bb += b[d] * b[d];
+            cc += c[d] * c[d];
+        }
+        near += ab / sqrt(aa * bb);
+        far += ac / sqrt(aa * cc);
+        cnt++;
+    }
+    assert_true(near / cnt > far / cnt + 0.3);
+    free(map);
+    exp_qkv_free(&x);
+}
+
+/* Top-p and hybrid calibrated to Top-k's kept count hit it (up to one step of
+ * the achieved-sparsity staircase), on each family. */
+static void test_calibration(void **state)
+{
+    (void)state;
+    for (int f = EXP_UNIFORM; f <= EXP_SINK; f++) {
+        exp_gen_params p = small((exp_family)f);
+        exp_qkv x;
+        assert_int_equal(exp_generate(&p, &x), 0);
+        exp_session s;
+        assert_int_equal(exp_session_open(&s, "cpu", NULL, &x, SPARGE_F32, p.block_q, p.block_k), 0);
+        assert_int_equal(s.rows, 32);
+        for (int64_t n = 1; n <= 8; n *= 2) {
+            exp_rule rules[EXP_RULES];
+            assert_int_equal(exp_equal_sparsity_rules(&s, (double)n / (double)s.Nkb, 0.6 * n / (double)s.Nkb, rules), 0);
+            int64_t target = s.rows * n;
+            assert_int_equal(exp_select(&s, rules[EXP_TOPK].k, rules[EXP_TOPK].p), target);
+            for (int r = EXP_TOPP; r <= EXP_HYBRID; r++) {
+                int64_t kept = exp_select(&s, rules[r].k, rules[r].p);
+                assert_true(llabs(kept - target) <= 2);
+                /* the step on the other side of the chosen p is no closer */
+                double eps = 1e-9;
+                if (rules[r].p - eps > 0.0) {
+                    int64_t below = exp_select(&s, rules[r].k, rules[r].p - eps);
+                    assert_true(llabs(kept - target) <= llabs(below - target));
+                }
+                int64_t above = exp_select(&s, rules[r].k, fmin(rules[r].p + eps, 1.0));
+                assert_true(llabs(kept - target) <= llabs(above - target));
+            }
+            exp_point pt;
+            assert_int_equal(exp_measure(&s, rules[EXP_TOPP].k, rules[EXP_TOPP].p, &pt), 0);
+            assert_true(pt.rel_l1 > 0.0 && pt.rel_l1 < 2.0);
+        }
+        /* an unreachable target ends at p = 1 */
+        double pmax;
+        assert_int_equal(exp_calibrate_p(&s, 0.0, s.rows * s.Nkb + 1, &pmax), s.rows * s.Nkb);
+        assert_true(pmax == 1.0);
+        exp_session_close(&s);
+        exp_qkv_free(&x);
+    }
+}
+
+/* O − O_s = (1 − α)(μ_dropped − μ_kept) on sampled tokens of a sink input. */
+static void test_decomposition(void **state)
+{
+    (void)state;
+    exp_gen_params p = small(EXP_SINK);
+    exp_qkv x;
+    assert_int_equal(exp_generate(&p, &x), 0);
+    exp_session s;
+    assert_int_equal(exp_session_open(&s, "cpu", NULL, &x, SPARGE_F32, p.block_q, p.block_k), 0);
+    assert_true(exp_select(&s, 0.0, 0.4) > 0);
+    assert_int_equal(exp_sparse_forward(&s), 0);
+    uint8_t *dense = malloc((size_t)(s.rows * s.Nkb));
+    assert_non_null(dense);
+    assert_int_equal(sparge_mask_get_dense(s.mask, dense), SPARGE_OK);
+    int64_t N = x.N, D = x.D;
+    double *pr = malloc(sizeof(double) * (size_t)N), scale = 1.0 / sqrt((double)D);
+    assert_non_null(pr);
+    for (int64_t t = 5; t < N; t += 301) {
+        double mx = -INFINITY, z = 0.0, alpha = 0.0;
+        for (int64_t u = 0; u < N; u++) {
+            double dot = 0.0;
+            for (int64_t d = 0; d < D; d++)
+                dot += (double)x.q[t * D + d] * x.k[u * D + d];
+            pr[u] = dot * scale;
+            mx = fmax(mx, pr[u]);
+        }
+        for (int64_t u = 0; u < N; u++)
+            z += (pr[u] = exp(pr[u] - mx));
+        const uint8_t *keep = dense + (t / p.block_q) * s.Nkb;
+        for (int64_t u = 0; u < N; u++)
+            alpha += keep[u / p.block_k] ? pr[u] / z : 0.0;
+        double err = 0.0, num = 0.0;
+        for (int64_t d = 0; d < D; d++) {
+            double mk = 0.0, md = 0.0;
+            for (int64_t u = 0; u < N; u++)
+                *(keep[u / p.block_k] ? &mk : &md) += pr[u] / z * x.v[u * D + d];
+            double pred = (1.0 - alpha) * (md / (1.0 - alpha) - mk / alpha);
+            double meas = (double)s.o_ref[t * D + d] - (double)s.o_sparse[t * D + d];
+            err += fabs(meas - pred);
+            num += fabs(meas);
+        }
+        assert_true(alpha > 0.0 && alpha < 1.0);
+        assert_true(err <= 1e-4 * num + 1e-6);
+    }
+    free(pr);
+    free(dense);
+    exp_session_close(&s);
+    exp_qkv_free(&x);
+}
+
+static char *tmp_path(const char *tag)
+{
+    static char path[256];
+    snprintf(path, sizeof path, "%s/sparge-exp-%ld-%s.safetensors", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp",
+             (long)getpid(), tag);
+    return path;
+}
+
+static void test_safetensors_roundtrip(void **state)
+{
+    (void)state;
+    float a[2 * 3 * 4], b[5];
+    for (int i = 0; i < 24; i++)
+        a[i] = (float)(i - 11) * 0.37f;
+    for (int i = 0; i < 5; i++)
+        b[i] = 1000.0f + (float)i;
+    const char *names[2] = {"alpha", "beta"};
+    const float *data[2] = {a, b};
+    int nd[2] = {3, 1};
+    int64_t shapes[2][8] = {{2, 3, 4}, {5}};
+    sparge_dtype types[3] = {SPARGE_F32, SPARGE_F16, SPARGE_BF16};
+    for (int ti = 0; ti < 3; ti++) {
+        char err[640], *path = tmp_path("rt");
+        assert_int_equal(exp_st_write(path, 2, names, data, nd, (const int64_t(*)[8])shapes, types[ti],
+                                      "{\"layout\":\"BHND\"}", err, sizeof err),
+                         0);
+        exp_st_file f;
+        assert_int_equal(exp_st_open(path, &f, err, sizeof err), 0);
+        assert_int_equal(f.count, 2);
+        const exp_st_tensor *t = exp_st_find(&f, "alpha");
+        assert_non_null(t);
+        assert_int_equal(t->ndim, 3);
+        assert_int_equal(t->shape[2], 4);
+        float *ra = exp_st_read_f32(&f, t, err, sizeof err), *rb = exp_st_read_f32(&f, exp_st_find(&f, "beta"), err, sizeof err);
+        assert_non_null(ra);
+        assert_non_null(rb);
+        double tol = types[ti] == SPARGE_F32 ? 0.0 : types[ti] == SPARGE_F16 ? 1e-3 : 8e-3;
+        for (int i = 0; i < 24; i++)
+            assert_true(fabs(ra[i] - a[i]) <= tol * fabs(a[i]));
+        for (int i = 0; i < 5; i++)
+            assert_true(fabs(rb[i] - b[i]) <= tol * fabs(b[i]));
+        free(ra);
+        free(rb);
+        exp_st_close(&f);
+        unlink(path);
+    }
+}
+
+/* A file laid out by hand (not by our writer): metadata, odd key order and
+ * whitespace, BF16 data; then malformed files are refused with a message. */
+static void test_safetensors_handmade(void **state)
+{
+    (void)state;
+    const char *hdr = "{ \"__metadata__\" : {\"format\": \"pt\", \"nested\": {\"a\": [1, 2.5e3, null, true]}},\n"
+                      "  \"x\" : { \"shape\" : [2, 1], \"data_offsets\" : [0, 4], \"dtype\" : \"BF16\" } }  ";
+    uint64_t hlen = strlen(hdr);
+    uint16_t data[2] = {0x3f80, 0xc040}; /* 1.0, -3.0 in bf16 */
+    char *path = tmp_path("hand"), err[640];
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    for (int i = 0; i < 8; i++)
+        fputc((int)((hlen >> (8 * i)) & 0xff), fp);
+    fwrite(hdr, 1, hlen, fp);
+    fwrite(data, 2, 2, fp);
+    fclose(fp);
+    exp_st_file f;
+    assert_int_equal(exp_st_open(path, &f, err, sizeof err), 0);
+    assert_int_equal(f.count, 1);
+    float *x = exp_st_read_f32(&f, &f.tensors[0], err, sizeof err);
+    assert_non_null(x);
+    assert_true(x[0] == 1.0f && x[1] == -3.0f);
+    free(x);
+    exp_st_close(&f);
+
+    /* the declared data runs past the end of the file */
+    const char *bad[] = {"{\"x\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}",
+                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,4]}}",
+                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[1]}}", "{\"x\":"};
+    for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+        hlen = strlen(bad[b]);
+        fp = fopen(path, "wb");
+        assert_non_null(fp);
+        for (int i = 0; i < 8; i++)
+            fputc((int)((hlen >> (8 * i)) & 0xff), fp);
+        fwrite(bad[b], 1, hlen, fp);
+        fwrite(data, 2, 2, fp);
+        fclose(fp);
+        err[0] = 0;
+        assert_int_equal(exp_st_open(path, &f, err, sizeof err), -1);
+        assert_true(strlen(err) > 0);
+    }
+    unlink(path);
+}
+
+/* Q/K/V saved by the writer come back through exp_load_qkv in both layouts. */
+static void test_load_qkv(void **state)
+{
+    (void)state;
+    exp_gen_params p = small(EXP_UNIFORM);
+    p.N = 300;
+    exp_qkv x, y;
+    assert_int_equal(exp_generate(&p, &x), 0);
+    char err[640], *path = tmp_path("qkv");
+    const char *names[3] = {"query", "key", "value"};
+    int nd[3] = {4, 4, 4};
+    /* BNHD copy of x */
+    size_t n = (size_t)(x.B * x.H * x.N * x.D);
+    float *bnhd[3];
+    const float *src[3] = {x.q, x.k, x.v};
+    for (int i = 0; i < 3; i++) {
+        bnhd[i] = malloc(n * sizeof(float));
+        assert_non_null(bnhd[i]);
+        for (int64_t h = 0; h < x.H; h++)
+            for (int64_t t = 0; t < x.N; t++)
+                memcpy(bnhd[i] + (t * x.H + h) * x.D, src[i] + (h * x.N + t) * x.D, (size_t)x.D * sizeof(float));
+    }
+    int64_t shapes[3][8] = {{1, x.N, x.H, x.D}, {1, x.N, x.H, x.D}, {1, x.N, x.H, x.D}};
+    const float *data[3] = {bnhd[0], bnhd[1], bnhd[2]};
+    assert_int_equal(exp_st_write(path, 3, names, data, nd, (const int64_t(*)[8])shapes, SPARGE_F32, NULL, err, sizeof err), 0);
+    assert_int_equal(exp_load_qkv(path, names, 1, &y), 0);
+    assert_int_equal(y.H, x.H);
+    assert_int_equal(y.N, x.N);
+    assert_memory_equal(y.q, x.q, n * sizeof(float));
+    assert_memory_equal(y.v, x.v, n * sizeof(float));
+    exp_qkv_free(&y);
+    const char *wrong[3] = {"q", "k", "v"};
+    assert_int_equal(exp_load_qkv(path, wrong, 0, &y), -1);
+    for (int i = 0; i < 3; i++)
+        free(bnhd[i]);
+    unlink(path);
+    exp_qkv_free(&x);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_rng),
+        cmocka_unit_test(test_generators_seeded),
+        cmocka_unit_test(test_sink_mass_one),
+        cmocka_unit_test(test_sink_mass_several),
+        cmocka_unit_test(test_uniform_flat),
+        cmocka_unit_test(test_video_locality),
+        cmocka_unit_test(test_calibration),
+        cmocka_unit_test(test_decomposition),
+        cmocka_unit_test(test_safetensors_roundtrip),
+        cmocka_unit_test(test_safetensors_handmade),
+        cmocka_unit_test(test_load_qkv),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
