@@ -459,10 +459,11 @@ template <typename T, int DT, int BQ, int BK> sparge_status launch_dq(gpu_ctx *c
     return GPU_CHECK_LAUNCH("generic backward dQ kernel");
 }
 
-/* Tile shapes per head-dim class, best first. The first that fits twice in a
- * block's shared memory wins (two resident blocks hide the unpipelined tile
- * loads), else the first that fits at all: large tiles on the H200's 227 KiB,
- * the small ones on 64 KiB LDS (AMD) or 99 KiB (sm_86/89). */
+/* Tile shapes per head-dim class, best first, the last one a last resort. The
+ * first shape before the last resort that fits twice in a block's shared memory
+ * wins (two resident blocks hide the unpipelined tile loads), else the first
+ * that fits at all: large tiles on the H200's 227 KiB, small ones on 64 KiB LDS
+ * (AMD) or 99 KiB (sm_86/89). */
 struct tile_choice {
     size_t smem;
     sparge_status (*launch)(gpu_ctx *, attn_params);
@@ -471,10 +472,12 @@ struct tile_choice {
 template <size_t N>
 sparge_status pick(gpu_ctx *ctx, const attn_params &p, const tile_choice (&c)[N], const char *what)
 {
-    for (size_t fit = 2; fit >= 1; fit--)
-        for (size_t k = 0; k < N; k++)
-            if (c[k].smem * fit <= ctx->smem_optin)
-                return c[k].launch(ctx, p);
+    for (size_t k = 0; k + 1 < N; k++)
+        if (2 * c[k].smem <= ctx->smem_optin)
+            return c[k].launch(ctx, p);
+    for (size_t k = 0; k < N; k++)
+        if (c[k].smem <= ctx->smem_optin)
+            return c[k].launch(ctx, p);
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
                        "%s: D = %lld needs %zu bytes of shared memory per block, the device allows %zu", what,
                        (long long)p.D, c[N - 1].smem, ctx->smem_optin);
