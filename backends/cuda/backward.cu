@@ -49,6 +49,7 @@ struct bwd_params {
     float *dq_accum;   /* [B·H·Nq_pad·D] fp32, or NULL: no atomic dQ */
     const int32_t *counts, *indices;     /* CSR rows (row stride Nkb), NULL: dense */
     const int32_t *t_counts, *t_indices; /* transposed (row stride Nqb), NULL: dense */
+    const int32_t *order; /* CTA → tile (heavy tiles first), NULL: identity */
 };
 
 /* Copy `rows` rows of D elements starting at global row row0 (rows ≥ n are zero-filled) into the swizzled
@@ -206,6 +207,60 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_convert_kernel(bwd_params p, 
     *(uint4 *)((T *)p.dq + b * p.dq_sb + h * p.dq_sh + t * p.dq_sn + part * 8) = out;
 }
 
+/* Launch order of the CTAs of a masked pass: tiles whose list (mask column or row) is long go first, so a
+ * heavy tile (e.g. a key block every query keeps) never starts in the last wave and stretches the tail.
+ * Counts are bucketed coarsely (kOrderBuckets shares of max_count) and the order inside a bucket is the
+ * natural one, which keeps the CTAs of one head together for L2 reuse of its Q/dO (or K/V). One CTA;
+ * the order only schedules work, results do not depend on it. */
+constexpr int kOrderThreads = 1024, kOrderBuckets = 16;
+
+__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const int32_t *counts, int n, int max_count,
+                                                                  int32_t *order)
+{
+    __shared__ int offset[kOrderBuckets];
+    __shared__ int warp_offset[kOrderThreads / 32][kOrderBuckets];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    auto bucket = [&](int c) {
+        return kOrderBuckets - 1 - min(c * kOrderBuckets / (max_count + 1), kOrderBuckets - 1);
+    };
+    if (tid < kOrderBuckets)
+        offset[tid] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += kOrderThreads)
+        atomicAdd(&offset[bucket(counts[i])], 1);
+    __syncthreads();
+    if (tid == 0)
+        for (int b = 0, run = 0; b < kOrderBuckets; b++) {
+            int c = offset[b];
+            offset[b] = run;
+            run += c;
+        }
+    for (int base = 0; base < n; base += kOrderThreads) {
+        const int i = base + tid, bk = i < n ? bucket(counts[i]) : kOrderBuckets;
+        const unsigned same = __match_any_sync(0xffffffffu, bk);
+        const int rank = __popc(same & ((1u << lane) - 1));
+        if (tid < kOrderThreads / 32 * kOrderBuckets)
+            (&warp_offset[0][0])[tid] = 0;
+        __syncthreads();
+        if (i < n && rank == 0)
+            warp_offset[warp][bk] = __popc(same);
+        __syncthreads();
+        if (tid < kOrderBuckets) {
+            int run = offset[tid];
+            for (int w = 0; w < kOrderThreads / 32; w++) {
+                int c = warp_offset[w][tid];
+                warp_offset[w][tid] = run;
+                run += c;
+            }
+            offset[tid] = run;
+        }
+        __syncthreads();
+        if (i < n)
+            order[warp_offset[warp][bk] + rank] = i;
+        __syncthreads();
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ dK/dV */
 
 template <typename T, int D, int BN> struct dkdv_tile {
@@ -237,10 +292,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
     const int kr0 = 16 * kw, qc0 = 64 * qw; /* the warp's keys and queries inside the tile */
     const int g = frag_row(lane), c2 = frag_col(lane);
 
-    const int bh = blockIdx.x / p.Nkb, j = blockIdx.x % p.Nkb, b = bh / p.H, h = bh % p.H;
+    const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
+    const int bh = tile_id / p.Nkb, j = tile_id % p.Nkb, b = bh / p.H, h = bh % p.H;
     const int key0 = j * BN;
-    const int32_t *list = p.t_counts ? p.t_indices + (int64_t)blockIdx.x * p.Nqb : nullptr;
-    const int nsteps = (list ? p.t_counts[blockIdx.x] : p.Nqb) * SUB;
+    const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
+    const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb) * SUB;
 
     const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
     const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh;
@@ -421,10 +477,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r0 = 16 * warp, g = frag_row(lane), c2 = frag_col(lane);
-    const int bh = blockIdx.x / p.Nqb, i = blockIdx.x % p.Nqb, b = bh / p.H, h = bh % p.H;
+    const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
+    const int bh = tile_id / p.Nqb, i = tile_id % p.Nqb, b = bh / p.H, h = bh % p.H;
     const int q0 = i * kBlockQ;
-    const int32_t *list = p.counts ? p.indices + (int64_t)blockIdx.x * p.Nkb : nullptr;
-    const int nsteps = (list ? p.counts[blockIdx.x] : p.Nkb) * SUB;
+    const int32_t *list = p.counts ? p.indices + (int64_t)tile_id * p.Nkb : nullptr;
+    const int nsteps = (list ? p.counts[tile_id] : p.Nkb) * SUB;
 
     const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh, *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
     auto step_key0 = [&](int n) { return (list ? list[n / SUB] : n / SUB) * BN + (n % SUB) * KT; };
@@ -502,10 +559,13 @@ template <typename K>
 sparge_status launch(gpu_ctx *ctx, K kernel, unsigned grid, size_t smem, const bwd_params &p, const char *what)
 {
     if (smem > ctx->smem_optin)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: %s needs %zu bytes of shared memory, the device allows %zu",
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
+                           "cuda backward: %s needs %zu bytes of shared memory, the device allows %zu; use the "
+                           "\"cuda-generic\" backend",
                            what, smem, ctx->smem_optin);
     sparge_status s;
-    if (smem > 48 * 1024 && (s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem))))
+    if (smem > 48 * 1024 &&
+        (s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem))))
         return s;
     if (grid == 0)
         return SPARGE_OK;
@@ -524,8 +584,15 @@ sparge_status launch_rows(gpu_ctx *ctx, K kernel, int64_t rows, int D, const bwd
     return GPU_CHECK_LAUNCH(what);
 }
 
+sparge_status launch_order(gpu_ctx *ctx, const int32_t *counts, int64_t n, int max_count, int32_t *order)
+{
+    bwd_order_kernel<<<1, kOrderThreads, 0, ctx->stream>>>(counts, (int)n, max_count, order);
+    return GPU_CHECK_LAUNCH("backward tile-order kernel");
+}
+
+/* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes. */
 template <typename T, int D>
-sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq)
+sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int32_t *order_kv, int32_t *order_q)
 {
     sparge_status s;
     const int64_t rows = BH * p.Nq_pad;
@@ -537,10 +604,15 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         pk.Nkb = (p.Nk + bk - 1) / bk;
     if (!atomic_dq)
         pk.dq_accum = nullptr;
+    if (p.t_counts) {
+        if ((s = launch_order(ctx, p.t_counts, BH * p.Nkb, p.Nqb, order_kv)))
+            return s;
+        pk.order = order_kv;
+    }
     unsigned grid_kv = (unsigned)(BH * pk.Nkb);
-    s = bk == 64 ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
-                 : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk,
-                          "backward dK/dV kernel");
+    s = bk == 64
+            ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
+            : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
     if (s)
         return s;
     if (atomic_dq)
@@ -550,6 +622,11 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
     int bkq = p.counts ? bk : 64;
     if (!p.counts)
         pq.Nkb = (p.Nk + 63) / 64;
+    if (p.counts) {
+        if ((s = launch_order(ctx, p.counts, BH * p.Nqb, p.Nkb, order_q)))
+            return s;
+        pq.order = order_q;
+    }
     unsigned grid_q = (unsigned)(BH * pq.Nqb);
     return bkq == 64 ? launch(ctx, bwd_dq_kernel<T, D, 64>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel")
                      : launch(ctx, bwd_dq_kernel<T, D, 128>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel");
@@ -584,8 +661,9 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: head dim D must be 64 or 128 (got %lld); %s",
                            (long long)D, hint);
     if (a->mask && (a->bq != kBlockQ || (a->bk != 64 && a->bk != 128)))
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: mask blocks must be bq = 128, bk = 64 or 128 (got %d×%d); %s",
-                           a->bq, a->bk, hint);
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
+                           "cuda backward: mask blocks must be bq = 128, bk = 64 or 128 (got %d×%d); %s", a->bq, a->bk,
+                           hint);
     if (Nq > INT32_MAX - kBlockQ || Nk > INT32_MAX - 128 || BH * ((Nq + kBlockQ - 1) / kBlockQ) > INT32_MAX ||
         BH * ((Nk + 63) / 64) > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: more than 2^31 tokens or blocks; %s", hint);
@@ -624,15 +702,19 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     }
 
     const size_t padded = (size_t)BH * p.Nq_pad;
-    size_t bytes = 2 * padded * sizeof(float) + (atomic_dq ? padded * D * sizeof(float) : 0);
+    const size_t accum = atomic_dq ? padded * D : 0, nkv = a->mask ? (size_t)BH * p.Nkb : 0,
+                 nq = a->mask ? (size_t)BH * p.Nqb : 0;
     void *ws;
-    if ((s = gpu_workspace(ctx, bytes, &ws)))
+    if ((s = gpu_workspace(ctx, (2 * padded + accum) * sizeof(float) + (nkv + nq) * sizeof(int32_t), &ws)))
         return s;
     p.dt = (float *)ws;
     p.lse2 = p.dt + padded;
     p.dq_accum = atomic_dq ? p.lse2 + padded : nullptr;
+    int32_t *order_kv = (int32_t *)(p.lse2 + padded + accum), *order_q = order_kv + nkv;
 
     if (a->q.dtype == SPARGE_BF16)
-        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq) : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq);
-    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq) : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq);
+        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, order_kv, order_q)
+                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, order_kv, order_q);
+    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, order_kv, order_q)
+                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, order_kv, order_q);
 }
