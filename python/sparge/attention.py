@@ -19,6 +19,8 @@ def _device_of(q, mask, backend):
         raise TypeError(f"sparge: mask must be a sparge.Mask, got {type(mask).__name__}")
     if mask.torch_device != q.device:
         raise ValueError(f"sparge: the mask is on {mask.torch_device} but q is on {q.device}")
+    if backend is not None and backend != mask.device.backend:
+        raise ValueError(f"sparge: the mask lives on backend '{mask.device.backend}', not '{backend}'")
     return mask.device
 
 
