@@ -7,16 +7,16 @@
  * multi-stage shared-memory ring. O is written in the input dtype, LSE in fp32.
  *
  * Load balance: under the hybrid mask rows keep very different numbers of
- * blocks. A small kernel ranks the rows of each (b, h) by descending block
- * count on the device (no host synchronization after mask prediction); the
- * attention grid then runs heads in order and, inside a head, the heaviest
- * query blocks first, so the last wave holds the light rows (short tail) while
- * the CTAs in flight share one or two heads' K/V in L2.
+ * blocks. A one-CTA counting sort on the device orders all (b, h, query block)
+ * items by descending block count (no host synchronization after mask
+ * prediction); the grid runs them in that order, so the heaviest rows start in
+ * the first wave and the last wave holds light rows (short tail). Equal counts
+ * stay in (b, h, i) order, which keeps K/V reuse in L2 for the bulk of the rows.
  *
- * Layers: kernel (templated on dtype, D, warps, stages) → launcher → entry point.
+ * Layers: kernel (templated on dtype, D, warps, stages, score split) → launcher → entry point.
  *
- * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages" overrides tiles.h
- * with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off. */
+ * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
+ * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -47,7 +47,7 @@ struct fwd_params {
     float scale_log2; /* softmax scale · log2(e): scores are exponentiated with exp2 */
 };
 
-template <typename T, int D, int WARPS, int STAGES>
+template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
 struct fwd_kernel_traits {
     static constexpr int THREADS = WARPS * 32;
     static constexpr int M_TILES = BLOCK_Q / (16 * WARPS); /* m16 tiles per warp */
@@ -58,31 +58,38 @@ struct fwd_kernel_traits {
     static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * KV_BYTES;
     /* Q fragments stay in registers when they are small (≤ 32 registers). */
     static constexpr bool Q_IN_REGS = M_TILES == 1 && D <= 128;
+    static constexpr int SCORE_MTILES = SPLIT ? 1 : M_TILES; /* m16 tiles whose scores are live at once */
     static_assert(BLOCK_Q % (16 * WARPS) == 0 && STAGES >= 2, "bad tile");
 };
 
 /* Copy ROWS rows of D elements starting at row0 into a swizzled tile; rows at or
- * past `limit` are zero-filled. */
+ * past `limit` are zero-filled. Each thread always copies the same chunk column
+ * (THREADS is a multiple of the chunks per row), so its rows step by a multiple of
+ * 8 and keep one swizzle. The loop is deliberately not unrolled: unrolled, the
+ * compiler keeps every row's 64-bit address live across the attention loop. */
 template <typename T, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_rows(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
 {
-    constexpr int ROW_CHUNKS = D / 8;
-    constexpr int CHUNKS = ROWS * ROW_CHUNKS;
-    static_assert(CHUNKS % THREADS == 0, "tile not divisible among threads");
-#pragma unroll
-    for (int it = 0; it < CHUNKS / THREADS; it++) {
-        int c = it * THREADS + tid;
-        int r = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
-        bool ok = row0 + r < limit;
-        const T *src = ok ? base + (int64_t)(row0 + r) * sn + ch * 8 : base;
-        cp_async_16(dst + swizzle<ROW_CHUNKS>(r, ch), src, ok);
+    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
+    static_assert(THREADS % ROW_CHUNKS == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "bad tile split");
+    const int ch = tid % ROW_CHUNKS;
+    int row = row0 + tid / ROW_CHUNKS;
+    dst += swizzle<ROW_CHUNKS>(tid / ROW_CHUNKS, ch);
+    const T *src = base + (int64_t)row * sn + ch * 8;
+#pragma unroll 1
+    for (int it = 0; it < ROWS / ROW_STEP; it++) {
+        const bool ok = row < limit;
+        cp_async_16(dst, ok ? src : base, ok);
+        row += ROW_STEP;
+        src += ROW_STEP * sn;
+        dst += ROW_STEP * D * 2;
     }
 }
 
-template <typename T, int D, int WARPS, int STAGES>
+template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
 {
-    using K = fwd_kernel_traits<T, D, WARPS, STAGES>;
+    using K = fwd_kernel_traits<T, D, WARPS, STAGES, SPLIT>;
     constexpr int M_TILES = K::M_TILES, ROW_CHUNKS = K::ROW_CHUNKS, N_TILES = TILE_K / 8, D_TILES = D / 8;
     extern __shared__ __align__(128) unsigned char smem[];
 
@@ -168,89 +175,93 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         __syncthreads();
         issue_tile(t + STAGES - 1);
 
-        float s[M_TILES][N_TILES][4];
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; mt++)
-#pragma unroll
-            for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    s[mt][nt][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            uint32_t a[M_TILES][4];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; mt++) {
-                if constexpr (K::Q_IN_REGS) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        a[mt][e] = q_frag[K::Q_IN_REGS ? mt : 0][K::Q_IN_REGS ? kk : 0][e];
-                } else {
-                    ldmatrix_x4(a[mt], q_warp + mt * 16 * ROW_BYTES + swizzle_kstep(kk, a_xor));
-                }
-            }
-#pragma unroll
-            for (int np = 0; np < N_TILES / 2; np++) {
-                uint32_t bfrag[4];
-                ldmatrix_x4(bfrag, k_stage + np * 16 * ROW_BYTES + swizzle_kstep(kk, bt_xor));
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; mt++) {
-                    mma_16816<T>(s[mt][2 * np], a[mt], bfrag);
-                    mma_16816<T>(s[mt][2 * np + 1], a[mt], bfrag + 2);
-                }
-            }
-        }
-
+        /* Scores of MG m16 tiles at a time: MG = M_TILES shares each K fragment between the
+         * warp's m tiles; MG = 1 re-reads K per m tile but holds half the fp32 scores (registers). */
+        constexpr int MG = K::SCORE_MTILES;
         const int key0 = tile_key0(t);
-        if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
+        uint32_t pa[M_TILES][TILE_K / 16][4]; /* P as 16-bit A fragments: the fp32 scores die before P·V */
 #pragma unroll
-            for (int mt = 0; mt < M_TILES; mt++)
+        for (int g = 0; g < M_TILES / MG; g++) {
+            float s[MG][N_TILES][4];
+#pragma unroll
+            for (int mi = 0; mi < MG; mi++)
 #pragma unroll
                 for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
                     for (int e = 0; e < 4; e++)
-                        if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
-                            s[mt][nt][e] = -INFINITY;
-        }
-
-        /* Online softmax: rows g (e = 0,1) and g+8 (e = 2,3) of each m16 tile. */
+                        s[mi][nt][e] = 0.0f;
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; mt++) {
+            for (int kk = 0; kk < D / 16; kk++) {
+                uint32_t a[MG][4];
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                float mx = -INFINITY;
+                for (int mi = 0; mi < MG; mi++) {
+                    const int mt = g * MG + mi;
+                    if constexpr (K::Q_IN_REGS) {
 #pragma unroll
-                for (int nt = 0; nt < N_TILES; nt++)
-                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                mx = quad_max(mx) * p.scale_log2;
-                const float m_new = fmaxf(row_max[mt][r], mx);
-                const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* no (-inf) - (-inf) */
-                const float alpha = exp2f(row_max[mt][r] - m_use);
-                row_max[mt][r] = m_new;
-                float sum = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; e++) {
-                        s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], p.scale_log2, -m_use));
-                        sum += s[mt][nt][e];
+                        for (int e = 0; e < 4; e++)
+                            a[mi][e] = q_frag[K::Q_IN_REGS ? mt : 0][K::Q_IN_REGS ? kk : 0][e];
+                    } else {
+                        ldmatrix_x4(a[mi], q_warp + mt * 16 * ROW_BYTES + swizzle_kstep(kk, a_xor));
                     }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+                }
 #pragma unroll
-                for (int dt = 0; dt < D_TILES; dt++) {
-                    o_acc[mt][dt][2 * r] *= alpha;
-                    o_acc[mt][dt][2 * r + 1] *= alpha;
+                for (int np = 0; np < N_TILES / 2; np++) {
+                    uint32_t bfrag[4];
+                    ldmatrix_x4(bfrag, k_stage + np * 16 * ROW_BYTES + swizzle_kstep(kk, bt_xor));
+#pragma unroll
+                    for (int mi = 0; mi < MG; mi++) {
+                        mma_16816<T>(s[mi][2 * np], a[mi], bfrag);
+                        mma_16816<T>(s[mi][2 * np + 1], a[mi], bfrag + 2);
+                    }
                 }
             }
-        }
 
-        /* P in 16-bit A fragments now, so the fp32 scores die before P·V (register peak). */
-        uint32_t pa[M_TILES][TILE_K / 16][4];
+            if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; mt++)
+                for (int mi = 0; mi < MG; mi++)
 #pragma unroll
-            for (int kk = 0; kk < TILE_K / 16; kk++)
-                c_pair_to_a<T>(pa[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
+                    for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
+                                s[mi][nt][e] = -INFINITY;
+            }
+
+            /* Online softmax: rows g (e = 0,1) and g+8 (e = 2,3) of each m16 tile. */
+#pragma unroll
+            for (int mi = 0; mi < MG; mi++) {
+                const int mt = g * MG + mi;
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    float mx = -INFINITY;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; nt++)
+                        mx = fmaxf(mx, fmaxf(s[mi][nt][2 * r], s[mi][nt][2 * r + 1]));
+                    mx = quad_max(mx) * p.scale_log2;
+                    const float m_new = fmaxf(row_max[mt][r], mx);
+                    const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* no (-inf) - (-inf) */
+                    const float alpha = exp2f(row_max[mt][r] - m_use);
+                    row_max[mt][r] = m_new;
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                        for (int e = 2 * r; e < 2 * r + 2; e++) {
+                            s[mi][nt][e] = exp2f(fmaf(s[mi][nt][e], p.scale_log2, -m_use));
+                            sum += s[mi][nt][e];
+                        }
+                    row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+                    for (int dt = 0; dt < D_TILES; dt++) {
+                        o_acc[mt][dt][2 * r] *= alpha;
+                        o_acc[mt][dt][2 * r + 1] *= alpha;
+                    }
+                }
+#pragma unroll
+                for (int kk = 0; kk < TILE_K / 16; kk++)
+                    c_pair_to_a<T>(pa[mt][kk], s[mi][2 * kk], s[mi][2 * kk + 1]);
+            }
+        }
 
         cp_async_wait<2 * STAGES - 2>(); /* V(t) landed */
         __syncthreads();
@@ -304,38 +315,72 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     }
 }
 
-/* One CTA per (b, h): order[bh·Nqb + rank] = bh·Nqb + i, ranking the query blocks by
- * descending kept-block count, ties by lower i (a deterministic, stable order). */
-__global__ void rank_rows_kernel(const int32_t *counts, int Nqb, int32_t *order)
+/* The launch order: every (b, h, query block) work item, heaviest first (most kept
+ * blocks), by a counting sort in one CTA. Counts beyond ORDER_BUCKETS - 1 share the top
+ * bucket; inside a bucket items stay roughly in (b, h, i) order, which keeps the CTAs in
+ * flight on few heads (K/V reuse in L2). The order only schedules: every item's result
+ * is the same whichever order it runs in. */
+constexpr int ORDER_BUCKETS = 8192, ORDER_THREADS = 1024;
+__global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t *counts, int n_items, int32_t *order)
 {
-    extern __shared__ int32_t row_counts[];
-    const int64_t base = (int64_t)blockIdx.x * Nqb;
-    for (int i = threadIdx.x; i < Nqb; i += blockDim.x)
-        row_counts[i] = counts[base + i];
+    __shared__ int32_t slot[ORDER_BUCKETS]; /* slot 0 = heaviest */
+    __shared__ int32_t warp_total[ORDER_THREADS / 32];
+    constexpr int PER_THREAD = ORDER_BUCKETS / ORDER_THREADS;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    for (int i = tid; i < ORDER_BUCKETS; i += ORDER_THREADS)
+        slot[i] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < Nqb; i += blockDim.x) {
-        const int c = row_counts[i];
-        int rank = 0;
-        for (int j = 0; j < Nqb; j++) {
-            const int cj = row_counts[j];
-            rank += cj > c || (cj == c && j < i);
-        }
-        order[base + rank] = (int32_t)(base + i);
+    for (int i = tid; i < n_items; i += ORDER_THREADS)
+        atomicAdd(&slot[ORDER_BUCKETS - 1 - min(counts[i], ORDER_BUCKETS - 1)], 1);
+    __syncthreads();
+    /* Exclusive scan: each thread owns PER_THREAD consecutive slots. */
+    int mine[PER_THREAD], sum = 0;
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; j++) {
+        mine[j] = slot[tid * PER_THREAD + j];
+        sum += mine[j];
     }
+    int incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, incl, d);
+        incl += lane >= d ? x : 0;
+    }
+    if (lane == 31)
+        warp_total[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int w = warp_total[lane], wincl = w;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int x = __shfl_up_sync(0xffffffffu, wincl, d);
+            wincl += lane >= d ? x : 0;
+        }
+        warp_total[lane] = wincl - w;
+    }
+    __syncthreads();
+    int offset = warp_total[warp] + incl - sum;
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; j++) {
+        slot[tid * PER_THREAD + j] = offset;
+        offset += mine[j];
+    }
+    __syncthreads();
+    for (int i = tid; i < n_items; i += ORDER_THREADS)
+        order[atomicAdd(&slot[ORDER_BUCKETS - 1 - min(counts[i], ORDER_BUCKETS - 1)], 1)] = i;
 }
-constexpr int RANK_MAX_ROWS = 12288; /* 48 KB of counts in shared memory */
 
-template <typename T, int D, int WARPS, int STAGES>
+template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
 sparge_status launch_fwd(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
-    using K = fwd_kernel_traits<T, D, WARPS, STAGES>;
+    using K = fwd_kernel_traits<T, D, WARPS, STAGES, SPLIT>;
     if ((size_t)K::SMEM_BYTES > ctx->smem_optin)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
                            "cuda: forward tile (D=%d, %d warps, %d stages) needs %d bytes of shared memory, the "
                            "device allows %zu; use \"cuda-generic\"",
                            D, WARPS, STAGES, K::SMEM_BYTES, ctx->smem_optin);
     sparge_status s;
-    auto kernel = fwd_kernel<T, D, WARPS, STAGES>;
+    auto kernel = fwd_kernel<T, D, WARPS, STAGES, SPLIT>;
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, K::SMEM_BYTES))))
         return s;
     kernel<<<(unsigned)n_items, K::THREADS, K::SMEM_BYTES, ctx->stream>>>(p);
@@ -346,15 +391,17 @@ template <typename T>
 sparge_status dispatch_tile(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, int D, fwd_tile tile)
 {
     if (D == 128 && tile.warps == 4 && tile.stages == 2)
-        return launch_fwd<T, 128, 4, 2>(ctx, p, n_items);
-    if (D == 128 && tile.warps == 8 && tile.stages == 2)
-        return launch_fwd<T, 128, 8, 2>(ctx, p, n_items);
-    if (D == 64 && tile.warps == 4 && tile.stages == 3)
-        return launch_fwd<T, 64, 4, 3>(ctx, p, n_items);
-    if (D == 64 && tile.warps == 4 && tile.stages == 2)
-        return launch_fwd<T, 64, 4, 2>(ctx, p, n_items);
-    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: no forward kernel compiled for D=%d, %d warps, %d stages "
-                       "(tiles.h and forward.cu disagree)", D, tile.warps, tile.stages);
+        return tile.split_scores ? launch_fwd<T, 128, 4, 2, true>(ctx, p, n_items)
+                                 : launch_fwd<T, 128, 4, 2, false>(ctx, p, n_items);
+    if (D == 128 && tile.warps == 8 && tile.stages == 2 && !tile.split_scores)
+        return launch_fwd<T, 128, 8, 2, false>(ctx, p, n_items);
+    if (D == 64 && tile.warps == 4 && tile.stages == 3 && !tile.split_scores)
+        return launch_fwd<T, 64, 4, 3, false>(ctx, p, n_items);
+    if (D == 64 && tile.warps == 4 && tile.stages == 2 && !tile.split_scores)
+        return launch_fwd<T, 64, 4, 2, false>(ctx, p, n_items);
+    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: no forward kernel compiled for D=%d, %d warps, %d stages%s "
+                       "(tiles.h and forward.cu disagree)", D, tile.warps, tile.stages,
+                       tile.split_scores ? ", split scores" : "");
 }
 
 /* The kernel reads and writes whole 16-byte rows: unit stride along D, row starts aligned. */
@@ -419,15 +466,13 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.counts = m->counts;
         p.indices = m->indices;
         const char *order_env = getenv("SPARGE_CUDA_FWD_ORDER");
-        const bool natural = order_env && !strcmp(order_env, "natural");
-        if (Nqb > 1 && Nqb <= RANK_MAX_ROWS && !natural) { /* beyond RANK_MAX_ROWS, launch in natural order */
+        if (!(order_env && !strcmp(order_env, "natural"))) {
             void *ws;
             if ((s = gpu_workspace(ctx, (size_t)n_items * sizeof(int32_t), &ws)))
                 return s;
             p.order = (const int32_t *)ws;
-            rank_rows_kernel<<<(unsigned)(B * H), 256, (size_t)Nqb * sizeof(int32_t), ctx->stream>>>(
-                m->counts, (int)Nqb, (int32_t *)ws);
-            if ((s = GPU_CHECK_LAUNCH("rank_rows_kernel")))
+            order_rows_kernel<<<1, ORDER_THREADS, 0, ctx->stream>>>(m->counts, (int)n_items, (int32_t *)ws);
+            if ((s = GPU_CHECK_LAUNCH("order_rows_kernel")))
                 return s;
         }
     } else {
@@ -436,9 +481,9 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
 
     fwd_tile tile = fwd_tile_for(ctx->cc_major, ctx->cc_minor, (int)D);
     const char *tile_env = getenv("SPARGE_CUDA_FWD_TILE");
-    if (tile_env && sscanf(tile_env, "%d,%d", &tile.warps, &tile.stages) != 2)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_TILE must be \"warps,stages\", got \"%s\"",
-                           tile_env);
+    if (tile_env && sscanf(tile_env, "%d,%d,%d", &tile.warps, &tile.stages, &tile.split_scores) < 2)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_TILE must be \"warps,stages[,split]\", got "
+                           "\"%s\"", tile_env);
     return dt == SPARGE_BF16 ? dispatch_tile<gpu_bf16>(ctx, p, n_items, (int)D, tile)
                              : dispatch_tile<gpu_half>(ctx, p, n_items, (int)D, tile);
 }

@@ -21,8 +21,10 @@
 #define SPARGE_CUDA_TILES_H
 
 typedef struct {
-    int warps;  /* 4 (32 query rows per warp) or 8 (16 rows per warp) */
-    int stages; /* K/V shared-memory ring depth, ≥ 2 */
+    int warps;        /* 4 (32 query rows per warp) or 8 (16 rows per warp) */
+    int stages;       /* K/V shared-memory ring depth, ≥ 2 */
+    int split_scores; /* 1: a 4-warp tile computes the scores of its two m16 tiles one after the
+                       * other (32 fp32 score registers live instead of 64, K read twice) */
 } fwd_tile;
 
 /* The tile for a device of compute capability major.minor and head dim D (64 or 128). */
@@ -37,8 +39,8 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
          * 16 rows per warp keep Q in registers (ldmatrix traffic is the price).
          * D = 64: 4 warps × 2 stages = 48 KB, two CTAs per SM. */
         if (D == 128)
-            return (fwd_tile){8, 2};
-        return (fwd_tile){4, 2};
+            return (fwd_tile){8, 2, 0};
+        return (fwd_tile){4, 2, 0};
     }
     /* sm_80 (A100: 164 KB per SM) and sm_90 (H100/H200: 228 KB per SM), same mma.sync path.
      * D = 128: 4 warps × 2 stages = 96 KB, two CTAs (8 warps) per SM on either chip — the
@@ -47,8 +49,8 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
      * D = 64: registers drop to ≈ 150, so depth is cheap: 3 stages = 64 KB, two CTAs per SM
      *   on sm_80 and three on sm_90; the third stage hides L2 latency of scattered kept blocks. */
     if (D == 128)
-        return (fwd_tile){4, 2};
-    return (fwd_tile){4, 3};
+        return (fwd_tile){4, 2, 0};
+    return (fwd_tile){4, 3, 0};
 }
 
 #endif

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Time sparge's forward peers in PyTorch on the same shapes and the same block mask.
+
+Peers: SDPA with the FlashAttention-2 backend, SDPA with the cuDNN backend (both dense)
+and FlexAttention with the block mask that sparge predicted, exported by
+`sparge bench ... --export-mask PREFIX` as PREFIX.json + PREFIX.u8 (dense uint8
+[B,H,Nqb,Nkb]). The BlockMask is built with create_block_mask from a block-level
+lookup M[b,h,q//bq,k//bk] (DESIGN.md section 4: BlockMask.from_kv_blocks gave wrong
+outputs). Every peer's output is checked against an fp64 masked reference on sampled
+query blocks before it is timed; a peer that fails the check is reported, not timed.
+
+Timing: CUDA events, median of --reps runs after --warmup runs (DESIGN.md section 4).
+Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t; effective = that times the kept density.
+
+usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE]
+       peer_bench.py --B 1 --H 12 --N 32760 --D 128       (dense peers only)
+"""
+import argparse
+import csv
+import json
+import math
+import sys
+
+import numpy as np
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}  # DESIGN.md section 3
+
+
+def load_mask(prefix):
+    with open(prefix + ".json") as f:
+        meta = json.load(f)
+    shape = (meta["B"], meta["H"], meta["Nqb"], meta["Nkb"])
+    dense = np.fromfile(prefix + ".u8", dtype=np.uint8)
+    if dense.size != math.prod(shape):
+        sys.exit(f"{prefix}.u8 holds {dense.size} bytes, {shape} needs {math.prod(shape)}")
+    return meta, torch.from_numpy(dense.reshape(shape) != 0)
+
+
+def time_ms(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return float(np.median(times))
+
+
+def reference_rel_l2(out, q, k, v, scale, blocks, block_q, block_k, samples, seed=0):
+    """fp64 masked attention on `samples` random query blocks; relative L2 of out there.
+    blocks: bool [B,H,Nqb,Nkb] on the device, or None for dense."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    num = den = 0.0
+    for _ in range(samples):
+        b = int(torch.randint(B, (1,), generator=gen))
+        h = int(torch.randint(H, (1,), generator=gen))
+        i = int(torch.randint((Nq + block_q - 1) // block_q, (1,), generator=gen))
+        rows = slice(i * block_q, min((i + 1) * block_q, Nq))
+        s = (q[b, h, rows].double() @ k[b, h].double().T) * scale
+        if blocks is not None:
+            keep = blocks[b, h, i].repeat_interleave(block_k)[:Nk]
+            s[:, ~keep] = -math.inf
+        ref = torch.softmax(s, dim=-1) @ v[b, h].double()
+        num += (out[b, h, rows].double() - ref).square().sum().item()
+        den += ref.square().sum().item()
+    return math.sqrt(num / den)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mask", action="append", default=[], help="PREFIX of an exported mask (repeatable)")
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=12)
+    ap.add_argument("--N", type=int, default=32760)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=6, help="query blocks checked against fp64 per peer")
+    ap.add_argument("--no-dense", action="store_true", help="skip the SDPA peers")
+    ap.add_argument("--csv", help="write the rows here")
+    args = ap.parse_args()
+
+    masks = [load_mask(p) + (p,) for p in args.mask]
+    if masks:  # the shape comes from the (first) mask
+        meta = masks[0][0]
+        B, H, Nq, Nk, D, dtype = meta["B"], meta["H"], meta["Nq"], meta["Nk"], meta["D"], DTYPES[meta["dtype"]]
+        for m, _, p in masks[1:]:
+            if (m["B"], m["H"], m["Nq"], m["Nk"], m["D"]) != (B, H, Nq, Nk, D):
+                sys.exit(f"{p}: shape differs from {masks[0][2]}")
+    else:
+        B, H, Nq, Nk, D, dtype = args.B, args.H, args.N, args.N, args.D, DTYPES[args.dtype]
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    q = torch.randn(B, H, Nq, D, device=dev, dtype=dtype)
+    k = torch.randn(B, H, Nk, D, device=dev, dtype=dtype)
+    v = torch.randn(B, H, Nk, D, device=dev, dtype=dtype)
+    scale = 1.0 / math.sqrt(D)
+    flops = 4.0 * B * H * Nq * Nk * D
+    tol = TOLERANCE[dtype]
+    rows = []
+    print(f"peers on {torch.cuda.get_device_name()} (torch {torch.__version__}), B={B} H={H} Nq={Nq} Nk={Nk} D={D} "
+          f"{str(dtype).split('.')[-1]}, median of {args.reps} after {args.warmup} warm-up, CUDA events")
+    print(f"{'peer':<22} {'mask':<28} {'sparsity':>8} {'ms':>9} {'TFLOP/s':>9} {'eff TF/s':>9} {'relL2':>9}")
+
+    def report(peer, mask_name, sparsity, fn):
+        out = fn()
+        err = reference_rel_l2(out, q, k, v, scale, blk, bq, bk, args.samples)
+        ok = math.isfinite(err) and err <= tol
+        ms = time_ms(fn, args.warmup, args.reps) if ok else float("nan")
+        row = {"peer": peer, "mask": mask_name, "B": B, "H": H, "Nq": Nq, "Nk": Nk, "D": D,
+               "sparsity": sparsity, "ms": ms, "tflops": flops / (ms * 1e9),
+               "eff_tflops": flops * (1 - sparsity) / (ms * 1e9), "rel_l2": err, "verified": ok}
+        rows.append(row)
+        print(f"{peer:<22} {mask_name:<28} {100 * sparsity:7.2f}% {ms:9.3f} {row['tflops']:9.1f} "
+              f"{row['eff_tflops']:9.1f} {err:9.2e}{'' if ok else '  FAILED the reference check, not timed'}",
+              flush=True)
+
+    blk, bq, bk = None, 128, 64
+    if not args.no_dense:
+        for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def run(backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+            try:
+                report(name, "dense", 0.0, run)
+            except RuntimeError as e:  # backend not available for this shape or build
+                print(f"{name:<22} unavailable: {str(e).splitlines()[0]}")
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    for meta, blocks, prefix in masks:
+        bq, bk = meta["block_q"], meta["block_k"]
+        blk = blocks.to(dev)
+        Nqb, Nkb = meta["Nqb"], meta["Nkb"]
+
+        def lookup(b, h, q_idx, kv_idx, blk=blk, bq=bq, bk=bk, Nqb=Nqb, Nkb=Nkb):
+            return blk[b, h, torch.clamp(q_idx // bq, max=Nqb - 1), torch.clamp(kv_idx // bk, max=Nkb - 1)]
+
+        # _compile=True evaluates the lookup block by block instead of materializing [B,H,Nq,Nk].
+        block_mask = create_block_mask(lookup, B, H, Nq, Nk, device=dev, BLOCK_SIZE=(bq, bk), _compile=True)
+        sparsity = 1.0 - blk.float().mean().item()
+        name = prefix.split("/")[-1]
+        report("flex", name, sparsity, lambda: flex(q, k, v, block_mask=block_mask, scale=scale))
+
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
