@@ -15,8 +15,15 @@
  * accumulator is 128 floats and S 64 floats per thread, hence Q is re-read from
  * shared memory for each tile instead of living in registers.
  *
- * Only the (D, warps, stages) combinations listed here are compiled
- * (forward.cu instantiates them); change both together. */
+ * Compiled tiles (forward.cu's dispatch_tile; change both together): D = 128 with 4 warps ×
+ * 2 stages (with and without split scores) or 8 warps × 2 stages; D = 64 with 4 warps × 2 or
+ * 3 stages. SPARGE_CUDA_FWD_TILE="warps,stages[,split]" picks another one for benchmarks.
+ *
+ * Measured on an H200 (sm_90, 2026-11-30, B=1 H=12 N=32760 D=128 bf16, dense, see
+ * experiments/BENCHMARKS.md): 4 warps × 2 stages 330 TFLOP/s (255 registers, ≈ 110 bytes
+ * spilled); the same with split scores 305 (4 bytes spilled: the second K pass costs more
+ * than the spills); 8 warps × 2 stages 296 (an earlier build, against 309 for 4 warps then).
+ * The D = 64 tiles are correct on the H200 but their speed was not measured. */
 #ifndef SPARGE_CUDA_TILES_H
 #define SPARGE_CUDA_TILES_H
 
