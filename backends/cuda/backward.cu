@@ -9,13 +9,19 @@
  *   3. dQ:    either fp32 atomics from the dK/dV pass (dQ += dS K per tile, then one conversion kernel), or
  *             a separate pass with one CTA per query block over its CSR row (no atomics: bitwise
  *             reproducible, used when deterministic is set).
- * SPARGE_CUDA_DQ=atomic|pass overrides the variant used when deterministic is 0 (for benchmarks).
+ * Atomics are the default when deterministic is 0: on the H200 (experiments/BENCHMARKS.md, cuda-bwd) they
+ * took 64.3 ms against 76.1 ms dense, and were within 0.7 % of the pass on bk = 64 masks at 3–10 % density,
+ * where the atomic traffic of 64-key tiles costs about as much as the separate pass. SPARGE_CUDA_DQ=pass
+ * selects the pass instead (for benchmarks).
  *
  * Tile shapes (all architectures, sm_80/90/120; 256 threads, one CTA per SM):
  *   dK/dV: BN = bk keys per CTA; 8 warps as (BN/16 along keys) × (8·16/BN along queries), each warp owns
  *          16 keys × 64 queries, so a step covers BM = 64·(8·16/BN) query rows (64 for bk = 128, 128 for
  *          bk = 64). Per warp: Sᵀ and dPᵀ 16×64 (32 fp32 registers each), dK and dV 16×D (D/2 each).
  *   dQ pass: 8 warps × 16 query rows = one query block of 128; keys in steps of 64 (S, dP 16×64, dQ 16×D).
+ * Shared memory at D = 128: dK/dV 145 KiB (bk = 128) or 178 KiB (bk = 64), dQ pass 128 KiB; at D = 64
+ * about half. That fits sm_90 (227 KiB); sm_80 (163 KiB) refuses D = 128 with bk = 64, and sm_120
+ * (99 KiB) refuses D = 128 altogether, with SPARGE_ERR_UNSUPPORTED naming the limit (neither was run here).
  * Shared-memory tiles are rows of 16-byte chunks with chunk' = chunk ^ (row mod 8), so the 8 row
  * addresses of every ldmatrix and cp.async phase fall into distinct banks. */
 #include <math.h>

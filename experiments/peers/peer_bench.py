@@ -12,7 +12,10 @@ query blocks before it is timed; a peer that fails the check is reported, not ti
 Timing: CUDA events, median of --reps runs after --warmup runs (DESIGN.md section 4).
 Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t; effective = that times the kept density.
 
-usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE]
+With --backward (added by cuda-bwd) each peer's backward is timed instead: dQ, dK, dV of its forward
+through autograd (TFLOP/s ×2.5, DESIGN.md section 4), dQ checked against fp64 on sampled query blocks.
+
+usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE] [--backward]
        peer_bench.py --B 1 --H 12 --N 32760 --D 128       (dense peers only)
 """
 import argparse
@@ -77,6 +80,32 @@ def reference_rel_l2(out, q, k, v, scale, blocks, block_q, block_k, samples, see
     return math.sqrt(num / den)
 
 
+def reference_dq_rel_l2(dq, q, k, v, d_o, scale, blocks, block_q, block_k, samples, seed=0):
+    """fp64 dQ of masked attention on `samples` random query blocks, exact from those rows alone
+    (dQ = scale·(P∘(dP − rowsum(dO∘O)))·K); relative L2 of dq there."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    num = den = 0.0
+    with torch.no_grad():
+        for _ in range(samples):
+            b = int(torch.randint(B, (1,), generator=gen))
+            h = int(torch.randint(H, (1,), generator=gen))
+            i = int(torch.randint((Nq + block_q - 1) // block_q, (1,), generator=gen))
+            rows = slice(i * block_q, min((i + 1) * block_q, Nq))
+            kk, vv, dob = k[b, h].double(), v[b, h].double(), d_o[b, h, rows].double()
+            s = (q[b, h, rows].double() @ kk.T) * scale
+            if blocks is not None:
+                keep = blocks[b, h, i].repeat_interleave(block_k)[:Nk]
+                s[:, ~keep] = -math.inf
+            p = torch.softmax(s, dim=-1)
+            ds = p * (dob @ vv.T - (dob * (p @ vv)).sum(-1, keepdim=True))
+            ref = scale * ds @ kk
+            num += (dq[b, h, rows].double() - ref).square().sum().item()
+            den += ref.square().sum().item()
+    return math.sqrt(num / den)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mask", action="append", default=[], help="PREFIX of an exported mask (repeatable)")
@@ -90,6 +119,7 @@ def main():
     ap.add_argument("--samples", type=int, default=6, help="query blocks checked against fp64 per peer")
     ap.add_argument("--no-dense", action="store_true", help="skip the SDPA peers")
     ap.add_argument("--csv", help="write the rows here")
+    ap.add_argument("--backward", action="store_true", help="time the peers' backward (dQ, dK, dV) instead")
     args = ap.parse_args()
 
     masks = [load_mask(p) + (p,) for p in args.mask]
@@ -108,6 +138,11 @@ def main():
     v = torch.randn(B, H, Nk, D, device=dev, dtype=dtype)
     scale = 1.0 / math.sqrt(D)
     flops = 4.0 * B * H * Nq * Nk * D
+    if args.backward:
+        for x in (q, k, v):
+            x.requires_grad_()
+        d_o = torch.randn(B, H, Nq, D, device=dev, dtype=dtype)
+        flops *= 2.5
     tol = TOLERANCE[dtype]
     rows = []
     print(f"peers on {torch.cuda.get_device_name()} (torch {torch.__version__}), B={B} H={H} Nq={Nq} Nk={Nk} D={D} "
@@ -116,9 +151,15 @@ def main():
 
     def report(peer, mask_name, sparsity, fn):
         out = fn()
-        err = reference_rel_l2(out, q, k, v, scale, blk, bq, bk, args.samples)
+        timed = fn
+        if args.backward:
+            def timed():
+                return torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
+            err = reference_dq_rel_l2(timed()[0], q, k, v, d_o, scale, blk, bq, bk, args.samples)
+        else:
+            err = reference_rel_l2(out, q, k, v, scale, blk, bq, bk, args.samples)
         ok = math.isfinite(err) and err <= tol
-        ms = time_ms(fn, args.warmup, args.reps) if ok else float("nan")
+        ms = time_ms(timed, args.warmup, args.reps) if ok else float("nan")
         row = {"peer": peer, "mask": mask_name, "B": B, "H": H, "Nq": Nq, "Nk": Nk, "D": D,
                "sparsity": sparsity, "ms": ms, "tflops": flops / (ms * 1e9),
                "eff_tflops": flops * (1 - sparsity) / (ms * 1e9), "rel_l2": err, "verified": ok}
