@@ -52,27 +52,40 @@ static sparge_status run_op(bench *b, op_kind op)
     return SPARGE_ERR_INVALID;
 }
 
-/* Median time in ms, or -1 on error. */
-static double time_op(bench *b, op_kind op, int warmup, int reps)
+static double median(double *t, int n)
 {
-    double *t = malloc(sizeof(double) * (size_t)reps), med;
-    if (!t)
-        return -1.0;
-    for (int i = 0; i < warmup; i++)
-        if (exp_check(run_op(b, op), "warm-up run")) {
-            free(t);
-            return -1.0;
-        }
-    for (int i = 0; i < reps; i++)
-        if (exp_check(sparge_timer_start(b->dev), "sparge_timer_start") || exp_check(run_op(b, op), "timed run") ||
-            exp_check(sparge_timer_stop(b->dev, &t[i]), "sparge_timer_stop")) {
-            free(t);
-            return -1.0;
-        }
-    qsort(t, (size_t)reps, sizeof *t, cmp_double);
-    med = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
-    free(t);
-    return med;
+    qsort(t, (size_t)n, sizeof *t, cmp_double);
+    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+static int timed(bench *b, op_kind op, double *ms)
+{
+    return exp_check(sparge_timer_start(b->dev), "sparge_timer_start") || exp_check(run_op(b, op), "timed run") ||
+                   exp_check(sparge_timer_stop(b->dev, ms), "sparge_timer_stop")
+               ? -1
+               : 0;
+}
+
+/* Median times in ms of op_a and (if op_b >= 0) op_b, run alternately so that
+ * both see the same machine (the CPU may be shared): a ratio of the two is
+ * then robust to load that drifts during the sweep. Returns 0 / -1. */
+static int time_ops(bench *b, int op_a, int op_b, int warmup, int reps, double *ta, double *tb)
+{
+    double *a = malloc(sizeof(double) * (size_t)reps), *c = malloc(sizeof(double) * (size_t)reps);
+    int rc = a && c ? 0 : -1;
+    for (int i = 0; !rc && i < warmup; i++)
+        rc = exp_check(run_op(b, (op_kind)op_a), "warm-up run") ||
+             (op_b >= 0 && exp_check(run_op(b, (op_kind)op_b), "warm-up run"));
+    for (int i = 0; !rc && i < reps; i++)
+        rc = timed(b, (op_kind)op_a, &a[i]) || (op_b >= 0 && timed(b, (op_kind)op_b, &c[i]));
+    if (!rc) {
+        *ta = median(a, reps);
+        if (op_b >= 0)
+            *tb = median(c, reps);
+    }
+    free(a);
+    free(c);
+    return rc;
 }
 
 int main(int argc, char **argv)
@@ -157,10 +170,10 @@ int main(int argc, char **argv)
     exp_progress(&o, "speed", "%s on %s (%s), B=%lld H=%lld N=%lld D=%lld %s, median of %d after %d warm-up",
                  x.label, sparge_device_name(b.dev), sparge_device_description(b.dev), (long long)x.B, (long long)x.H,
                  (long long)x.N, (long long)x.D, sparge_dtype_name(o.dtype), reps, warmup);
-    double t_dense = time_op(&b, OP_DENSE, warmup, reps), t_dense_bwd = -1.0;
-    if (t_dense < 0)
-        return 1;
-    if (backward && (t_dense_bwd = time_op(&b, OP_DENSE_BWD, warmup, reps)) < 0)
+    /* a first dense measurement for the header; each sparsity level re-times dense alternately with sparse */
+    double t_dense, t_dense_bwd = -1.0;
+    if (time_ops(&b, OP_DENSE, -1, warmup, reps, &t_dense, NULL) ||
+        (backward && time_ops(&b, OP_DENSE_BWD, -1, warmup, reps, &t_dense_bwd, NULL)))
         return 1;
     exp_progress(&o, "speed", "  dense forward %.3f ms (%.3f TFLOP/s)", t_dense, flops / t_dense * 1e-9);
     if (csv)
@@ -168,14 +181,17 @@ int main(int argc, char **argv)
                      "dense_ms,speedup_fwd,speedup_total,dense_equiv_tflops,effective_tflops,bwd_ms,dense_bwd_ms,"
                      "speedup_bwd\n");
     fprintf(md, "Device: %s (%s). Shape B=%lld H=%lld N=%lld D=%lld, %s, blocks %dx%d. Median of %d runs after %d "
-                "warm-up; timer: sparge_timer_start/stop.\n\nDense forward (mask NULL): %.3f ms (%.3f TFLOP/s).\n\n",
+                "warm-up; timer: sparge_timer_start/stop. Each sparse forward is timed alternately with a dense forward (mask "
+                "NULL) and compared with that dense median, so a shared machine's drifting load cancels in the ratio."
+                "\n\nDense forward, first measurement: %.3f ms (%.3f TFLOP/s).\n\n",
             sparge_device_name(b.dev), sparge_device_description(b.dev), (long long)x.B, (long long)x.H,
             (long long)x.N, (long long)x.D, sparge_dtype_name(o.dtype), g->block_q, g->block_k, reps, warmup, t_dense,
             flops / t_dense * 1e-9);
     if (backward)
         fprintf(md, "Dense backward: %.3f ms.\n\n", t_dense_bwd);
-    fprintf(md, "| sparsity | token density | mask prediction ms | sparse forward ms | total ms | speedup (forward) "
-                "| speedup (with mask) | dense-equiv. TFLOP/s | effective TFLOP/s |%s\n|---|---|---|---|---|---|---|---|---|%s\n",
+    fprintf(md, "| sparsity | token density | mask prediction ms | sparse forward ms | dense forward ms (paired) | total ms "
+                "| speedup (forward) | speedup (with mask) | dense-equiv. TFLOP/s | effective TFLOP/s |%s\n"
+                "|---|---|---|---|---|---|---|---|---|---|%s\n",
             backward ? " backward ms | speedup (backward) |" : "", backward ? "---|---|" : "");
     double speedup_at_95 = NAN;
     int64_t nkb = (x.N + g->block_k - 1) / g->block_k, last_count = -1;
@@ -188,17 +204,17 @@ int main(int argc, char **argv)
         last_count = count;
         b.mp = (sparge_mask_params){g->block_q, g->block_k, exp_topk_for_count(count, nkb), 0.0, 0.0f};
         sparge_mask_stats st;
-        double t_mask = time_op(&b, OP_MASK, warmup, reps);
-        if (t_mask < 0 || exp_check(sparge_mask_get_stats(b.mask, &st, NULL, NULL), "sparge_mask_get_stats"))
-            return 1;
-        double t_fwd = time_op(&b, OP_SPARSE, warmup, reps), t_bwd = -1.0;
-        if (t_fwd < 0 || (backward && (t_bwd = time_op(&b, OP_SPARSE_BWD, warmup, reps)) < 0))
+        double t_mask, t_fwd, t_bwd = -1.0;
+        if (time_ops(&b, OP_MASK, -1, warmup, reps, &t_mask, NULL) ||
+            exp_check(sparge_mask_get_stats(b.mask, &st, NULL, NULL), "sparge_mask_get_stats") ||
+            time_ops(&b, OP_DENSE, OP_SPARSE, warmup, reps, &t_dense, &t_fwd) ||
+            (backward && time_ops(&b, OP_DENSE_BWD, OP_SPARSE_BWD, warmup, reps, &t_dense_bwd, &t_bwd)))
             return 1;
         double total = t_mask + t_fwd;
         if (fabs(st.sparsity - 0.95) < 0.01)
             speedup_at_95 = t_dense / total;
-        fprintf(md, "| %.2f %% | %.4f | %.3f | %.3f | %.3f | %.2f× | %.2f× | %.3f | %.3f |", 100.0 * st.sparsity,
-                st.token_density, t_mask, t_fwd, total, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
+        fprintf(md, "| %.2f %% | %.4f | %.3f | %.3f | %.3f | %.3f | %.2f× | %.2f× | %.3f | %.3f |", 100.0 * st.sparsity,
+                st.token_density, t_mask, t_fwd, t_dense, total, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
                 flops * (1.0 - st.sparsity) / t_fwd * 1e-9);
         if (backward)
             fprintf(md, " %.3f | %.2f× |", t_bwd, t_dense_bwd / t_bwd);
