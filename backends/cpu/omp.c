@@ -1,6 +1,13 @@
 /* Backend "cpu": OpenMP over (batch, head, query block), tiled online-softmax
  * forward, and a backward that only visits kept blocks (dK/dV per key block
- * through the transposed mask, then dQ per query block: no atomics). */
+ * through the transposed mask, then dQ per query block: no atomics, bitwise
+ * reproducible).
+ *
+ * Tiles are computed transposed, Sᵀ = K·(s·Q)ᵀ [key × query], so that K and V
+ * are used row-major straight from f32 views (no copy, no transpose), each
+ * query block's Qᵀ is built once and reused over all its key blocks, and the
+ * softmax statistics of a query are vertical vector operations (no horizontal
+ * reductions). Every product goes through one register-blocked GEMM. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,19 +25,29 @@ typedef struct {
     const sparge_simd_ops *simd;
 } cpu_ctx;
 
+/* The widest tier this CPU runs, or the one named by SPARGE_CPU_SIMD
+ * ("generic", "avx2", "avx512") when the CPU runs that one (tests use it to
+ * cover every tier on one machine). */
 const sparge_simd_ops *sparge_simd_best(void)
 {
+    const sparge_simd_ops *usable[3];
+    int n = 0;
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #ifdef SPARGE_HAVE_AVX512
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-        return &sparge_simd_avx512;
+        usable[n++] = &sparge_simd_avx512;
 #endif
 #ifdef SPARGE_HAVE_AVX2
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return &sparge_simd_avx2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        usable[n++] = &sparge_simd_avx2;
 #endif
 #endif
-    return &sparge_simd_generic;
+    usable[n++] = &sparge_simd_generic;
+    const char *want = getenv("SPARGE_CPU_SIMD");
+    for (int i = 0; want && i < n; i++)
+        if (strcmp(want, usable[i]->name) == 0)
+            return usable[i];
+    return usable[0];
 }
 
 static int max_threads(void)
@@ -60,33 +77,52 @@ static sparge_status cpu_open(int index, void **impl, char *desc, size_t len)
 
 static void cpu_close(void *impl) { free(impl); }
 
-/* rows×D tile of x starting at token n0, converted to f32, row stride D. */
-static void load_tile(const sparge_view *x, int64_t b, int64_t h, int64_t n0, int64_t rows, float *out)
-{
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t off = view_offset(x, b, h, n0 + r, 0);
-        if (x->dtype == SPARGE_F32 && x->sd == 1)
-            memcpy(out + r * x->D, (const float *)x->data + off, (size_t)x->D * sizeof(float));
-        else
-            for (int64_t d = 0; d < x->D; d++)
-                out[r * x->D + d] = view_load(x, off + d * x->sd);
-    }
-}
-
-static void store_tile(const sparge_view *x, int64_t b, int64_t h, int64_t n0, int64_t rows, const float *src)
-{
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t off = view_offset(x, b, h, n0 + r, 0);
-        for (int64_t d = 0; d < x->D; d++)
-            view_store(x, off + d * x->sd, src[r * x->D + d]);
-    }
-}
-
 static int64_t block_rows(int64_t i, int block, int64_t n) { return i * block + block <= n ? block : n - i * block; }
 
+/* Query-indexed tiles are padded to whole vectors (and 64-byte rows). */
+static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+/* Address of element (b, h, n, 0) of x. */
+static void *row_ptr(const sparge_view *x, int64_t b, int64_t h, int64_t n)
+{
+    return (char *)x->data + (size_t)view_offset(x, b, h, n, 0) * sparge_dtype_size(x->dtype);
+}
+
+/* Rows [n0, n0 + rows) of x as f32 rows: the view itself when it is f32 with
+ * unit d-stride (no copy), else converted into buf. Sets *ld to the row stride. */
+static const float *rows_f32(const sparge_simd_ops *k_, const sparge_view *x, int64_t b, int64_t h, int64_t n0,
+                             int64_t rows, float *buf, int64_t *ld)
+{
+    if (x->dtype == SPARGE_F32 && x->sd == 1) {
+        *ld = x->sn;
+        return row_ptr(x, b, h, n0);
+    }
+    k_->load(row_ptr(x, b, h, n0), x->dtype, x->sn, x->sd, rows, x->D, 1.0f, buf, x->D, 0);
+    *ld = x->D;
+    return buf;
+}
+
+/* Ask for rows [n0, n0 + rows) of x to be brought towards L2 while the current
+ * block is computed: kept key blocks are scattered, so the hardware prefetcher
+ * cannot guess the next one. */
+static void prefetch_rows(const sparge_view *x, int64_t b, int64_t h, int64_t n0, int64_t rows)
+{
+#if defined(__GNUC__)
+    size_t bytes = (size_t)(x->D * x->sd) * sparge_dtype_size(x->dtype);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *p = row_ptr(x, b, h, n0 + r);
+        for (size_t off = 0; off < bytes; off += 64)
+            __builtin_prefetch(p + off, 0, 2);
+    }
+#else
+    (void)x, (void)b, (void)h, (void)n0, (void)rows;
+#endif
+}
+
 /* Per-thread scratch: all buffers or none. */
+enum { MAX_SCRATCH = 10 };
 typedef struct {
-    float *buf[8];
+    float *buf[MAX_SCRATCH];
 } scratch;
 
 static int scratch_alloc(scratch *s, const size_t *floats, int n)
@@ -100,69 +136,156 @@ static int scratch_alloc(scratch *s, const size_t *floats, int n)
 
 static void scratch_free(scratch *s)
 {
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < MAX_SCRATCH; i++)
         free(s->buf[i]);
 }
 
 static sparge_status cpu_pool(void *impl, const sparge_pool_args *a)
 {
-    (void)impl;
+    const cpu_ctx *ctx = impl;
     const sparge_view *x = &a->x, *o = &a->out;
-    int64_t tasks = x->B * x->H * o->N;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t bh = t / o->N, i = t % o->N, b = bh / x->H, h = bh % x->H;
-        int64_t t0 = i * a->block, rows = block_rows(i, a->block, x->N);
-        for (int64_t d = 0; d < x->D; d++) {
-            float sum = 0.0f;
-            for (int64_t r = 0; r < rows; r++)
-                sum += view_load(x, view_offset(x, b, h, t0 + r, d));
-            view_store(o, view_offset(o, b, h, i, d), sum / (float)rows);
+    int64_t tasks = x->B * x->H * o->N, D = x->D;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *acc = malloc((size_t)D * sizeof *acc);
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tasks; t++) {
+                int64_t bh = t / o->N, i = t % o->N, b = bh / x->H, h = bh % x->H;
+                int64_t rows = block_rows(i, a->block, x->N);
+                memset(acc, 0, (size_t)D * sizeof *acc);
+                ctx->simd->sum_rows(row_ptr(x, b, h, i * a->block), x->dtype, x->sn, x->sd, rows, D, acc);
+                for (int64_t d = 0; d < D; d++)
+                    acc[d] /= (float)rows;
+                ctx->simd->store(acc, D, NULL, 1, D, row_ptr(o, b, h, i), o->dtype, o->sn, o->sd);
+            }
+        }
+        free(acc);
     }
-    return SPARGE_OK;
+    return failed ? SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for pooling") : SPARGE_OK;
 }
 
 static sparge_status cpu_pooled_map(void *impl, const sparge_map_args *a)
 {
     const cpu_ctx *ctx = impl;
+    const sparge_simd_ops *k_ = ctx->simd;
     const sparge_view *q = &a->qbar, *k = &a->kbar, *m = &a->map;
     int64_t D = q->D, nqb = q->N, nkb = k->N;
     int failed = 0;
 #pragma omp parallel
     {
         scratch s;
-        size_t sizes[3] = {(size_t)(nqb * D), (size_t)(nkb * D), (size_t)(nqb * nkb)};
-        int ok = scratch_alloc(&s, sizes, 3);
-        if (!ok) {
+        size_t sizes[3] = {(size_t)(nqb * D), (size_t)(D * nkb), (size_t)(nqb * nkb)};
+        if (!scratch_alloc(&s, sizes, 3)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
+        float *qbar = s.buf[0], *kbar_t = s.buf[1], *map = s.buf[2];
+        if (!failed) {
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < q->B * q->H; bh++) {
-            if (failed)
-                continue;
-            int64_t b = bh / q->H, h = bh % q->H;
-            load_tile(q, b, h, 0, nqb, s.buf[0]);
-            load_tile(k, b, h, 0, nkb, s.buf[1]);
-            ctx->simd->abt(s.buf[0], D, s.buf[1], D, s.buf[2], nkb, nqb, nkb, D);
-            for (int64_t i = 0; i < nqb; i++) {
-                float *row = s.buf[2] + i * nkb, mx = -INFINITY;
-                int nan = 0;
-                for (int64_t j = 0; j < nkb; j++) {
-                    row[j] *= a->scale;
-                    nan |= isnan(row[j]);
-                    mx = row[j] > mx ? row[j] : mx;
+            for (int64_t bh = 0; bh < q->B * q->H; bh++) {
+                int64_t b = bh / q->H, h = bh % q->H;
+                k_->load(row_ptr(q, b, h, 0), q->dtype, q->sn, q->sd, nqb, D, 1.0f, qbar, D, 0);
+                k_->load(row_ptr(k, b, h, 0), k->dtype, k->sn, k->sd, nkb, D, 1.0f, kbar_t, nkb, 1);
+                k_->gemm(nqb, nkb, D, qbar, D, 1, kbar_t, nkb, map, nkb, 0, NULL);
+                for (int64_t i = 0; i < nqb; i++) {
+                    float *row = map + i * nkb, mx = -INFINITY;
+                    int nan = 0;
+                    for (int64_t j = 0; j < nkb; j++) {
+                        row[j] *= a->scale;
+                        nan |= isnan(row[j]);
+                        mx = row[j] > mx ? row[j] : mx;
+                    }
+                    float inv = nan ? NAN : 1.0f / k_->exp_sum(row, nkb, mx);
+                    k_->store(row, nkb, &inv, 1, nkb, row_ptr(m, b, h, i), m->dtype, m->sn, m->sd);
                 }
-                float inv = 1.0f / ctx->simd->exp_sum(row, nkb, mx);
-                for (int64_t j = 0; j < nkb; j++)
-                    view_store(m, view_offset(m, b, h, i, j), nan ? NAN : row[j] * inv);
             }
         }
         scratch_free(&s);
     }
     return failed ? SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for the pooled map") : SPARGE_OK;
+}
+
+/* The hybrid selection of select.c (sparge_select_row) for rows that keep few
+ * blocks: the kept prefix of its order (descending, ties by lower index) is
+ * built by repeated arg-max, O(kept·n) instead of a full sort, with the same
+ * cumulative sums in the same order, so the result is identical. Rows that
+ * keep many blocks or hold NaN take sparge_select_row itself. */
+static int64_t select_row_few(const float *row, int64_t n, double topk, double topp, int32_t *order, uint8_t *keep,
+                              double *mass)
+{
+    enum { MAX_PICKS = 32 };
+    int64_t nk = sparge_topk_count(topk, n), np = topp > 0.0 ? -1 : 0, t = 0;
+    int has_nan = 0;
+    for (int64_t j = 0; j < n; j++)
+        has_nan |= isnan(row[j]);
+    if (has_nan || nk > MAX_PICKS)
+        return sparge_select_row(row, n, topk, topp, order, keep, mass);
+    memset(keep, 0, (size_t)n);
+    double cum = 0.0;
+    while (np < 0 || t < nk || t < 1) {
+        if (t == n) { /* rounding left the row's total below p: keep it whole */
+            np = n;
+            break;
+        }
+        if (t == MAX_PICKS)
+            return sparge_select_row(row, n, topk, topp, order, keep, mass);
+        int64_t best = -1;
+        for (int64_t j = 0; j < n; j++)
+            if (!keep[j] && (best < 0 || row[j] > row[best]))
+                best = j;
+        keep[best] = 1;
+        order[t++] = (int32_t)best;
+        if (np < 0 && (cum += row[best]) >= topp)
+            np = t;
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < t; i++)
+        sum += row[order[i]];
+    *mass = sum;
+    return t;
+}
+
+static sparge_status cpu_mask_select(void *impl, const sparge_select_args *a)
+{
+    const sparge_mask_view *m = &a->mask;
+    const sparge_view *map = &a->map;
+    int64_t rows = m->B * m->H * m->Nqb;
+    int failed = 0;
+#pragma omp parallel
+    {
+        int32_t *order = malloc((size_t)m->Nkb * sizeof *order);
+        float *row = malloc((size_t)m->Nkb * sizeof *row);
+        if (!order || !row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t bh = r / m->Nqb, i = r % m->Nqb, b = bh / m->H, h = bh % m->H;
+                const float *src = (const float *)map->data + view_offset(map, b, h, i, 0);
+                for (int64_t j = 0; j < m->Nkb; j++)
+                    row[j] = src[j * map->sd];
+                double mass;
+                select_row_few(row, m->Nkb, a->topk, a->topp, order, m->dense + r * m->Nkb, &mass);
+                m->row_mass[r] = (float)mass;
+            }
+        }
+        free(order);
+        free(row);
+    }
+    if (failed)
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for mask selection");
+    return sparge_cpu_mask_from_dense(impl, m);
 }
 
 static sparge_status cpu_forward(void *impl, const sparge_fwd_args *a)
@@ -172,83 +295,89 @@ static sparge_status cpu_forward(void *impl, const sparge_fwd_args *a)
         return st;
     const cpu_ctx *ctx = impl;
     const sparge_simd_ops *k_ = ctx->simd;
-    int64_t D = a->q.D, Nq = a->q.N, Nk = a->k.N, H = a->q.H;
-    int64_t nqb = (Nq + a->bq - 1) / a->bq, nkb = (Nk + a->bk - 1) / a->bk, tasks = a->q.B * H * nqb;
+    const sparge_view *qv = &a->q, *kv = &a->k, *vv = &a->v, *ov = &a->o;
+    int64_t D = qv->D, Nq = qv->N, Nk = kv->N, H = qv->H, ldt = pad16(a->bq);
+    int64_t nqb = (Nq + a->bq - 1) / a->bq, nkb = (Nk + a->bk - 1) / a->bk, tasks = qv->B * H * nqb, claimed = 0;
     int failed = 0;
 #pragma omp parallel
     {
         scratch s;
-        size_t sizes[7] = {(size_t)(a->bq * D), (size_t)(a->bk * D), (size_t)(a->bk * D), (size_t)(a->bq * a->bk),
-                           (size_t)(a->bq * D), (size_t)(2 * a->bq), (size_t)nkb};
-        if (!scratch_alloc(&s, sizes, 7)) {
+        size_t sizes[6] = {(size_t)(D * ldt), (size_t)(a->bk * ldt), (size_t)(a->bq * D), (size_t)(4 * ldt),
+                           (size_t)(2 * a->bk * D), (size_t)nkb};
+        if (!scratch_alloc(&s, sizes, 6)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        float *qt = s.buf[0], *kt = s.buf[1], *vt = s.buf[2], *st = s.buf[3], *ot = s.buf[4], *ml = s.buf[5];
-        int32_t *all = (int32_t *)s.buf[6];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) {
-            if (failed)
-                continue;
-            int64_t bh = task / nqb, i = task % nqb, b = bh / H, h = bh % H;
-            int64_t nq = block_rows(i, a->bq, Nq);
+        float *qt = s.buf[0], *st_ = s.buf[1], *ot = s.buf[2], *m = s.buf[3], *l = m + ldt, *corr = l + ldt,
+              *inv = corr + ldt, *kbuf = s.buf[4], *vbuf = kbuf + a->bk * D;
+        int32_t *all = (int32_t *)s.buf[5];
+        /* Dynamic scheduling that claims the next task one ahead, so that its
+         * Q block and first K/V block can be prefetched during the last pair. */
+        int64_t next = tasks;
+        if (!failed) {
+#pragma omp atomic capture
+            next = claimed++;
+        }
+        while (next < tasks) {
+            int64_t task = next;
+#pragma omp atomic capture
+            next = claimed++;
+            int64_t bh = task / nqb, i = task % nqb, b = bh / H, h = bh % H, nq = block_rows(i, a->bq, Nq);
             const int32_t *idx;
             int64_t cnt = kept_blocks(a->mask, bh, i, nkb, &idx, all);
-            load_tile(&a->q, b, h, i * a->bq, nq, qt);
-            memset(ot, 0, (size_t)(nq * D) * sizeof(float));
-            float *m = ml, *l = ml + a->bq;
+            k_->load(row_ptr(qv, b, h, i * a->bq), qv->dtype, qv->sn, qv->sd, nq, D, a->scale, qt, ldt, 1);
             for (int64_t r = 0; r < nq; r++) {
                 m[r] = -INFINITY;
                 l[r] = 0.0f;
             }
             for (int64_t c = 0; c < cnt; c++) {
-                int64_t j = idx[c], nk = block_rows(j, a->bk, Nk);
-                load_tile(&a->k, b, h, j * a->bk, nk, kt);
-                load_tile(&a->v, b, h, j * a->bk, nk, vt);
-                k_->abt(qt, D, kt, D, st, nk, nq, nk, D);
-                for (int64_t r = 0; r < nq; r++) {
-                    float *row = st + r * nk, mx = m[r];
-                    for (int64_t u = 0; u < nk; u++) {
-                        row[u] *= a->scale;
-                        mx = row[u] > mx ? row[u] : mx;
-                    }
-                    float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                    l[r] = l[r] * corr + k_->exp_sum(row, nk, mx);
-                    m[r] = mx;
-                    if (corr != 1.0f)
-                        for (int64_t d = 0; d < D; d++)
-                            ot[r * D + d] *= corr;
+                int64_t j = idx[c], nk = block_rows(j, a->bk, Nk), ldk, ldv;
+                if (c + 1 < cnt) {
+                    int64_t jn = idx[c + 1], nkn = block_rows(jn, a->bk, Nk);
+                    prefetch_rows(kv, b, h, jn * a->bk, nkn);
+                    prefetch_rows(vv, b, h, jn * a->bk, nkn);
+                } else if (next < tasks) {
+                    int64_t bhn = next / nqb, in = next % nqb, bn = bhn / H, hn = bhn % H, jn = 0;
+                    if (a->mask)
+                        jn = a->mask->indices[(bhn * nqb + in) * nkb];
+                    prefetch_rows(qv, bn, hn, in * a->bq, block_rows(in, a->bq, Nq));
+                    prefetch_rows(kv, bn, hn, jn * a->bk, block_rows(jn, a->bk, Nk));
+                    prefetch_rows(vv, bn, hn, jn * a->bk, block_rows(jn, a->bk, Nk));
                 }
-                k_->ab(st, nk, vt, D, ot, D, nq, D, nk);
+                const float *kt = rows_f32(k_, kv, b, h, j * a->bk, nk, kbuf, &ldk);
+                const float *vt = rows_f32(k_, vv, b, h, j * a->bk, nk, vbuf, &ldv);
+                k_->gemm(nk, nq, D, kt, ldk, 1, qt, ldt, st_, ldt, 0, NULL);    /* Sᵀ = K (sQ)ᵀ */
+                k_->softmax_cols(st_, ldt, nk, nq, m, l, corr);                 /* Pᵀ, m, l */
+                k_->gemm(nq, D, nk, st_, 1, ldt, vt, ldv, ot, D, c > 0, corr); /* O = corr·O + P V */
             }
             for (int64_t r = 0; r < nq; r++) {
-                float inv = 1.0f / l[r];
-                for (int64_t d = 0; d < D; d++)
-                    ot[r * D + d] *= inv;
+                inv[r] = 1.0f / l[r];
                 if (a->lse)
                     a->lse[bh * Nq + i * a->bq + r] = m[r] + logf(l[r]);
             }
-            store_tile(&a->o, b, h, i * a->bq, nq, ot);
+            k_->store(ot, D, inv, nq, D, row_ptr(ov, b, h, i * a->bq), ov->dtype, ov->sn, ov->sd);
         }
         scratch_free(&s);
     }
     return failed ? SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for attention tiles") : SPARGE_OK;
 }
 
-/* P = exp(scale·Q Kᵀ − lse) and dS = P∘(dO Vᵀ − Δ) for one (query block, key block) pair. */
-static void block_grads(const sparge_simd_ops *k_, const float *qt, const float *dot_, const float *kt, const float *vt,
-                        const float *lse, const float *delta, int64_t nq, int64_t nk, int64_t D, float scale, float *p,
-                        float *ds)
+/* f32 operands of one head shared by the backward's phases: per query block
+ * (sQ)ᵀ and dOᵀ (D × ldt each), Q and dO rows when the views cannot be used
+ * directly, and Δ = rowsum(dO∘O). */
+typedef struct {
+    float *qt, *dot, *q, *d_o, *delta;
+} bwd_head;
+
+/* Sᵀ → Pᵀ and dPᵀ → dSᵀ of query block i (nq rows) against one key block (nk rows of K and V). */
+static void block_grads(const sparge_simd_ops *k_, const bwd_head *hd, int64_t i, int64_t ldt, int64_t D,
+                        const float *lse, const float *kt, int64_t ldk, const float *vt, int64_t ldv, int64_t nq,
+                        int64_t nk, float *pt, float *dst)
 {
-    k_->abt(qt, D, kt, D, p, nk, nq, nk, D);
-    k_->abt(dot_, D, vt, D, ds, nk, nq, nk, D);
-    for (int64_t r = 0; r < nq; r++)
-        for (int64_t u = 0; u < nk; u++) {
-            float pr = expf(scale * p[r * nk + u] - lse[r]);
-            p[r * nk + u] = pr;
-            ds[r * nk + u] = pr * (ds[r * nk + u] - delta[r]);
-        }
+    k_->gemm(nk, nq, D, kt, ldk, 1, hd->qt + i * D * ldt, ldt, pt, ldt, 0, NULL);
+    k_->gemm(nk, nq, D, vt, ldv, 1, hd->dot + i * D * ldt, ldt, dst, ldt, 0, NULL);
+    k_->grad_cols(pt, dst, ldt, nk, nq, lse, hd->delta + i * ldt);
 }
 
 static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
@@ -258,47 +387,73 @@ static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
         return st;
     const cpu_ctx *ctx = impl;
     const sparge_simd_ops *k_ = ctx->simd;
-    int64_t D = a->q.D, Nq = a->q.N, Nk = a->k.N, H = a->q.H, BH = a->q.B * H;
+    const sparge_view *qv = &a->q, *kv = &a->k, *vv = &a->v, *dov = &a->d_o;
+    int64_t D = qv->D, Nq = qv->N, Nk = kv->N, H = qv->H, BH = qv->B * H, ldt = pad16(a->bq);
     int64_t nqb = (Nq + a->bq - 1) / a->bq, nkb = (Nk + a->bk - 1) / a->bk;
-    int64_t bmax = a->bq > a->bk ? a->bq : a->bk, nmax = nqb > nkb ? nqb : nkb;
-    float *delta = malloc((size_t)(BH * Nq) * sizeof(float));
-    if (!delta)
+    int q_direct = qv->dtype == SPARGE_F32 && qv->sd == 1, do_direct = dov->dtype == SPARGE_F32 && dov->sd == 1;
+    /* One head's operands at a time keeps the extra memory at a few Nq×D. */
+    size_t tiles = (size_t)(nqb * D * ldt), rows = (size_t)(Nq * D);
+    float *shared = malloc((2 * tiles + (q_direct ? 0 : rows) + (do_direct ? 0 : rows) + (size_t)(nqb * ldt)) *
+                           sizeof(float));
+    if (!shared)
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for the backward");
+    bwd_head hd = {shared, shared + tiles, NULL, NULL, shared + 2 * tiles};
+    float *next = hd.delta + nqb * ldt;
+    if (!q_direct) {
+        hd.q = next;
+        next += rows;
+    }
+    if (!do_direct)
+        hd.d_o = next;
     int failed = 0;
 #pragma omp parallel
     {
         scratch s;
-        size_t sizes[8] = {(size_t)(bmax * D), (size_t)(bmax * D), (size_t)(bmax * D), (size_t)(bmax * D),
-                           (size_t)(a->bq * a->bk), (size_t)(a->bq * a->bk), (size_t)(2 * bmax * D), (size_t)nmax};
-        if (!scratch_alloc(&s, sizes, 8)) {
+        size_t bmax = (size_t)(a->bq > a->bk ? a->bq : a->bk);
+        size_t sizes[6] = {(size_t)(a->bk * ldt), (size_t)(a->bk * ldt), 2 * bmax * (size_t)D, 2 * bmax * (size_t)D,
+                           (size_t)(nqb > nkb ? nqb : nkb), (size_t)bmax};
+        if (!scratch_alloc(&s, sizes, 6)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-        float *qt = s.buf[0], *dot_ = s.buf[1], *kt = s.buf[2], *vt = s.buf[3], *p = s.buf[4], *ds = s.buf[5];
-        float *acc = s.buf[6], *ot = s.buf[0];
-        int32_t *all = (int32_t *)s.buf[7];
-        if (!failed) {
+        float *pt = s.buf[0], *dst = s.buf[1], *acc = s.buf[2], *kbuf = s.buf[3], *vbuf = kbuf + bmax * D;
+        float *scale_rows = s.buf[5];
+        int32_t *all = (int32_t *)s.buf[4];
+        for (size_t r = 0; !failed && r < bmax; r++)
+            scale_rows[r] = a->scale;
+        for (int64_t bh = 0; !failed && bh < BH; bh++) {
+            int64_t b = bh / H, h = bh % H;
+            const float *lse = a->lse + bh * Nq;
+            /* Phase 1: this head's (sQ)ᵀ, dOᵀ, f32 rows and Δ, per query block. */
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < BH * nqb; task++) {
-                int64_t bh = task / nqb, i = task % nqb, nq = block_rows(i, a->bq, Nq);
-                load_tile(&a->o, bh / H, bh % H, i * a->bq, nq, ot);
-                load_tile(&a->d_o, bh / H, bh % H, i * a->bq, nq, dot_);
+            for (int64_t i = 0; i < nqb; i++) {
+                int64_t nq = block_rows(i, a->bq, Nq), t0 = i * a->bq, ldo, lddo;
+                k_->load(row_ptr(qv, b, h, t0), qv->dtype, qv->sn, qv->sd, nq, D, a->scale, hd.qt + i * D * ldt, ldt,
+                         1);
+                k_->load(row_ptr(dov, b, h, t0), dov->dtype, dov->sn, dov->sd, nq, D, 1.0f, hd.dot + i * D * ldt, ldt,
+                         1);
+                if (!q_direct)
+                    k_->load(row_ptr(qv, b, h, t0), qv->dtype, qv->sn, qv->sd, nq, D, 1.0f, hd.q + t0 * D, D, 0);
+                const float *dor = do_direct ? row_ptr(dov, b, h, t0) : hd.d_o + t0 * D;
+                if (!do_direct)
+                    k_->load(row_ptr(dov, b, h, t0), dov->dtype, dov->sn, dov->sd, nq, D, 1.0f, hd.d_o + t0 * D, D, 0);
+                lddo = do_direct ? dov->sn : D;
+                const float *orow = rows_f32(k_, &a->o, b, h, t0, nq, kbuf, &ldo);
                 for (int64_t r = 0; r < nq; r++) {
                     float sum = 0.0f;
                     for (int64_t d = 0; d < D; d++)
-                        sum += ot[r * D + d] * dot_[r * D + d];
-                    delta[bh * Nq + i * a->bq + r] = sum;
+                        sum += orow[r * ldo + d] * dor[r * lddo + d];
+                    hd.delta[i * ldt + r] = sum;
                 }
             }
-            /* dK, dV: one task per key block, over the query blocks that keep it. */
+            /* Phase 2: dK, dV of each key block over the query blocks that keep it. */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < BH * nkb; task++) {
-                int64_t bh = task / nkb, j = task % nkb, b = bh / H, h = bh % H, nk = block_rows(j, a->bk, Nk);
+            for (int64_t j = 0; j < nkb; j++) {
+                int64_t nk = block_rows(j, a->bk, Nk), ldk, ldv;
                 float *dk = acc, *dv = acc + bmax * D;
-                memset(acc, 0, (size_t)(2 * bmax * D) * sizeof(float));
-                load_tile(&a->k, b, h, j * a->bk, nk, kt);
-                load_tile(&a->v, b, h, j * a->bk, nk, vt);
+                const float *kt = rows_f32(k_, kv, b, h, j * a->bk, nk, kbuf, &ldk);
+                const float *vt = rows_f32(k_, vv, b, h, j * a->bk, nk, vbuf, &ldv);
                 const int32_t *idx = all;
                 int64_t cnt = nqb;
                 if (a->mask) {
@@ -307,46 +462,39 @@ static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
                 } else
                     for (int64_t i = 0; i < nqb; i++)
                         all[i] = (int32_t)i;
+                if (cnt == 0) /* no query keeps this block: zero gradient */
+                    memset(acc, 0, 2 * bmax * (size_t)D * sizeof(float));
                 for (int64_t c = 0; c < cnt; c++) {
-                    int64_t i = idx[c], nq = block_rows(i, a->bq, Nq);
-                    load_tile(&a->q, b, h, i * a->bq, nq, qt);
-                    load_tile(&a->d_o, b, h, i * a->bq, nq, dot_);
-                    block_grads(k_, qt, dot_, kt, vt, a->lse + bh * Nq + i * a->bq, delta + bh * Nq + i * a->bq, nq,
-                                nk, D, a->scale, p, ds);
-                    k_->atb(p, nk, dot_, D, dv, D, nk, D, nq);
-                    k_->atb(ds, nk, qt, D, dk, D, nk, D, nq);
+                    int64_t i = idx[c], nq = block_rows(i, a->bq, Nq), t0 = i * a->bq;
+                    const float *qr = q_direct ? row_ptr(qv, b, h, t0) : hd.q + t0 * D;
+                    const float *dor = do_direct ? row_ptr(dov, b, h, t0) : hd.d_o + t0 * D;
+                    int64_t ldq = q_direct ? qv->sn : D, lddo = do_direct ? dov->sn : D;
+                    block_grads(k_, &hd, i, ldt, D, lse + t0, kt, ldk, vt, ldv, nq, nk, pt, dst);
+                    k_->gemm(nk, D, nq, pt, ldt, 1, dor, lddo, dv, D, c > 0, NULL);  /* dV += Pᵀ dO */
+                    k_->gemm(nk, D, nq, dst, ldt, 1, qr, ldq, dk, D, c > 0, NULL);   /* dK += dSᵀ Q */
                 }
-                for (int64_t x = 0; x < nk * D; x++)
-                    dk[x] *= a->scale;
-                store_tile(&a->dk, b, h, j * a->bk, nk, dk);
-                store_tile(&a->dv, b, h, j * a->bk, nk, dv);
+                k_->store(dk, D, scale_rows, nk, D, row_ptr(&a->dk, b, h, j * a->bk), a->dk.dtype, a->dk.sn, a->dk.sd);
+                k_->store(dv, D, NULL, nk, D, row_ptr(&a->dv, b, h, j * a->bk), a->dv.dtype, a->dv.sn, a->dv.sd);
             }
-            /* dQ: one task per query block, over its kept key blocks. */
+            /* Phase 3: dQ of each query block over its kept key blocks. */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < BH * nqb; task++) {
-                int64_t bh = task / nqb, i = task % nqb, b = bh / H, h = bh % H, nq = block_rows(i, a->bq, Nq);
-                float *dq = acc;
-                memset(dq, 0, (size_t)(nq * D) * sizeof(float));
-                load_tile(&a->q, b, h, i * a->bq, nq, qt);
-                load_tile(&a->d_o, b, h, i * a->bq, nq, dot_);
+            for (int64_t i = 0; i < nqb; i++) {
+                int64_t nq = block_rows(i, a->bq, Nq), t0 = i * a->bq;
                 const int32_t *idx;
                 int64_t cnt = kept_blocks(a->mask, bh, i, nkb, &idx, all);
                 for (int64_t c = 0; c < cnt; c++) {
-                    int64_t j = idx[c], nk = block_rows(j, a->bk, Nk);
-                    load_tile(&a->k, b, h, j * a->bk, nk, kt);
-                    load_tile(&a->v, b, h, j * a->bk, nk, vt);
-                    block_grads(k_, qt, dot_, kt, vt, a->lse + bh * Nq + i * a->bq, delta + bh * Nq + i * a->bq, nq,
-                                nk, D, a->scale, p, ds);
-                    k_->ab(ds, nk, kt, D, dq, D, nq, D, nk);
+                    int64_t j = idx[c], nk = block_rows(j, a->bk, Nk), ldk, ldv;
+                    const float *kt = rows_f32(k_, kv, b, h, j * a->bk, nk, kbuf, &ldk);
+                    const float *vt = rows_f32(k_, vv, b, h, j * a->bk, nk, vbuf, &ldv);
+                    block_grads(k_, &hd, i, ldt, D, lse + t0, kt, ldk, vt, ldv, nq, nk, pt, dst);
+                    k_->gemm(nq, D, nk, dst, 1, ldt, kt, ldk, acc, D, c > 0, NULL);  /* dQ += dS K */
                 }
-                for (int64_t x = 0; x < nq * D; x++)
-                    dq[x] *= a->scale;
-                store_tile(&a->dq, b, h, i * a->bq, nq, dq);
+                k_->store(acc, D, scale_rows, nq, D, row_ptr(&a->dq, b, h, t0), a->dq.dtype, a->dq.sn, a->dq.sd);
             }
         }
         scratch_free(&s);
     }
-    free(delta);
+    free(shared);
     return failed ? SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for backward tiles") : SPARGE_OK;
 }
 
@@ -354,5 +502,5 @@ const sparge_backend sparge_backend_cpu = {
     "cpu",          cpu_device_count,       cpu_open,          cpu_close,      sparge_cpu_alloc,
     sparge_cpu_free, sparge_cpu_copy,       sparge_cpu_fill,   NULL,           NULL,
     NULL,           NULL,
-    cpu_pool,       cpu_pooled_map,         sparge_cpu_mask_select,            sparge_cpu_mask_from_dense,
+    cpu_pool,       cpu_pooled_map,         cpu_mask_select,                   sparge_cpu_mask_from_dense,
     cpu_forward,    cpu_backward};
