@@ -82,7 +82,7 @@ void exp_gen_defaults(exp_family f, exp_gen_params *p)
     p->family = f;
     p->B = 1;
     p->H = 2;
-    p->N = 8192;
+    p->N = 32768; /* the token count of Wan2.1-1.3B at 480p (32760), rounded to whole blocks */
     p->D = 64;
     p->block_q = 128;
     p->block_k = 64;
@@ -95,7 +95,7 @@ void exp_gen_defaults(exp_family f, exp_gen_params *p)
     p->tau_max = 0.5;
     p->sharpness = 6.0;
     p->len_seq = 64.0;
-    p->grid_t = 5;
+    p->grid_t = 21;
     p->grid_h = 30;
     p->grid_w = 52;
     p->len_t = 1.5;

@@ -14,10 +14,45 @@
 static void usage(void)
 {
     fputs("usage: exp_speed [--batch B] [--heads H] [--tokens N] [--dim D] [--sparsities s1,s2,...]\n"
-          "                 [--reps R] [--warmup W] [--backward] [--paper-speedup X] [options]\n"
-          "  defaults: B=1 H=2 N=4096 D=64, sparsities 0,0.5,0.75,0.9,0.95,0.97,0.98, reps 10, warmup 2\n",
+          "                 [--reps R] [--warmup W] [--backward] [--export-masks PREFIX] [options]\n"
+          "  defaults: B=1 H=2 N=4096 D=64, sparsities 0,0.5,0.75,0.9,0.95,0.97,0.98, reps 10, warmup 2\n"
+          "  --export-masks PREFIX  write each level's mask as PREFIX-sNN.NN.{json,u8} (the format of\n"
+          "                         `sparge bench --export-mask`, read by experiments/peers/peer_bench.py)\n",
           stderr);
     exp_opts_usage(stderr);
+}
+
+/* The mask as dense uint8 [B,H,Nqb,Nkb] plus a JSON description, for peer scripts. */
+static int export_mask(const sparge_mask *m, const char *prefix, double sparsity, int64_t D, sparge_dtype t)
+{
+    sparge_mask_shape ms;
+    if (exp_check(sparge_mask_get_shape(m, &ms), "sparge_mask_get_shape"))
+        return -1;
+    size_t cells = (size_t)(ms.B * ms.H * ms.Nqb * ms.Nkb);
+    uint8_t *dense = malloc(cells);
+    char path[1024];
+    int ok = dense && !exp_check(sparge_mask_get_dense(m, dense), "sparge_mask_get_dense");
+    snprintf(path, sizeof path, "%s-s%05.2f.u8", prefix, 100.0 * sparsity);
+    FILE *f = ok ? fopen(path, "wb") : NULL;
+    ok = f && fwrite(dense, 1, cells, f) == cells;
+    if (f)
+        ok &= fclose(f) == 0;
+    free(dense);
+    snprintf(path, sizeof path, "%s-s%05.2f.json", prefix, 100.0 * sparsity);
+    FILE *j = ok ? fopen(path, "w") : NULL;
+    if (j) {
+        fprintf(j, "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, "
+                   "\"block_k\": %d, \"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
+                   "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
+                (long long)ms.B, (long long)ms.H, (long long)ms.Nq, (long long)ms.Nk, (long long)D, ms.block_q,
+                ms.block_k, (long long)ms.Nqb, (long long)ms.Nkb, sparsity, sparge_dtype_name(t));
+        ok = fclose(j) == 0;
+    } else {
+        ok = 0;
+    }
+    if (!ok)
+        fprintf(stderr, "exp_speed: cannot write %s-s%05.2f.{u8,json}\n", prefix, 100.0 * sparsity);
+    return ok ? 0 : -1;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -96,6 +131,7 @@ int main(int argc, char **argv)
     g->N = 4096;
     double sp[32] = {0.0, 0.5, 0.75, 0.9, 0.95, 0.97, 0.98}, paper_speedup = 16.2;
     int nsp = 7, reps = 10, warmup = 2, backward = 0;
+    const char *export_prefix = NULL;
     int64_t batch = 1;
     for (int i = 1; i < argc; i++) {
         int r = exp_opts_parse(&o, argc, argv, &i);
@@ -119,6 +155,8 @@ int main(int argc, char **argv)
             paper_speedup = atof(argv[++i]);
         else if (!strcmp(argv[i], "--backward"))
             backward = 1;
+        else if (!strcmp(argv[i], "--export-masks") && i + 1 < argc)
+            export_prefix = argv[++i];
         else {
             usage();
             return strcmp(argv[i], "--help") ? 2 : 0;
@@ -209,6 +247,8 @@ int main(int argc, char **argv)
             exp_check(sparge_mask_get_stats(b.mask, &st, NULL, NULL), "sparge_mask_get_stats") ||
             time_ops(&b, OP_DENSE, OP_SPARSE, warmup, reps, &t_dense, &t_fwd) ||
             (backward && time_ops(&b, OP_DENSE_BWD, OP_SPARSE_BWD, warmup, reps, &t_dense_bwd, &t_bwd)))
+            return 1;
+        if (export_prefix && export_mask(b.mask, export_prefix, st.sparsity, x.D, o.dtype))
             return 1;
         double total = t_mask + t_fwd;
         if (fabs(st.sparsity - 0.95) < 0.01)

@@ -55,17 +55,17 @@ esac
 out=${out:-$default_out}
 mkdir -p "$out"
 
-# Shapes: CPU runs fit a 2-core machine in a few minutes; GPU runs use the
-# Wan2.1 geometry (video 21x30x52 latents, D = 128, bf16).
+# Shapes: the drivers default to the Wan2.1-1.3B 480p token count (32768 tokens; video 21x30x52 latents)
+# with D = 64 and f32, which fits a 2-core machine in a few minutes; GPU runs use D = 128 and bf16.
 case $backend in
 cpu|cpu-ref)
     common="--heads 2"
     sens="--heads 1"
-    speed_shape="--tokens 4096 --heads 1 --dim 64"
+    speed_shape="--tokens 8192 --heads 2 --dim 64"
     seeds=3 ;;
 *)
-    common="--heads 4 --tokens 32768 --dim 128 --grid 21x30x52 --dtype bf16"
-    sens="--heads 2 --tokens 32768 --dim 128 --grid 21x30x52 --dtype bf16"
+    common="--heads 4 --dim 128 --dtype bf16"
+    sens="--heads 2 --dim 128 --dtype bf16"
     speed_shape="--tokens 32760 --heads 12 --dim 128 --dtype bf16"
     seeds=3 ;;
 esac
@@ -131,8 +131,12 @@ for entry in $entries; do
         # shellcheck disable=SC2086
         "$bindir/exp_table1" --backend "$backend" --families uniform,sink,video --seeds "$seeds" $common $extra \
             --csv "$out/table1.csv" >>"$out/table1.md"
-        awk -F, 'NR > 1 { key = $1 " " $3; sum[key] += $10; n[key]++; paper[key] = $12; order[key] = NR }
-                 END { for (k in sum) printf "%d %s %.6f %s\n", order[k], k, sum[k] / n[k], paper[k] == "nan" ? "NaN" : paper[k] }' \
+        # family rule ours paper ours/Top-k paper/Top-k (means over seeds), in the CSV's order
+        awk -F, 'NR > 1 { key = $1 " " $3; sum[key] += $10; n[key]++; paper[key] = $12; order[key] = NR; fam[key] = $1 }
+                 END { for (k in sum) { m[k] = sum[k] / n[k]; if (k ~ / Top-k$/) { tk[fam[k]] = m[k]; tp[fam[k]] = paper[k] } }
+                       for (k in sum) printf "%d %s %.6f %s %.4f %s\n", order[k], k, m[k],
+                           paper[k] == "nan" ? "NaN" : paper[k], m[k] / tk[fam[k]],
+                           paper[k] == "nan" ? "NaN" : sprintf("%.4f", paper[k] / tp[fam[k]]) }' \
             "$out/table1.csv" | sort -n | cut -d' ' -f2- >"$out/table1.dat"
         plot table1.gp "$out/table1.png" "dat='$out/table1.dat'"
         ;;
@@ -176,12 +180,12 @@ for entry in $entries; do
         ;;
     decomposition)
         echo "== [$step/$count] Error decomposition: O − O_s = (1−α)(μ_dropped − μ_kept), measured"
-        cmd="exp_decomp --backend $backend $common $extra"
+        cmd="exp_decomp --backend $backend --stride 256 $common $extra"
         header "$out/decomposition.md" "Error decomposition of block-sparse attention" \
             "Paper: for a row with kept mass α, O − O_s = (1−α)(μ_dropped − μ_kept): the dropped tokens' contribution (1−α)μ_dropped minus the renormalization of the kept ones (1−α)μ_kept. An identity, so the paper's 'number' is exact agreement; we measure the residual between sparge's outputs and the formula, at the Table 1 masks (equal sparsity)." \
             "$cmd --csv decomposition.csv --tokens-csv decomposition_tokens.csv"
         # shellcheck disable=SC2086
-        "$bindir/exp_decomp" --backend "$backend" $common $extra --csv "$out/decomposition.csv" \
+        "$bindir/exp_decomp" --backend "$backend" --stride 256 $common $extra --csv "$out/decomposition.csv" \
             --tokens-csv "$out/decomposition_tokens.csv" >>"$out/decomposition.md"
         plot decomposition.gp "$out/decomposition.png" "csv='$out/decomposition_tokens.csv'"
         ;;
@@ -201,9 +205,34 @@ for entry in $entries; do
         header "$out/speed.md" "Attention speed against sparsity" \
             "Paper: 16.2× attention speedup at 95 % sparsity over full attention (RTX 5090). Ours: the same ratio on this machine's backend — different hardware and kernels, so only the shape of the curve is comparable." \
             "$cmd --csv speed.csv"
+        # On a GPU backend, the peers (SDPA, FlexAttention with the same masks) come from the peer script
+        # when python3 has torch with CUDA; the masks go to a scratch directory, not into the results.
+        peers=$top/experiments/peers/peer_bench.py masks=
+        case $backend in
+        cpu|cpu-ref) peers= ;;
+        *) if [ -f "$peers" ] && python3 -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+               masks=$(mktemp -d)
+           else
+               peers=
+           fi ;;
+        esac
         # shellcheck disable=SC2086
-        "$bindir/exp_speed" --backend "$backend" $speed_shape $extra --csv "$out/speed.csv" >>"$out/speed.md"
+        "$bindir/exp_speed" --backend "$backend" $speed_shape $extra --csv "$out/speed.csv" \
+            ${masks:+--export-masks "$masks/mask"} >>"$out/speed.md"
         plot speed.gp "$out/speed.png" "csv='$out/speed.csv'; label='$backend'"
+        if [ -n "$masks" ]; then
+            echo "   peers: experiments/peers/peer_bench.py on the same masks"
+            # shellcheck disable=SC2046
+            if python3 "$peers" $(for m in "$masks"/*.json; do printf -- '--mask %s ' "${m%.json}"; done) \
+                --csv "$out/speed_peers.csv" >"$masks/peers.txt" 2>&1; then
+                { echo; echo "Peers on the same shapes and masks (\`experiments/peers/peer_bench.py\`, CSV in speed_peers.csv):"
+                  echo; echo '```'; cat "$masks/peers.txt"; echo '```'; } >>"$out/speed.md"
+            else
+                echo "run.sh: the peer script failed (output below); speed.md has sparge's numbers only" >&2
+                cat "$masks/peers.txt" >&2
+            fi
+            rm -rf "$masks"
+        fi
         ;;
     *) echo "run.sh: unknown entry '$entry'" >&2; exit 2 ;;
     esac
