@@ -365,10 +365,20 @@ static sparge_status cpu_forward(void *impl, const sparge_fwd_args *a)
 
 /* f32 operands of one head shared by the backward's phases: per query block
  * (sQ)ᵀ and dOᵀ (D × ldt each), Q and dO rows when the views cannot be used
- * directly, and Δ = rowsum(dO∘O). */
+ * directly, Δ = rowsum(dO∘O), and the dQ accumulator of the one-pass mode. */
 typedef struct {
-    float *qt, *dot, *q, *d_o, *delta;
+    float *qt, *dot, *q, *d_o, *delta, *dq;
 } bwd_head;
+
+static void prefetch_span(const void *p, size_t bytes)
+{
+#if defined(__GNUC__)
+    for (size_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch((const char *)p + off, 0, 2);
+#else
+    (void)p, (void)bytes;
+#endif
+}
 
 /* Sᵀ → Pᵀ and dPᵀ → dSᵀ of query block i (nq rows) against one key block (nk rows of K and V). */
 static void block_grads(const sparge_simd_ops *k_, const bwd_head *hd, int64_t i, int64_t ldt, int64_t D,
@@ -380,6 +390,10 @@ static void block_grads(const sparge_simd_ops *k_, const bwd_head *hd, int64_t i
     k_->grad_cols(pt, dst, ldt, nk, nq, lse, hd->delta + i * ldt);
 }
 
+/* Two modes. Deterministic: dK, dV per key block, then dQ per query block in a
+ * second pass that recomputes P and dS (7 block products per kept pair, no
+ * shared writes). Otherwise: dQ is accumulated in the first pass under a lock
+ * per query block (5 products per pair; the order of the dQ sums varies). */
 static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
 {
     sparge_status st = cpu_check_head_dim(a->q.D, "cpu");
@@ -391,34 +405,56 @@ static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
     int64_t D = qv->D, Nq = qv->N, Nk = kv->N, H = qv->H, BH = qv->B * H, ldt = pad16(a->bq);
     int64_t nqb = (Nq + a->bq - 1) / a->bq, nkb = (Nk + a->bk - 1) / a->bk;
     int q_direct = qv->dtype == SPARGE_F32 && qv->sd == 1, do_direct = dov->dtype == SPARGE_F32 && dov->sd == 1;
+    int one_pass = !a->deterministic;
     /* One head's operands at a time keeps the extra memory at a few Nq×D. */
     size_t tiles = (size_t)(nqb * D * ldt), rows = (size_t)(Nq * D);
-    float *shared = malloc((2 * tiles + (q_direct ? 0 : rows) + (do_direct ? 0 : rows) + (size_t)(nqb * ldt)) *
-                           sizeof(float));
-    if (!shared)
+    size_t floats = 2 * tiles + (size_t)(nqb * ldt) + (q_direct ? 0 : rows) + (do_direct ? 0 : rows) +
+                    (one_pass ? rows : 0);
+    float *shared = malloc(floats * sizeof(float));
+#ifdef _OPENMP
+    omp_lock_t *locks = one_pass ? malloc((size_t)nqb * sizeof *locks) : NULL;
+#endif
+    if (!shared
+#ifdef _OPENMP
+        || (one_pass && !locks)
+#endif
+    ) {
+        free(shared);
+#ifdef _OPENMP
+        free(locks);
+#endif
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for the backward");
-    bwd_head hd = {shared, shared + tiles, NULL, NULL, shared + 2 * tiles};
+    }
+    bwd_head hd = {shared, shared + tiles, NULL, NULL, shared + 2 * tiles, NULL};
     float *next = hd.delta + nqb * ldt;
     if (!q_direct) {
         hd.q = next;
         next += rows;
     }
-    if (!do_direct)
+    if (!do_direct) {
         hd.d_o = next;
+        next += rows;
+    }
+    if (one_pass)
+        hd.dq = next;
+#ifdef _OPENMP
+    for (int64_t i = 0; one_pass && i < nqb; i++)
+        omp_init_lock(&locks[i]);
+#endif
     int failed = 0;
 #pragma omp parallel
     {
         scratch s;
         size_t bmax = (size_t)(a->bq > a->bk ? a->bq : a->bk);
-        size_t sizes[6] = {(size_t)(a->bk * ldt), (size_t)(a->bk * ldt), 2 * bmax * (size_t)D, 2 * bmax * (size_t)D,
-                           (size_t)(nqb > nkb ? nqb : nkb), (size_t)bmax};
-        if (!scratch_alloc(&s, sizes, 6)) {
+        size_t sizes[7] = {(size_t)(a->bk * ldt), (size_t)(a->bk * ldt), 2 * bmax * (size_t)D, 2 * bmax * (size_t)D,
+                           (size_t)(nqb > nkb ? nqb : nkb), (size_t)bmax, (size_t)(D * ldt)};
+        if (!scratch_alloc(&s, sizes, 7)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         float *pt = s.buf[0], *dst = s.buf[1], *acc = s.buf[2], *kbuf = s.buf[3], *vbuf = kbuf + bmax * D;
-        float *scale_rows = s.buf[5];
+        float *scale_rows = s.buf[5], *ot = s.buf[6];
         int32_t *all = (int32_t *)s.buf[4];
         for (size_t r = 0; !failed && r < bmax; r++)
             scale_rows[r] = a->scale;
@@ -428,26 +464,22 @@ static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
             /* Phase 1: this head's (sQ)ᵀ, dOᵀ, f32 rows and Δ, per query block. */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < nqb; i++) {
-                int64_t nq = block_rows(i, a->bq, Nq), t0 = i * a->bq, ldo, lddo;
+                int64_t nq = block_rows(i, a->bq, Nq), t0 = i * a->bq;
                 k_->load(row_ptr(qv, b, h, t0), qv->dtype, qv->sn, qv->sd, nq, D, a->scale, hd.qt + i * D * ldt, ldt,
                          1);
                 k_->load(row_ptr(dov, b, h, t0), dov->dtype, dov->sn, dov->sd, nq, D, 1.0f, hd.dot + i * D * ldt, ldt,
                          1);
                 if (!q_direct)
                     k_->load(row_ptr(qv, b, h, t0), qv->dtype, qv->sn, qv->sd, nq, D, 1.0f, hd.q + t0 * D, D, 0);
-                const float *dor = do_direct ? row_ptr(dov, b, h, t0) : hd.d_o + t0 * D;
                 if (!do_direct)
                     k_->load(row_ptr(dov, b, h, t0), dov->dtype, dov->sn, dov->sd, nq, D, 1.0f, hd.d_o + t0 * D, D, 0);
-                lddo = do_direct ? dov->sn : D;
-                const float *orow = rows_f32(k_, &a->o, b, h, t0, nq, kbuf, &ldo);
-                for (int64_t r = 0; r < nq; r++) {
-                    float sum = 0.0f;
-                    for (int64_t d = 0; d < D; d++)
-                        sum += orow[r * ldo + d] * dor[r * lddo + d];
-                    hd.delta[i * ldt + r] = sum;
-                }
+                const sparge_view *ov = &a->o;
+                k_->load(row_ptr(ov, b, h, t0), ov->dtype, ov->sn, ov->sd, nq, D, 1.0f, ot, ldt, 1);
+                k_->dot_cols(ot, hd.dot + i * D * ldt, ldt, D, nq, hd.delta + i * ldt);
+                if (one_pass)
+                    memset(hd.dq + t0 * D, 0, (size_t)(nq * D) * sizeof(float));
             }
-            /* Phase 2: dK, dV of each key block over the query blocks that keep it. */
+            /* Phase 2: dK, dV of each key block over the query blocks that keep it (and dQ in one-pass mode). */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t j = 0; j < nkb; j++) {
                 int64_t nk = block_rows(j, a->bk, Nk), ldk, ldv;
@@ -464,36 +496,67 @@ static sparge_status cpu_backward(void *impl, const sparge_bwd_args *a)
                         all[i] = (int32_t)i;
                 if (cnt == 0) /* no query keeps this block: zero gradient */
                     memset(acc, 0, 2 * bmax * (size_t)D * sizeof(float));
+                /* In one-pass mode, key blocks start at different query blocks so the dQ locks rarely collide. */
+                int64_t start = one_pass && cnt ? j % cnt : 0;
                 for (int64_t c = 0; c < cnt; c++) {
-                    int64_t i = idx[c], nq = block_rows(i, a->bq, Nq), t0 = i * a->bq;
+                    int64_t i = idx[(start + c) % cnt], nq = block_rows(i, a->bq, Nq), t0 = i * a->bq;
+                    if (c + 1 < cnt) {
+                        int64_t in = idx[(start + c + 1) % cnt], nqn = block_rows(in, a->bq, Nq);
+                        prefetch_span(hd.qt + in * D * ldt, (size_t)(D * ldt) * sizeof(float));
+                        prefetch_span(hd.dot + in * D * ldt, (size_t)(D * ldt) * sizeof(float));
+                        if (q_direct)
+                            prefetch_rows(qv, b, h, in * a->bq, nqn);
+                        if (do_direct)
+                            prefetch_rows(dov, b, h, in * a->bq, nqn);
+                    }
                     const float *qr = q_direct ? row_ptr(qv, b, h, t0) : hd.q + t0 * D;
                     const float *dor = do_direct ? row_ptr(dov, b, h, t0) : hd.d_o + t0 * D;
                     int64_t ldq = q_direct ? qv->sn : D, lddo = do_direct ? dov->sn : D;
                     block_grads(k_, &hd, i, ldt, D, lse + t0, kt, ldk, vt, ldv, nq, nk, pt, dst);
                     k_->gemm(nk, D, nq, pt, ldt, 1, dor, lddo, dv, D, c > 0, NULL);  /* dV += Pᵀ dO */
                     k_->gemm(nk, D, nq, dst, ldt, 1, qr, ldq, dk, D, c > 0, NULL);   /* dK += dSᵀ Q */
+                    if (one_pass) {
+#ifdef _OPENMP
+                        omp_set_lock(&locks[i]);
+#endif
+                        k_->gemm(nq, D, nk, dst, 1, ldt, kt, ldk, hd.dq + t0 * D, D, 1, NULL); /* dQ += dS K */
+#ifdef _OPENMP
+                        omp_unset_lock(&locks[i]);
+#endif
+                    }
                 }
                 k_->store(dk, D, scale_rows, nk, D, row_ptr(&a->dk, b, h, j * a->bk), a->dk.dtype, a->dk.sn, a->dk.sd);
                 k_->store(dv, D, NULL, nk, D, row_ptr(&a->dv, b, h, j * a->bk), a->dv.dtype, a->dv.sn, a->dv.sd);
             }
-            /* Phase 3: dQ of each query block over its kept key blocks. */
+            /* Phase 3: dQ of each query block (deterministic mode: over its kept key blocks). */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < nqb; i++) {
                 int64_t nq = block_rows(i, a->bq, Nq), t0 = i * a->bq;
+                const float *dq = one_pass ? hd.dq + t0 * D : acc;
                 const int32_t *idx;
-                int64_t cnt = kept_blocks(a->mask, bh, i, nkb, &idx, all);
+                int64_t cnt = one_pass ? 0 : kept_blocks(a->mask, bh, i, nkb, &idx, all);
                 for (int64_t c = 0; c < cnt; c++) {
                     int64_t j = idx[c], nk = block_rows(j, a->bk, Nk), ldk, ldv;
+                    if (c + 1 < cnt) {
+                        int64_t jn = idx[c + 1], nkn = block_rows(jn, a->bk, Nk);
+                        prefetch_rows(kv, b, h, jn * a->bk, nkn);
+                        prefetch_rows(vv, b, h, jn * a->bk, nkn);
+                    }
                     const float *kt = rows_f32(k_, kv, b, h, j * a->bk, nk, kbuf, &ldk);
                     const float *vt = rows_f32(k_, vv, b, h, j * a->bk, nk, vbuf, &ldv);
                     block_grads(k_, &hd, i, ldt, D, lse + t0, kt, ldk, vt, ldv, nq, nk, pt, dst);
-                    k_->gemm(nq, D, nk, dst, 1, ldt, kt, ldk, acc, D, c > 0, NULL);  /* dQ += dS K */
+                    k_->gemm(nq, D, nk, dst, 1, ldt, kt, ldk, acc, D, c > 0, NULL); /* dQ += dS K */
                 }
-                k_->store(acc, D, scale_rows, nq, D, row_ptr(&a->dq, b, h, t0), a->dq.dtype, a->dq.sn, a->dq.sd);
+                k_->store(dq, D, scale_rows, nq, D, row_ptr(&a->dq, b, h, t0), a->dq.dtype, a->dq.sn, a->dq.sd);
             }
         }
         scratch_free(&s);
     }
+#ifdef _OPENMP
+    for (int64_t i = 0; one_pass && i < nqb; i++)
+        omp_destroy_lock(&locks[i]);
+    free(locks);
+#endif
     free(shared);
     return failed ? SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory for backward tiles") : SPARGE_OK;
 }

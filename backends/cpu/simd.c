@@ -390,6 +390,17 @@ static void grad_cols(float *s, float *dp, int64_t ld, int64_t rows, int64_t n, 
     }
 }
 
+static void dot_cols(const float *a, const float *b, int64_t ld, int64_t k, int64_t n, float *out)
+{
+    for (int64_t c = 0; c < n; c += VL) {
+        int64_t w = min64(n - c, VL);
+        vec acc = vzero();
+        for (int64_t p = 0; p < k; p++)
+            acc = vfma(vld(a + p * ld + c, w), vld(b + p * ld + c, w), acc);
+        vst(out + c, acc, w);
+    }
+}
+
 static float exp_sum(float *x, int64_t n, float m)
 {
     vec sum = vzero(), mv = vset1(m);
@@ -520,6 +531,16 @@ static void grad_cols(float *s, float *dp, int64_t ld, int64_t rows, int64_t n, 
         }
 }
 
+static void dot_cols(const float *a, const float *b, int64_t ld, int64_t k, int64_t n, float *out)
+{
+    for (int64_t c = 0; c < n; c++) {
+        float acc = 0.0f;
+        for (int64_t p = 0; p < k; p++)
+            acc += a[p * ld + c] * b[p * ld + c];
+        out[c] = acc;
+    }
+}
+
 static float exp_sum(float *x, int64_t n, float m)
 {
     float sum = 0.0f;
@@ -552,5 +573,5 @@ static void sum_rows(const void *src, sparge_dtype t, int64_t rs, int64_t cs, in
 }
 #endif
 
-const sparge_simd_ops CAT(sparge_simd_, SIMD_TIER) = {TIER_NAME(SIMD_TIER), gemm, softmax_cols, grad_cols, exp_sum,
-                                                      load, store, sum_rows};
+const sparge_simd_ops CAT(sparge_simd_, SIMD_TIER) = {TIER_NAME(SIMD_TIER), gemm, softmax_cols, grad_cols, dot_cols,
+                                                      exp_sum, load, store, sum_rows};

@@ -24,6 +24,9 @@ typedef struct {
      * S[r][c] ← P = exp(S[r][c] − lse[c]); dP[r][c] ← dS = P·(dP[r][c] − delta[c]). */
     void (*grad_cols)(float *s, float *dp, int64_t ld, int64_t rows, int64_t n, const float *lse,
                       const float *delta);
+    /* out[c] = Σ_p a[p·ld + c]·b[p·ld + c] (c < n, p < k, p ascending) with gemm's arithmetic per
+     * element, so that Δ = rowsum(dO∘O) cancels exactly against dP = dO·Vᵀ where O is a row of V. */
+    void (*dot_cols)(const float *a, const float *b, int64_t ld, int64_t k, int64_t n, float *out);
     /* x[i] = exp(x[i] − m) for i < n; returns the sum. */
     float (*exp_sum)(float *x, int64_t n, float m);
     /* rows×cols of src (dtype t, element strides rs, cs) times scale into f32:
