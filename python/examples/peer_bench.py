@@ -31,6 +31,12 @@ FWD_TOL = 1e-2  # bf16, DESIGN.md §3
 GRAD_TOL = 2e-2  # two bf16 implementations, each within 1e-2 of the exact gradient
 
 
+# FlexAttention backward tile choices tried in order (None: its own autotuned defaults).
+FLEX_BWD_OPTIONS = (None,
+                    {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
+                    {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32})
+
+
 def rel_l2(a, b):
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm()) if torch.isfinite(a).all() else float("inf")
@@ -166,17 +172,29 @@ def run_level(level, q, k, v, d_o, flex, scale, record, failed, args):
 
     sparge_attend = lambda a, b, c: sparge.sparge_attention(a, b, c, mask=mask, block_q=bq, block_k=bk)  # noqa: E731
     grads_s = torch.autograd.grad(sparge_attend(q, k, v), (q, k, v), d_o)
-    flex_bwd_ok = flex_attend is not None
+    flex_bwd_ok = False
+    flex_bwd_attend = None
     if flex_attend is not None:
-        try:
-            grads_f = torch.autograd.grad(flex_attend(q, k, v), (q, k, v), d_o)
+        # The backward's default tiles can exceed the 128x64 mask blocks (no valid kernel choice);
+        # then retry with backward tiles that divide them.
+        failures = []
+        for options in FLEX_BWD_OPTIONS:
+            attend = lambda a, b, c, o=options: flex.attend(  # noqa: E731
+                a, b, c, block_mask=block_mask, scale=scale, kernel_options=o)
+            try:
+                grads_f = torch.autograd.grad(attend(q, k, v), (q, k, v), d_o)
+            except Exception as e:
+                failures.append(f"{options}: {first_line(e)[:80]}")
+                continue
             errs = [rel_l2(a, b) for a, b in zip(grads_s, grads_f)]
-            checks.append("dQ/dK/dV sparge-flex " + "/".join(f"{e:.2e}" for e in errs))
+            checks.append(f"dQ/dK/dV sparge-flex (flex kernel_options {options}) " +
+                          "/".join(f"{e:.2e}" for e in errs))
             ok = ok and all(e <= GRAD_TOL for e in errs)
             del grads_f
-        except Exception as e:
-            checks.append(f"flex backward failed ({first_line(e)})")
-            flex_bwd_ok = False
+            flex_bwd_ok, flex_bwd_attend = True, attend
+            break
+        if not flex_bwd_ok:
+            checks.append("flex backward failed (" + "; ".join(failures) + ")")
     del grads_s
     check = "; ".join(checks)
     if not ok:
@@ -189,7 +207,7 @@ def run_level(level, q, k, v, d_o, flex, scale, record, failed, args):
         with torch.no_grad():
             f_fwd = cuda_time(lambda: flex_attend(q, k, v), args.warmup, args.iters)
         if flex_bwd_ok:
-            out = flex_attend(q, k, v)
+            out = flex_bwd_attend(q, k, v)
             f_bwd = cuda_time(lambda: torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True), args.warmup,
                               args.iters)
     record(level, st.sparsity, st.token_density, "sparge-mask", "predict", mask_ms)
