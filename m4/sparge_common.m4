@@ -17,6 +17,7 @@ sparge $PACKAGE_VERSION configuration
   CPU SIMD tiers  : $sparge_simd_summary (chosen at run time)
   CUDA            : $sparge_cuda_summary
   HIP             : $sparge_hip_summary
+  BLAS (trainer)  : $sparge_blas_summary
   tests (cmocka)  : $have_cmocka
   plots (gnuplot) : ${GNUPLOT:-no}
 SPARGE_EOF

@@ -1,0 +1,577 @@
+/* Configuration, seeded randomness, AdamW, batches, losses, checkpoints, the Euler sampler and
+ * the training loop of sparge-train. */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "exp.h"
+#include "trainer.h"
+
+static int fail(char *err, size_t len, const char *fmt, ...)
+{
+    if (err && len) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, len, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+/* ---------------------------------------------------------------- configuration */
+
+void tr_config_defaults(tr_config *c)
+{
+    memset(c, 0, sizeof *c);
+    c->frames = 8, c->height = 16, c->width = 16, c->channels = 3;
+    c->dim = 64, c->heads = 4, c->depth = 4, c->classes = 4, c->mlp_ratio = 4;
+    c->attn = TR_ATTN_DENSE, c->topk = 0.03, c->topp = 0.2, c->block_q = 64, c->block_k = 32;
+    snprintf(c->device, sizeof c->device, "cpu");
+    c->loss = TR_LOSS_DIFFUSION;
+    snprintf(c->data, sizeof c->data, "A");
+    c->steps = 100, c->batch = 4, c->log_every = 10, c->ckpt_every = 0, c->warmup = 0;
+    c->lr = 3e-4, c->beta1 = 0.9, c->beta2 = 0.999, c->adam_eps = 1e-8, c->weight_decay = 0.0, c->grad_clip = 1.0;
+    c->seed = 0, c->data_seed = 1;
+    c->sample_steps = 20;
+}
+
+const char *tr_attn_mode_name(tr_attn_mode m)
+{
+    static const char *names[] = {"dense", "hybrid", "topk", "topp"};
+    return m >= 0 && m <= TR_ATTN_TOPP ? names[m] : "?";
+}
+
+typedef enum { K_INT, K_DOUBLE, K_U64, K_STRING, K_ATTN, K_LOSS, K_DATA } key_kind;
+typedef struct {
+    const char *name;
+    key_kind kind;
+    size_t offset, size;
+} key_def;
+
+#define KEY(name, kind) {#name, kind, offsetof(tr_config, name), sizeof(((tr_config *)0)->name)}
+static const key_def KEYS[] = {
+    KEY(frames, K_INT),       KEY(height, K_INT),      KEY(width, K_INT),         KEY(channels, K_INT),
+    KEY(dim, K_INT),          KEY(heads, K_INT),       KEY(depth, K_INT),         KEY(classes, K_INT),
+    KEY(mlp_ratio, K_INT),    KEY(attn, K_ATTN),       KEY(topk, K_DOUBLE),       KEY(topp, K_DOUBLE),
+    KEY(block_q, K_INT),      KEY(block_k, K_INT),     KEY(device, K_STRING),     KEY(loss, K_LOSS),
+    KEY(data, K_DATA),        KEY(steps, K_INT),       KEY(batch, K_INT),         KEY(log_every, K_INT),
+    KEY(ckpt_every, K_INT),   KEY(warmup, K_INT),      KEY(lr, K_DOUBLE),         KEY(beta1, K_DOUBLE),
+    KEY(beta2, K_DOUBLE),     KEY(adam_eps, K_DOUBLE), KEY(weight_decay, K_DOUBLE), KEY(grad_clip, K_DOUBLE),
+    KEY(seed, K_U64),         KEY(data_seed, K_U64),   KEY(init, K_STRING),       KEY(teacher, K_STRING),
+    KEY(resume, K_STRING),    KEY(out, K_STRING),      KEY(log, K_STRING),        KEY(sample_steps, K_INT),
+};
+#undef KEY
+
+static char *trim(char *s)
+{
+    while (*s == ' ' || *s == '\t')
+        s++;
+    char *e = s + strlen(s);
+    while (e > s && (e[-1] == ' ' || e[-1] == '\t' || e[-1] == '\n' || e[-1] == '\r'))
+        *--e = 0;
+    return s;
+}
+
+int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_len)
+{
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", assignment);
+    char *s = buf;
+    while (*s == '-')
+        s++;
+    char *eq = strchr(s, '=');
+    if (!eq)
+        return fail(err, err_len, "'%s' is not key=value", assignment);
+    *eq = 0;
+    char *key = trim(s), *val = trim(eq + 1);
+    for (size_t i = 0; i < sizeof KEYS / sizeof KEYS[0]; i++) {
+        const key_def *k = &KEYS[i];
+        if (strcmp(k->name, key))
+            continue;
+        char *field = (char *)c + k->offset, *end = NULL;
+        errno = 0;
+        switch (k->kind) {
+        case K_INT: {
+            long v = strtol(val, &end, 10);
+            if (*val == 0 || *end || errno || v < -1000000000L || v > 1000000000L)
+                return fail(err, err_len, "%s=%s: not an integer in [-1e9, 1e9]", key, val);
+            *(int *)field = (int)v;
+            return 0;
+        }
+        case K_DOUBLE: {
+            double v = strtod(val, &end);
+            if (*val == 0 || *end || errno || !isfinite(v))
+                return fail(err, err_len, "%s=%s: not a finite number", key, val);
+            *(double *)field = v;
+            return 0;
+        }
+        case K_U64: {
+            unsigned long long v = strtoull(val, &end, 10);
+            if (*val == 0 || *end || errno)
+                return fail(err, err_len, "%s=%s: not an unsigned integer", key, val);
+            *(uint64_t *)field = v;
+            return 0;
+        }
+        case K_STRING:
+            if (strlen(val) >= k->size)
+                return fail(err, err_len, "%s: value longer than %zu characters", key, k->size - 1);
+            memcpy(field, val, strlen(val) + 1);
+            return 0;
+        case K_ATTN:
+            for (int m = 0; m <= TR_ATTN_TOPP; m++)
+                if (!strcmp(val, tr_attn_mode_name((tr_attn_mode)m))) {
+                    c->attn = (tr_attn_mode)m;
+                    return 0;
+                }
+            return fail(err, err_len, "attn=%s: expected dense, hybrid, topk or topp", val);
+        case K_LOSS:
+            if (!strcmp(val, "diffusion") || !strcmp(val, "vd")) {
+                c->loss = !strcmp(val, "vd") ? TR_LOSS_VD : TR_LOSS_DIFFUSION;
+                return 0;
+            }
+            return fail(err, err_len, "loss=%s: expected diffusion or vd", val);
+        case K_DATA:
+            if ((val[0] == 'A' || val[0] == 'B') && val[1] == 0) {
+                snprintf(c->data, sizeof c->data, "%s", val);
+                return 0;
+            }
+            return fail(err, err_len, "data=%s: expected A or B", val);
+        }
+    }
+    return fail(err, err_len, "unknown key '%s' (README.md lists the keys)", key);
+}
+
+int tr_config_load(tr_config *c, const char *path, char *err, size_t err_len)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return fail(err, err_len, "%s: cannot open", path);
+    char line[1024], msg[768];
+    int lineno = 0;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        char *hash = strchr(line, '#');
+        if (hash)
+            *hash = 0;
+        char *s = trim(line);
+        if (!*s)
+            continue;
+        if (tr_config_set(c, s, msg, sizeof msg)) {
+            fclose(f);
+            return fail(err, err_len, "%s:%d: %s", path, lineno, msg);
+        }
+    }
+    fclose(f);
+    return 0;
+}
+
+int tr_config_check(const tr_config *c, char *err, size_t err_len)
+{
+    if (c->frames < 1 || c->height < 2 || c->width < 2 || c->height % 2 || c->width % 2)
+        return fail(err, err_len, "video %dx%dx%d: frames >= 1, height and width even and >= 2 (patch 1x2x2)",
+                    c->frames, c->height, c->width);
+    if (c->channels < 1 || c->channels > 8)
+        return fail(err, err_len, "channels=%d: must be in [1, 8]", c->channels);
+    if (c->dim < 6 || c->dim % 2 || c->heads < 1 || c->dim % c->heads)
+        return fail(err, err_len, "dim=%d heads=%d: dim must be even, >= 6 and a multiple of heads", c->dim,
+                    c->heads);
+    if (c->dim / c->heads > 256)
+        return fail(err, err_len, "head dim %d exceeds 256 (sparge's CPU limit)", c->dim / c->heads);
+    if (c->depth < 0 || c->depth > TR_MAX_DEPTH)
+        return fail(err, err_len, "depth=%d: must be in [0, %d]", c->depth, TR_MAX_DEPTH);
+    if (c->classes < 1 || c->mlp_ratio < 1)
+        return fail(err, err_len, "classes=%d mlp_ratio=%d: both must be >= 1", c->classes, c->mlp_ratio);
+    if (c->block_q < 1 || c->block_k < 1)
+        return fail(err, err_len, "block_q=%d block_k=%d: must be >= 1", c->block_q, c->block_k);
+    if (c->topk < 0 || c->topk > 1 || c->topp < 0 || c->topp > 1)
+        return fail(err, err_len, "topk=%g topp=%g: must be in [0, 1]", c->topk, c->topp);
+    if ((c->attn == TR_ATTN_HYBRID && c->topk == 0 && c->topp == 0) || (c->attn == TR_ATTN_TOPK && c->topk == 0) ||
+        (c->attn == TR_ATTN_TOPP && c->topp == 0))
+        return fail(err, err_len, "attn=%s needs a nonzero topk/topp", tr_attn_mode_name(c->attn));
+    if (c->batch < 1 || c->steps < 0 || c->log_every < 1 || c->ckpt_every < 0 || c->warmup < 0 ||
+        c->sample_steps < 1)
+        return fail(err, err_len, "batch >= 1, steps >= 0, log_every >= 1, ckpt_every >= 0, warmup >= 0, "
+                                  "sample_steps >= 1");
+    if (!(c->lr >= 0) || c->beta1 < 0 || c->beta1 >= 1 || c->beta2 < 0 || c->beta2 >= 1 || !(c->adam_eps > 0))
+        return fail(err, err_len, "lr >= 0, beta1/beta2 in [0, 1), adam_eps > 0");
+    return 0;
+}
+
+void tr_config_model_string(const tr_config *c, char *out, size_t len)
+{
+    snprintf(out, len, "frames=%d height=%d width=%d channels=%d dim=%d heads=%d depth=%d classes=%d mlp_ratio=%d",
+             c->frames, c->height, c->width, c->channels, c->dim, c->heads, c->depth, c->classes, c->mlp_ratio);
+}
+
+/* ---------------------------------------------------------------- randomness */
+
+uint64_t tr_mix(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+double tr_uniform(uint64_t *state)
+{
+    *state += 0x9e3779b97f4a7c15ull;
+    return (double)(tr_mix(*state) >> 11) * 0x1.0p-53;
+}
+
+double tr_normal(uint64_t *state)
+{
+    double u1 = tr_uniform(state), u2 = tr_uniform(state);
+    return sqrt(-2.0 * log(1.0 - u1)) * cos(6.283185307179586 * u2);
+}
+
+/* ---------------------------------------------------------------- optimizer */
+
+int tr_adamw_init(tr_adamw *opt, size_t n)
+{
+    opt->m = calloc(n, sizeof(float));
+    opt->v = calloc(n, sizeof(float));
+    opt->n = n;
+    opt->step = 0;
+    if (!opt->m || !opt->v) {
+        tr_adamw_free(opt);
+        return -1;
+    }
+    return 0;
+}
+
+void tr_adamw_free(tr_adamw *opt)
+{
+    free(opt->m);
+    free(opt->v);
+    opt->m = opt->v = NULL;
+}
+
+void tr_adamw_step(tr_adamw *opt, tr_model *m, double lr, double beta1, double beta2, double eps, double wd)
+{
+    opt->step++;
+    double c1 = 1.0 - pow(beta1, (double)opt->step), c2 = 1.0 - pow(beta2, (double)opt->step);
+    float *p = tr_model_params(m), *g = tr_model_grads(m);
+    for (int i = 0; i < tr_model_num_tensors(m); i++) {
+        const tr_param *t = tr_model_tensor(m, i);
+        double decay = t->decay ? wd : 0.0;
+        for (size_t j = t->offset; j < t->offset + t->size; j++) {
+            opt->m[j] = (float)(beta1 * opt->m[j] + (1 - beta1) * g[j]);
+            opt->v[j] = (float)(beta2 * opt->v[j] + (1 - beta2) * (double)g[j] * g[j]);
+            double update = (opt->m[j] / c1) / (sqrt(opt->v[j] / c2) + eps);
+            p[j] = (float)(p[j] - lr * (update + decay * p[j]));
+        }
+    }
+}
+
+double tr_clip_grad_norm(tr_model *m, double max_norm)
+{
+    float *g = tr_model_grads(m);
+    size_t n = tr_model_num_params(m);
+    double ss = 0.0;
+    for (size_t i = 0; i < n; i++)
+        ss += (double)g[i] * g[i];
+    double norm = sqrt(ss);
+    if (max_norm > 0 && norm > max_norm) {
+        float s = (float)(max_norm / norm);
+        for (size_t i = 0; i < n; i++)
+            g[i] *= s;
+    }
+    return norm;
+}
+
+/* ---------------------------------------------------------------- batches and losses */
+
+void tr_make_batch(const tr_config *cfg, const tr_dims *dm, int64_t step, float *x0, int *y, float *t, float *eps,
+                   float *xt)
+{
+    size_t per = (size_t)dm->T * dm->H * dm->W * dm->C;
+    uint64_t s = tr_mix(cfg->seed * 0x100000001b3ull ^ tr_mix((uint64_t)step));
+    for (int b = 0; b < cfg->batch; b++) {
+        tr_data_sample(cfg->data[0], cfg->data_seed, (uint64_t)step * cfg->batch + b, dm->T, dm->H, dm->W, dm->C,
+                       dm->K, x0 + b * per, &y[b]);
+        t[b] = (float)tr_uniform(&s);
+        for (size_t i = 0; i < per; i++) {
+            size_t j = b * per + i;
+            eps[j] = (float)tr_normal(&s);
+            xt[j] = (1.0f - t[b]) * x0[j] + t[b] * eps[j];
+        }
+    }
+}
+
+double tr_mse(const float *u, const float *target, size_t n, float *du)
+{
+    double ss = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double e = (double)u[i] - target[i];
+        ss += e * e;
+        if (du)
+            du[i] = (float)(2.0 * e / (double)n);
+    }
+    return ss / (double)n;
+}
+
+/* ---------------------------------------------------------------- checkpoints */
+
+int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const tr_config *c, char *err,
+                       size_t err_len)
+{
+    int nt = tr_model_num_tensors(m), n = opt ? 3 * nt + 1 : nt;
+    const char **names = calloc((size_t)n, sizeof *names);
+    const float **data = calloc((size_t)n, sizeof *data);
+    int *ndims = calloc((size_t)n, sizeof *ndims);
+    int64_t(*shapes)[8] = calloc((size_t)n, sizeof *shapes);
+    char(*owned)[80] = calloc((size_t)n, sizeof *owned);
+    float step = opt ? (float)opt->step : 0.0f;
+    int rc = -1;
+    if (!names || !data || !ndims || !shapes || !owned) {
+        fail(err, err_len, "%s: out of memory", path);
+        goto out;
+    }
+    for (int i = 0; i < nt; i++) {
+        const tr_param *p = tr_model_tensor(m, i);
+        for (int copy = 0; copy < (opt ? 3 : 1); copy++) {
+            int k = copy * nt + i;
+            const float *base = copy == 0 ? tr_model_params(m) : copy == 1 ? opt->m : opt->v;
+            snprintf(owned[k], sizeof owned[k], "%s%s", copy == 0 ? "" : copy == 1 ? "adamw.m." : "adamw.v.",
+                     p->name);
+            names[k] = owned[k];
+            data[k] = base + p->offset;
+            ndims[k] = p->ndim;
+            shapes[k][0] = p->shape[0];
+            shapes[k][1] = p->shape[1];
+        }
+    }
+    if (opt) {
+        names[n - 1] = "train.step";
+        data[n - 1] = &step;
+        ndims[n - 1] = 1;
+        shapes[n - 1][0] = 1;
+    }
+    char model[400], meta[600];
+    tr_config_model_string(c, model, sizeof model);
+    snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\"}", model);
+    rc = exp_st_write(path, n, names, data, ndims, (const int64_t(*)[8])shapes, SPARGE_F32, meta, err, err_len);
+out:
+    free(names);
+    free(data);
+    free(ndims);
+    free(shapes);
+    free(owned);
+    return rc;
+}
+
+/* Reads tensor `name` of the model's shape into dst. */
+static int read_tensor(const exp_st_file *f, const char *name, const tr_param *p, float *dst, char *err,
+                       size_t err_len)
+{
+    const exp_st_tensor *t = exp_st_find(f, name);
+    if (!t)
+        return fail(err, err_len, "%s: no tensor '%s'", f->path, name);
+    int64_t want1 = p->ndim == 2 ? p->shape[1] : 0, got1 = t->ndim == 2 ? t->shape[1] : 0;
+    if (t->ndim != p->ndim || t->shape[0] != p->shape[0] || got1 != want1)
+        return fail(err, err_len, "%s: tensor '%s' has another shape than this model's [%lld%s%lld] (other config?)",
+                    f->path, name, (long long)p->shape[0], p->ndim == 2 ? "," : "", (long long)want1);
+    float *v = exp_st_read_f32(f, t, err, err_len);
+    if (!v)
+        return -1;
+    memcpy(dst, v, p->size * sizeof(float));
+    free(v);
+    return 0;
+}
+
+int tr_checkpoint_load(const char *path, tr_model *m, tr_adamw *opt, char *err, size_t err_len)
+{
+    exp_st_file f;
+    if (exp_st_open(path, &f, err, err_len))
+        return -1;
+    size_t n = tr_model_num_params(m);
+    float *staged = malloc(n * sizeof(float) * (opt ? 3 : 1));
+    int rc = -1;
+    float step = 0.0f;
+    if (!staged) {
+        fail(err, err_len, "%s: out of memory", path);
+        goto out;
+    }
+    for (int i = 0; i < tr_model_num_tensors(m); i++) {
+        const tr_param *p = tr_model_tensor(m, i);
+        char name[80];
+        if (read_tensor(&f, p->name, p, staged + p->offset, err, err_len))
+            goto out;
+        for (int copy = 1; opt && copy < 3; copy++) {
+            snprintf(name, sizeof name, "adamw.%c.%s", copy == 1 ? 'm' : 'v', p->name);
+            if (read_tensor(&f, name, p, staged + copy * n + p->offset, err, err_len))
+                goto out;
+        }
+    }
+    if (opt) {
+        const tr_param step_shape = {"train.step", 1, {1, 0}, 0, 1, 0};
+        if (read_tensor(&f, "train.step", &step_shape, &step, err, err_len))
+            goto out;
+    }
+    memcpy(tr_model_params(m), staged, n * sizeof(float));
+    if (opt) {
+        memcpy(opt->m, staged + n, n * sizeof(float));
+        memcpy(opt->v, staged + 2 * n, n * sizeof(float));
+        opt->step = (int64_t)step;
+    }
+    rc = 0;
+out:
+    free(staged);
+    exp_st_close(&f);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- sampler */
+
+int tr_sample_euler(tr_model *m, float *x, const int *y, int steps, float *scratch, char *err, size_t err_len)
+{
+    const tr_dims *d = tr_model_dims(m);
+    size_t n = (size_t)d->B * d->T * d->H * d->W * d->C;
+    float *t = malloc((size_t)d->B * sizeof(float));
+    if (!t)
+        return fail(err, err_len, "sampler: out of memory");
+    double dt = 1.0 / steps;
+    for (int i = 0; i < steps; i++) {
+        for (int b = 0; b < d->B; b++)
+            t[b] = (float)(1.0 - i * dt);
+        if (tr_model_forward(m, x, t, y, scratch, err, err_len)) {
+            free(t);
+            return -1;
+        }
+        for (size_t j = 0; j < n; j++)
+            x[j] -= (float)dt * scratch[j];
+    }
+    free(t);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- training loop */
+
+static double wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+int tr_train(const tr_config *cfg, char *err, size_t err_len)
+{
+    if (tr_config_check(cfg, err, err_len))
+        return -1;
+    if (cfg->loss == TR_LOSS_VD && !cfg->teacher[0] && !cfg->init[0])
+        return fail(err, err_len, "loss=vd needs a teacher: teacher=CKPT (or init=CKPT, then the init is the teacher)");
+    sparge_device *dev = NULL;
+    sparge_status s = sparge_device_open(cfg->device, &dev);
+    if (s)
+        return fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
+    tr_model *student = NULL, *teacher = NULL;
+    tr_adamw opt = {0};
+    float *buf = NULL;
+    FILE *log = NULL;
+    int rc = -1;
+    if (!(student = tr_model_create(cfg, cfg->batch, dev, err, err_len)))
+        goto out;
+    if (cfg->loss == TR_LOSS_VD) {
+        tr_config tc = *cfg;
+        tc.attn = TR_ATTN_DENSE;
+        if (!(teacher = tr_model_create(&tc, cfg->batch, dev, err, err_len)) ||
+            tr_checkpoint_load(cfg->teacher[0] ? cfg->teacher : cfg->init, teacher, NULL, err, err_len))
+            goto out;
+    }
+    if (tr_adamw_init(&opt, tr_model_num_params(student))) {
+        fail(err, err_len, "optimizer: out of memory");
+        goto out;
+    }
+    if (cfg->resume[0]) {
+        if (tr_checkpoint_load(cfg->resume, student, &opt, err, err_len))
+            goto out;
+    } else if (cfg->init[0]) {
+        if (tr_checkpoint_load(cfg->init, student, NULL, err, err_len))
+            goto out;
+    } else
+        tr_model_init(student, cfg->seed);
+    const tr_dims *d = tr_model_dims(student);
+    size_t n = (size_t)cfg->batch * d->T * d->H * d->W * d->C;
+    buf = malloc(n * 6 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
+    if (!buf) {
+        fail(err, err_len, "batch buffers: out of memory");
+        goto out;
+    }
+    float *x0 = buf, *eps = buf + n, *xt = buf + 2 * n, *u = buf + 3 * n, *target = buf + 4 * n, *du = buf + 5 * n;
+    float *t = buf + 6 * n;
+    int *y = (int *)(t + cfg->batch);
+    if (cfg->log[0]) {
+        log = fopen(cfg->log, opt.step ? "a" : "w");
+        if (!log) {
+            fail(err, err_len, "%s: cannot open the log", cfg->log);
+            goto out;
+        }
+        if (!opt.step)
+            fprintf(log, "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s\n");
+    }
+    fprintf(stderr, "sparge-train: %zu parameters, %d tokens, attn=%s loss=%s data=%s device=%s (%s)\n",
+            tr_model_num_params(student), d->N, tr_attn_mode_name(cfg->attn),
+            cfg->loss == TR_LOSS_VD ? "vd" : "diffusion", cfg->data, sparge_device_name(dev),
+            sparge_device_description(dev));
+    double window_loss = 0, window_ms = 0, window_attn = 0;
+    int window = 0;
+    for (int64_t step = opt.step; step < cfg->steps; step++) {
+        double t0 = wall_ms();
+        tr_model_reset_timers(student);
+        tr_make_batch(cfg, d, step, x0, y, t, eps, xt);
+        if (tr_model_forward(student, xt, t, y, u, err, err_len))
+            goto out;
+        if (teacher) {
+            if (tr_model_forward(teacher, xt, t, y, target, err, err_len))
+                goto out;
+        } else
+            for (size_t i = 0; i < n; i++)
+                target[i] = eps[i] - x0[i];
+        double loss = tr_mse(u, target, n, du);
+        if (!isfinite(loss)) {
+            fail(err, err_len, "step %lld: the loss is not finite (%g)", (long long)step, loss);
+            goto out;
+        }
+        tr_model_zero_grad(student);
+        if (tr_model_backward(student, du, err, err_len))
+            goto out;
+        double gnorm = tr_clip_grad_norm(student, cfg->grad_clip);
+        double lr = cfg->warmup && step < cfg->warmup ? cfg->lr * (step + 1) / cfg->warmup : cfg->lr;
+        tr_adamw_step(&opt, student, lr, cfg->beta1, cfg->beta2, cfg->adam_eps, cfg->weight_decay);
+        double ms = wall_ms() - t0, attn = tr_model_attention_ms(student);
+        double sparsity = tr_model_last_sparsity(student);
+        if (log)
+            fprintf(log, "%lld,%.8g,%.6g,%.6g,%.6f,%.4f,%.4f,%.3f\n", (long long)step + 1, loss, gnorm, lr, sparsity,
+                    ms, attn, cfg->batch * 1e3 / ms);
+        window_loss += loss, window_ms += ms, window_attn += attn, window++;
+        if ((step + 1) % cfg->log_every == 0 || step + 1 == cfg->steps) {
+            fprintf(stderr,
+                    "step %6lld/%d | loss %.6f | grad norm %.3g | lr %.3g | sparsity %.3f | %.1f ms/step (attention "
+                    "%.1f) | %.1f samples/s\n",
+                    (long long)step + 1, cfg->steps, window_loss / window, gnorm, lr, sparsity, window_ms / window,
+                    window_attn / window, cfg->batch * 1e3 * window / window_ms);
+            window_loss = window_ms = window_attn = 0, window = 0;
+        }
+        if (cfg->out[0] && cfg->ckpt_every && (step + 1) % cfg->ckpt_every == 0 &&
+            tr_checkpoint_save(cfg->out, student, &opt, cfg, err, err_len))
+            goto out;
+    }
+    if (cfg->out[0] && tr_checkpoint_save(cfg->out, student, &opt, cfg, err, err_len))
+        goto out;
+    rc = 0;
+out:
+    if (log)
+        fclose(log);
+    free(buf);
+    tr_adamw_free(&opt);
+    tr_model_free(teacher);
+    tr_model_free(student);
+    sparge_device_close(dev);
+    return rc;
+}

@@ -1,0 +1,198 @@
+/* sparge-train: a tiny video DiT trained with sparge attention in the loop (issue 8).
+ *
+ * llm.c-style plain C11: one float array holds every parameter (and its gradient and AdamW
+ * moments in the same layout), one float array holds every activation the backward needs.
+ * Forward and backward are written by hand; GEMMs go through CBLAS (cblas_sgemm), attention
+ * through libsparge's public API on a sparge_device. README.md beside this file documents
+ * the model, the losses, the data and the configuration keys. */
+#ifndef SPARGE_TRAINER_H
+#define SPARGE_TRAINER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sparge.h"
+
+/* ---------------------------------------------------------------- configuration */
+
+typedef enum { TR_ATTN_DENSE = 0, TR_ATTN_HYBRID, TR_ATTN_TOPK, TR_ATTN_TOPP } tr_attn_mode;
+typedef enum { TR_LOSS_DIFFUSION = 0, TR_LOSS_VD } tr_loss_kind;
+
+typedef struct {
+    /* model */
+    int frames, height, width, channels; /* video [T, H, W, C], patches 1x2x2 */
+    int dim, heads, depth, classes, mlp_ratio;
+    /* attention */
+    tr_attn_mode attn;
+    double topk, topp;
+    int block_q, block_k;
+    char device[64];
+    /* training */
+    tr_loss_kind loss;
+    char data[8]; /* "A" or "B" */
+    int steps, batch, log_every, ckpt_every, warmup; /* warmup: linear LR warm-up steps */
+    double lr, beta1, beta2, adam_eps, weight_decay, grad_clip;
+    uint64_t seed;      /* init, noise and timesteps */
+    uint64_t data_seed; /* the video stream (the same across seeds by default) */
+    char init[512];    /* checkpoint to start from (weights only); "" = fresh init */
+    char teacher[512]; /* frozen full-attention teacher for loss=vd; "" = the init weights */
+    char resume[512];  /* checkpoint to resume (weights, AdamW moments, step) */
+    char out[512];     /* checkpoint written every ckpt_every steps and at the end; "" = none */
+    char log[512];     /* CSV log; "" = none */
+    /* sampler */
+    int sample_steps;
+} tr_config;
+
+void tr_config_defaults(tr_config *c);
+/* Apply one "key=value" (also accepts "--key=value"). Returns 0, or -1 with a message in err. */
+int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_len);
+/* Read a file of key=value lines ('#' starts a comment). Returns 0, or -1 with a message in err. */
+int tr_config_load(tr_config *c, const char *path, char *err, size_t err_len);
+/* Shapes must agree (dim % heads, dim even, height/width even, ...). Returns 0, or -1 with a message. */
+int tr_config_check(const tr_config *c, char *err, size_t err_len);
+/* One line "frames=8 height=16 ..." of the model keys (stored in checkpoints). */
+void tr_config_model_string(const tr_config *c, char *out, size_t len);
+const char *tr_attn_mode_name(tr_attn_mode m);
+
+/* ---------------------------------------------------------------- model */
+
+#define TR_MAX_DEPTH 64
+
+/* One named parameter tensor inside the flat array. PyTorch conventions: Linear weights are
+ * [out, in]. decay: AdamW weight decay applies (matrices, not biases or embeddings). */
+typedef struct {
+    char name[64];
+    int ndim;
+    int64_t shape[2];
+    size_t offset, size;
+    int decay;
+} tr_param;
+
+/* Shapes derived from the config. */
+typedef struct {
+    int B;                 /* batch the activations are sized for */
+    int T, H, W, C;        /* video */
+    int Hp, Wp, N;         /* token grid (Hp = H/2, Wp = W/2), N = T*Hp*Wp tokens in raster (t, y, x) order */
+    int P;                 /* patch vector: 2*2*C values, order (py, px, c) */
+    int d, nh, hd, M, F;   /* width, heads, head dim, MLP hidden, timestep frequency dim */
+    int L, K;              /* depth, classes */
+} tr_dims;
+
+typedef struct tr_model tr_model;
+
+/* Creates a model for batch B with its attention on dev (not owned; kept open by the caller).
+ * Parameters start at zero: call tr_model_init or load a checkpoint. Returns NULL with a message. */
+tr_model *tr_model_create(const tr_config *c, int B, sparge_device *dev, char *err, size_t err_len);
+void tr_model_free(tr_model *m);
+const tr_dims *tr_model_dims(const tr_model *m);
+size_t tr_model_num_params(const tr_model *m);
+int tr_model_num_tensors(const tr_model *m);
+const tr_param *tr_model_tensor(const tr_model *m, int i);
+const tr_param *tr_model_find(const tr_model *m, const char *name);
+float *tr_model_params(tr_model *m);
+float *tr_model_grads(tr_model *m);
+
+/* DiT init: Xavier-uniform linears, N(0, 0.02) embeddings and timestep MLP, zero biases, and
+ * adaLN-Zero (every adaLN modulation and the final linear start at zero). Seeded. */
+void tr_model_init(tr_model *m, uint64_t seed);
+
+/* Attention of every block: mode (dense: no mask), Top-k/Top-p parameters, block sizes from
+ * the config at creation. The mask is predicted on every forward, unless frozen (then the
+ * last predicted masks are reused: the gradient check needs a fixed mask). */
+void tr_model_set_attention(tr_model *m, tr_attn_mode mode, double topk, double topp);
+void tr_model_freeze_masks(tr_model *m, int frozen);
+/* Mean block sparsity over the blocks of the last forward (0 for dense). */
+double tr_model_last_sparsity(const tr_model *m);
+/* Milliseconds spent in sparge calls (mask prediction + attention) since the last reset. */
+double tr_model_attention_ms(const tr_model *m);
+void tr_model_reset_timers(tr_model *m);
+
+/* u[B,T,H,W,C] = velocity at x[B,T,H,W,C], time t[B] in [0,1] and class y[B] (host arrays, B
+ * = the batch of creation). Keeps the activations for tr_model_backward. Returns 0, or -1
+ * with a message (a sparge failure). */
+int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, float *u, char *err,
+                     size_t err_len);
+/* Adds the gradient of the loss with respect to every parameter, given du = dLoss/du of the
+ * last forward, to the gradient array (zero it with tr_model_zero_grad). */
+int tr_model_backward(tr_model *m, const float *du, char *err, size_t err_len);
+void tr_model_zero_grad(tr_model *m);
+
+/* ---------------------------------------------------------------- CPU ops (GEMMs via CBLAS) */
+
+/* Row-major, out[rows, OUT] = in[rows, IN] · wᵀ + b with w [OUT, IN]; b may be NULL. */
+void tr_linear_forward(float *out, const float *in, const float *w, const float *b, int rows, int IN, int OUT);
+/* din = dout · w (overwritten, or added when accumulate; may be NULL), dw += doutᵀ · in, db += Σ dout. */
+void tr_linear_backward(float *din, float *dw, float *db, const float *dout, const float *in, const float *w,
+                        int rows, int IN, int OUT, int accumulate);
+/* LayerNorm without affine (eps 1e-6): xhat, and the per-row rstd the backward needs. */
+void tr_layernorm_forward(float *xhat, float *rstd, const float *x, int rows, int d);
+/* dx += rstd · (dxhat − mean(dxhat) − xhat · mean(dxhat ∘ xhat)) per row. */
+void tr_layernorm_backward(float *dx, const float *dxhat, const float *xhat, const float *rstd, int rows, int d);
+/* GELU, tanh approximation (DiT's). */
+float tr_gelu(float x);
+float tr_gelu_grad(float x);
+float tr_silu(float x);
+float tr_silu_grad(float x);
+
+/* ---------------------------------------------------------------- data */
+
+/* Procedural videos in [-1, 1]-ish, layout [T, H, W, C]. Sample `index` of distribution
+ * 'A' or 'B' under `seed` is a pure function of (dist, seed, index, shape): any sample can
+ * be regenerated alone. Its class (the motion pattern) is written to *label. */
+void tr_data_sample(char dist, uint64_t seed, uint64_t index, int T, int H, int W, int C, int classes, float *video,
+                    int *label);
+
+/* Statistics used by the tests and the metrics, means over the video: |horizontal pixel
+ * difference| (sharpness, raised by noise too), |frame difference| (temporal change),
+ * |second temporal difference| (temporal jitter: jerky motion and noise), channel 0 (colour). */
+typedef struct {
+    double sharpness, temporal_change, temporal_jitter, mean_c0;
+} tr_video_stats;
+void tr_video_statistics(const float *video, int T, int H, int W, int C, tr_video_stats *out);
+
+/* ---------------------------------------------------------------- training */
+
+/* A seeded SplitMix64 stream for noise, timesteps and init. */
+uint64_t tr_mix(uint64_t x);
+double tr_uniform(uint64_t *state);
+double tr_normal(uint64_t *state);
+
+typedef struct {
+    float *m, *v; /* AdamW moments, the parameters' layout */
+    size_t n;
+    int64_t step;  /* optimizer steps taken */
+} tr_adamw;
+
+int tr_adamw_init(tr_adamw *opt, size_t n);
+void tr_adamw_free(tr_adamw *opt);
+/* One AdamW step with bias correction; decoupled weight decay on tensors with decay set. */
+void tr_adamw_step(tr_adamw *opt, tr_model *m, double lr, double beta1, double beta2, double eps, double wd);
+/* Scales the gradients so that their global L2 norm is at most max_norm (if > 0). Returns the norm before. */
+double tr_clip_grad_norm(tr_model *m, double max_norm);
+
+/* Builds one batch for `step`, a pure function of (cfg->seed, step): clean videos x0, classes y,
+ * times t ~ U(0,1), noise eps and x_t = (1 − t)·x0 + t·eps. Arrays of batch cfg->batch. */
+void tr_make_batch(const tr_config *cfg, const tr_dims *dm, int64_t step, float *x0, int *y, float *t, float *eps,
+                   float *xt);
+
+/* Mean squared error between u and target over n values (accumulated in double); writes
+ * du = dLoss/du when du is non-NULL. */
+double tr_mse(const float *u, const float *target, size_t n, float *du);
+
+/* Checkpoint as safetensors: every parameter under its name (F32), with opt != NULL also
+ * "adamw.m.<name>", "adamw.v.<name>" and "train.step", and the model keys as metadata. */
+int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const tr_config *c, char *err,
+                       size_t err_len);
+/* Loads the parameters (shapes must match the model), and with opt != NULL the moments and
+ * step (which must be present). Returns 0, or -1 with a message; nothing is changed on error. */
+int tr_checkpoint_load(const char *path, tr_model *m, tr_adamw *opt, char *err, size_t err_len);
+
+/* Euler ODE sampler of the rectified flow: from x = noise at t = 1 to t = 0 in `steps` equal
+ * steps, x ← x − Δt·u(x, t, y). x [B,T,H,W,C] holds the noise on entry and the sample on exit;
+ * scratch holds B*T*H*W*C floats. */
+int tr_sample_euler(tr_model *m, float *x, const int *y, int steps, float *scratch, char *err, size_t err_len);
+
+/* The whole training loop of sparge-train (progress on stderr, CSV log, checkpoints). */
+int tr_train(const tr_config *cfg, char *err, size_t err_len);
+
+#endif

@@ -1,0 +1,464 @@
+/* Tests of sparge-train (experiments/trainer): the hand-written backward against central finite
+ * differences (dense and with a frozen sparse mask), a few training steps lowering the loss,
+ * checkpoint round trips and an exact resume, the data generators, and the config parser. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, mkstemp, strdup */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "trainer.h"
+
+static sparge_device *open_device(const char *name)
+{
+    sparge_device *dev = NULL;
+    assert_int_equal(sparge_device_open(name, &dev), SPARGE_OK);
+    return dev;
+}
+
+/* 2 frames of 4x4x3 -> 8 tokens; 2 heads of dim 6; query blocks of 4 tokens, key blocks of 2. */
+static tr_config tiny_config(void)
+{
+    tr_config c;
+    tr_config_defaults(&c);
+    c.frames = 2, c.height = 4, c.width = 4, c.channels = 3;
+    c.dim = 12, c.heads = 2, c.depth = 2, c.classes = 3, c.mlp_ratio = 2;
+    c.block_q = 4, c.block_k = 2;
+    c.batch = 2;
+    return c;
+}
+
+static void randomize(float *p, size_t n, uint64_t seed, double scale)
+{
+    uint64_t s = seed;
+    for (size_t i = 0; i < n; i++)
+        p[i] = (float)(scale * tr_normal(&s));
+}
+
+typedef struct {
+    tr_model *m;
+    float *x, *t, *target, *u, *du;
+    int y[4];
+    size_t n;
+} grad_case;
+
+static double loss_of(grad_case *g)
+{
+    char err[512];
+    if (tr_model_forward(g->m, g->x, g->t, g->y, g->u, err, sizeof err))
+        fail_msg("%s", err);
+    return tr_mse(g->u, g->target, g->n, NULL);
+}
+
+/* Every parameter tensor: the directional derivative along its gradient and its two largest
+ * entries against central differences of the (double-accumulated) loss. The model is f32, so
+ * the tolerance allows f32 rounding of the forward divided by the step. */
+static void check_gradients(tr_attn_mode mode)
+{
+    tr_config c = tiny_config();
+    c.attn = mode, c.topk = 0.25, c.topp = 0.5;
+    sparge_device *dev = open_device("cpu-ref");
+    char err[512];
+    grad_case g = {0};
+    g.m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_non_null(g.m);
+    const tr_dims *d = tr_model_dims(g.m);
+    g.n = (size_t)c.batch * d->T * d->H * d->W * d->C;
+    g.x = malloc(g.n * sizeof(float)), g.target = malloc(g.n * sizeof(float));
+    g.u = malloc(g.n * sizeof(float)), g.du = malloc(g.n * sizeof(float));
+    float t[2] = {0.3f, 0.8f};
+    g.t = t, g.y[0] = 2, g.y[1] = 0;
+    randomize(g.x, g.n, 1, 1.0);
+    randomize(g.target, g.n, 2, 1.0);
+    /* random (not adaLN-Zero) weights so that every path carries gradient */
+    size_t np = tr_model_num_params(g.m);
+    float *p = tr_model_params(g.m);
+    randomize(p, np, 3, 0.3);
+    double l0 = loss_of(&g);
+    if (mode != TR_ATTN_DENSE) {
+        double sp = tr_model_last_sparsity(g.m);
+        assert_true(sp > 0.2 && sp < 0.9);
+        tr_model_freeze_masks(g.m, 1); /* finite differences need the mask held fixed, as in the backward */
+    }
+    tr_mse(g.u, g.target, g.n, g.du);
+    tr_model_zero_grad(g.m);
+    assert_int_equal(tr_model_backward(g.m, g.du, err, sizeof err), 0);
+    float *grad = malloc(np * sizeof(float));
+    memcpy(grad, tr_model_grads(g.m), np * sizeof(float));
+    assert_true(l0 > 0.1);
+    double worst_dir = 0, worst_entry = 0;
+    for (int i = 0; i < tr_model_num_tensors(g.m); i++) {
+        const tr_param *tp = tr_model_tensor(g.m, i);
+        const float *gt = grad + tp->offset;
+        float *pt = p + tp->offset;
+        double norm = 0;
+        for (size_t j = 0; j < tp->size; j++)
+            norm += (double)gt[j] * gt[j];
+        norm = sqrt(norm);
+        assert_true(norm > 1e-6); /* every tensor gets gradient (the classes used, at least) */
+        /* directional derivative along v = g/|g| */
+        const double h = 1e-2;
+        float *saved = malloc(tp->size * sizeof(float));
+        memcpy(saved, pt, tp->size * sizeof(float));
+        for (size_t j = 0; j < tp->size; j++)
+            pt[j] = (float)(saved[j] + h * gt[j] / norm);
+        double lp = loss_of(&g);
+        for (size_t j = 0; j < tp->size; j++)
+            pt[j] = (float)(saved[j] - h * gt[j] / norm);
+        double lm = loss_of(&g);
+        memcpy(pt, saved, tp->size * sizeof(float));
+        double fd = (lp - lm) / (2 * h), rel = fabs(fd - norm) / norm;
+        if (rel > worst_dir)
+            worst_dir = rel;
+        if (rel > 2e-3)
+            fail_msg("%s: directional derivative %.7g, backward %.7g (rel %.2e)", tp->name, fd, norm, rel);
+        /* the two largest entries */
+        size_t top[2] = {0, 0};
+        for (size_t j = 0; j < tp->size; j++)
+            if (fabsf(gt[j]) > fabsf(gt[top[0]]))
+                top[1] = top[0], top[0] = j;
+            else if (j != top[0] && fabsf(gt[j]) > fabsf(gt[top[1]]))
+                top[1] = j;
+        for (int e = 0; e < (tp->size > 1 ? 2 : 1); e++) {
+            size_t j = top[e];
+            const double he = 3e-3;
+            pt[j] = (float)(saved[j] + he);
+            double ep = loss_of(&g);
+            pt[j] = (float)(saved[j] - he);
+            double em = loss_of(&g);
+            pt[j] = saved[j];
+            double fde = (ep - em) / (((double)(float)(saved[j] + he)) - (double)(float)(saved[j] - he));
+            double err_e = fabs(fde - gt[j]) / (fabs(gt[j]) + 1e-3 * norm + 1e-6);
+            if (err_e > worst_entry)
+                worst_entry = err_e;
+            if (err_e > 1e-2)
+                fail_msg("%s[%zu]: finite difference %.7g, backward %.7g", tp->name, j, fde, (double)gt[j]);
+        }
+        free(saved);
+    }
+    print_message("gradient check (%s): worst rel. error %.2e along gradients, %.2e on entries\n",
+                  tr_attn_mode_name(mode), worst_dir, worst_entry);
+    free(grad);
+    free(g.x), free(g.target), free(g.u), free(g.du);
+    tr_model_free(g.m);
+    sparge_device_close(dev);
+}
+
+static void test_gradient_dense(void **state)
+{
+    (void)state;
+    check_gradients(TR_ATTN_DENSE);
+}
+
+static void test_gradient_hybrid_mask(void **state)
+{
+    (void)state;
+    check_gradients(TR_ATTN_HYBRID);
+}
+
+/* Diffusion loss on a fixed held-out batch before and after 40 AdamW steps on A. */
+static void test_training_lowers_loss(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.height = c.width = 8, c.frames = 4, c.dim = 24, c.heads = 2, c.block_q = 16, c.block_k = 8, c.batch = 4;
+    c.lr = 2e-3;
+    sparge_device *dev = open_device("cpu");
+    char err[512];
+    tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_non_null(m);
+    tr_model_init(m, 5);
+    const tr_dims *d = tr_model_dims(m);
+    size_t n = (size_t)c.batch * d->T * d->H * d->W * d->C;
+    float *x0 = malloc(n * sizeof(float)), *eps = malloc(n * sizeof(float)), *xt = malloc(n * sizeof(float));
+    float *u = malloc(n * sizeof(float)), *target = malloc(n * sizeof(float)), *du = malloc(n * sizeof(float));
+    float t[4];
+    int y[4];
+    tr_adamw opt;
+    assert_int_equal(tr_adamw_init(&opt, tr_model_num_params(m)), 0);
+    double held_out[2];
+    for (int phase = 0; phase < 2; phase++) {
+        double sum = 0;
+        for (int64_t b = 0; b < 4; b++) { /* batches 1000.. are never trained on */
+            tr_make_batch(&c, d, 1000 + b, x0, y, t, eps, xt);
+            for (size_t i = 0; i < n; i++)
+                target[i] = eps[i] - x0[i];
+            assert_int_equal(tr_model_forward(m, xt, t, y, u, err, sizeof err), 0);
+            sum += tr_mse(u, target, n, NULL);
+        }
+        held_out[phase] = sum / 4;
+        for (int64_t step = 0; phase == 0 && step < 40; step++) {
+            tr_make_batch(&c, d, step, x0, y, t, eps, xt);
+            for (size_t i = 0; i < n; i++)
+                target[i] = eps[i] - x0[i];
+            assert_int_equal(tr_model_forward(m, xt, t, y, u, err, sizeof err), 0);
+            tr_mse(u, target, n, du);
+            tr_model_zero_grad(m);
+            assert_int_equal(tr_model_backward(m, du, err, sizeof err), 0);
+            tr_clip_grad_norm(m, c.grad_clip);
+            tr_adamw_step(&opt, m, c.lr, c.beta1, c.beta2, c.adam_eps, c.weight_decay);
+        }
+    }
+    print_message("held-out diffusion loss: %.4f before, %.4f after 40 steps\n", held_out[0], held_out[1]);
+    assert_true(held_out[1] < 0.85 * held_out[0]);
+    tr_adamw_free(&opt);
+    free(x0), free(eps), free(xt), free(u), free(target), free(du);
+    tr_model_free(m);
+    sparge_device_close(dev);
+}
+
+static char *temp_dir(void)
+{
+    char *dir = strdup("/tmp/test_trainer_XXXXXX");
+    assert_non_null(mkdtemp(dir));
+    return dir;
+}
+
+/* save -> load gives bitwise identical outputs and moments; a model of another shape is refused
+ * and left untouched. */
+static void test_checkpoint_roundtrip(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.attn = TR_ATTN_HYBRID, c.topk = 0.25, c.topp = 0.5;
+    sparge_device *dev = open_device("cpu");
+    char err[512], path[600];
+    char *dir = temp_dir();
+    snprintf(path, sizeof path, "%s/ckpt.safetensors", dir);
+    tr_model *a = tr_model_create(&c, c.batch, dev, err, sizeof err), *b = tr_model_create(&c, c.batch, dev, err, 512);
+    assert_non_null(a);
+    assert_non_null(b);
+    size_t np = tr_model_num_params(a);
+    randomize(tr_model_params(a), np, 11, 0.2);
+    tr_adamw oa, ob;
+    assert_int_equal(tr_adamw_init(&oa, np), 0);
+    assert_int_equal(tr_adamw_init(&ob, np), 0);
+    randomize(oa.m, np, 12, 1.0);
+    randomize(oa.v, np, 13, 1.0);
+    oa.step = 1234;
+    assert_int_equal(tr_checkpoint_save(path, a, &oa, &c, err, sizeof err), 0);
+    assert_int_equal(tr_checkpoint_load(path, b, &ob, err, sizeof err), 0);
+    assert_memory_equal(tr_model_params(a), tr_model_params(b), np * sizeof(float));
+    assert_memory_equal(oa.m, ob.m, np * sizeof(float));
+    assert_memory_equal(oa.v, ob.v, np * sizeof(float));
+    assert_int_equal(ob.step, 1234);
+    const tr_dims *d = tr_model_dims(a);
+    size_t n = (size_t)c.batch * d->T * d->H * d->W * d->C;
+    float *x = malloc(n * sizeof(float)), *ua = malloc(n * sizeof(float)), *ub = malloc(n * sizeof(float));
+    randomize(x, n, 14, 1.0);
+    float t[2] = {0.1f, 0.9f};
+    int y[2] = {1, 2};
+    assert_int_equal(tr_model_forward(a, x, t, y, ua, err, sizeof err), 0);
+    assert_int_equal(tr_model_forward(b, x, t, y, ub, err, sizeof err), 0);
+    assert_memory_equal(ua, ub, n * sizeof(float));
+    /* another width: refused, nothing changed */
+    tr_config c2 = c;
+    c2.dim = 16;
+    tr_model *other = tr_model_create(&c2, c.batch, dev, err, sizeof err);
+    assert_non_null(other);
+    assert_int_equal(tr_checkpoint_load(path, other, NULL, err, sizeof err), -1);
+    assert_non_null(strstr(err, "shape"));
+    for (size_t i = 0; i < tr_model_num_params(other); i++)
+        assert_true(tr_model_params(other)[i] == 0.0f);
+    /* weights only: no moments needed, but resuming needs them */
+    assert_int_equal(tr_checkpoint_save(path, a, NULL, &c, err, sizeof err), 0);
+    assert_int_equal(tr_checkpoint_load(path, b, NULL, err, sizeof err), 0);
+    assert_int_equal(tr_checkpoint_load(path, b, &ob, err, sizeof err), -1);
+    unlink(path);
+    rmdir(dir);
+    free(dir);
+    free(x), free(ua), free(ub);
+    tr_adamw_free(&oa);
+    tr_adamw_free(&ob);
+    tr_model_free(a);
+    tr_model_free(b);
+    tr_model_free(other);
+    sparge_device_close(dev);
+}
+
+static float *load_params(const tr_config *c, const char *path)
+{
+    sparge_device *dev = open_device("cpu");
+    char err[512];
+    tr_model *m = tr_model_create(c, c->batch, dev, err, sizeof err);
+    assert_non_null(m);
+    if (tr_checkpoint_load(path, m, NULL, err, sizeof err))
+        fail_msg("%s", err);
+    size_t np = tr_model_num_params(m);
+    float *p = malloc(np * sizeof(float));
+    memcpy(p, tr_model_params(m), np * sizeof(float));
+    tr_model_free(m);
+    sparge_device_close(dev);
+    return p;
+}
+
+/* 6 steps in one run == 3 steps, then resume for 3: the same weights, bit for bit; then velocity
+ * distillation from that checkpoint as its own dense teacher starts at loss 0. */
+static void test_resume_and_distillation(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.log_every = 100;
+    char err[512], full[256], part[256], vd[256], logp[256];
+    char *dir = temp_dir();
+    snprintf(full, sizeof full, "%s/full.safetensors", dir);
+    snprintf(part, sizeof part, "%s/part.safetensors", dir);
+    snprintf(vd, sizeof vd, "%s/vd.safetensors", dir);
+    snprintf(logp, sizeof logp, "%s/vd.csv", dir);
+    c.steps = 6;
+    snprintf(c.out, sizeof c.out, "%s", full);
+    if (tr_train(&c, err, sizeof err))
+        fail_msg("%s", err);
+    c.steps = 3;
+    snprintf(c.out, sizeof c.out, "%s", part);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    c.steps = 6;
+    snprintf(c.resume, sizeof c.resume, "%s", part);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    float *a = load_params(&c, full), *b = load_params(&c, part);
+    sparge_device *dev = open_device("cpu");
+    tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_memory_equal(a, b, tr_model_num_params(m) * sizeof(float));
+    tr_model_free(m);
+    sparge_device_close(dev);
+    /* distillation: dense student = dense teacher at step 1, so the first logged loss is 0 */
+    tr_config v = tiny_config();
+    v.loss = TR_LOSS_VD, v.steps = 2, v.log_every = 100;
+    snprintf(v.init, sizeof v.init, "%s", full);
+    snprintf(v.out, sizeof v.out, "%s", vd);
+    snprintf(v.log, sizeof v.log, "%s", logp);
+    assert_int_equal(tr_train(&v, err, sizeof err), 0);
+    FILE *f = fopen(logp, "r");
+    assert_non_null(f);
+    char header[256];
+    long long step;
+    double loss;
+    assert_non_null(fgets(header, sizeof header, f));
+    assert_non_null(strstr(header, "step,loss"));
+    assert_int_equal(fscanf(f, "%lld,%lf", &step, &loss), 2);
+    assert_int_equal(step, 1);
+    assert_true(loss == 0.0);
+    fclose(f);
+    /* a sparse student differs from its teacher from the first step */
+    v.attn = TR_ATTN_TOPK, v.topk = 0.25;
+    assert_int_equal(tr_train(&v, err, sizeof err), 0);
+    f = fopen(logp, "r");
+    assert_non_null(fgets(header, sizeof header, f));
+    assert_int_equal(fscanf(f, "%lld,%lf", &step, &loss), 2);
+    assert_true(loss > 0.0);
+    fclose(f);
+    /* vd without a teacher is refused */
+    v.init[0] = 0;
+    assert_int_equal(tr_train(&v, err, sizeof err), -1);
+    assert_non_null(strstr(err, "teacher"));
+    unlink(full), unlink(part), unlink(vd), unlink(logp);
+    rmdir(dir);
+    free(dir);
+    free(a), free(b);
+}
+
+static void mean_stats(char dist, uint64_t seed, int count, tr_video_stats *mean)
+{
+    const int T = 8, H = 16, W = 16, C = 3;
+    float *v = malloc((size_t)T * H * W * C * sizeof(float));
+    memset(mean, 0, sizeof *mean);
+    for (int i = 0; i < count; i++) {
+        int label;
+        tr_video_stats s;
+        tr_data_sample(dist, seed, (uint64_t)i, T, H, W, C, 4, v, &label);
+        tr_video_statistics(v, T, H, W, C, &s);
+        mean->sharpness += s.sharpness / count, mean->temporal_change += s.temporal_change / count;
+        mean->temporal_jitter += s.temporal_jitter / count, mean->mean_c0 += s.mean_c0 / count;
+    }
+    free(v);
+}
+
+static void test_data(void **state)
+{
+    (void)state;
+    const int T = 8, H = 16, W = 16, C = 3;
+    size_t n = (size_t)T * H * W * C;
+    float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+    int la, lb, labels[4] = {0};
+    for (int dist = 0; dist < 2; dist++) {
+        char which = dist ? 'B' : 'A';
+        tr_data_sample(which, 7, 3, T, H, W, C, 4, a, &la);
+        tr_data_sample(which, 7, 3, T, H, W, C, 4, b, &lb);
+        assert_memory_equal(a, b, n * sizeof(float)); /* a pure function of (seed, index) */
+        assert_int_equal(la, lb);
+        tr_data_sample(which, 8, 3, T, H, W, C, 4, b, &lb);
+        assert_memory_not_equal(a, b, n * sizeof(float));
+        for (size_t i = 0; i < n; i++)
+            assert_true(isfinite(a[i]) && fabsf(a[i]) < 3.0f);
+    }
+    for (int i = 0; i < 200; i++) {
+        tr_data_sample('A', 1, (uint64_t)i, 2, 4, 4, 3, 4, a, &la);
+        labels[la]++;
+    }
+    for (int k = 0; k < 4; k++)
+        assert_true(labels[k] > 25); /* every class appears */
+    tr_video_stats sa, sb;
+    mean_stats('A', 1, 64, &sa);
+    mean_stats('B', 1, 64, &sb);
+    print_message("A: sharpness %.4f, temporal change %.4f, jitter %.4f, channel 0 %.4f\n", sa.sharpness,
+                  sa.temporal_change, sa.temporal_jitter, sa.mean_c0);
+    print_message("B: sharpness %.4f, temporal change %.4f, jitter %.4f, channel 0 %.4f\n", sb.sharpness,
+                  sb.temporal_change, sb.temporal_jitter, sb.mean_c0);
+    assert_true(sb.temporal_jitter > 1.5 * sa.temporal_jitter);
+    assert_true(fabs(sb.mean_c0 - sa.mean_c0) > 0.1);
+    free(a), free(b);
+}
+
+static void test_config(void **state)
+{
+    (void)state;
+    tr_config c;
+    char err[512];
+    tr_config_defaults(&c);
+    assert_int_equal(tr_config_set(&c, "dim=96", err, sizeof err), 0);
+    assert_int_equal(c.dim, 96);
+    assert_int_equal(tr_config_set(&c, "--attn=hybrid", err, sizeof err), 0);
+    assert_int_equal(c.attn, TR_ATTN_HYBRID);
+    assert_int_equal(tr_config_set(&c, "lr = 1e-3", err, sizeof err), 0);
+    assert_true(c.lr == 1e-3);
+    assert_int_equal(tr_config_set(&c, "dims=3", err, sizeof err), -1);
+    assert_non_null(strstr(err, "unknown key"));
+    assert_int_equal(tr_config_set(&c, "depth=two", err, sizeof err), -1);
+    assert_int_equal(tr_config_set(&c, "loss=l1", err, sizeof err), -1);
+    assert_int_equal(tr_config_check(&c, err, sizeof err), 0);
+    c.heads = 5;
+    assert_int_equal(tr_config_check(&c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "heads"));
+    char cfg[] = "/tmp/test_trainer_cfg_XXXXXX";
+    int fd = mkstemp(cfg);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fprintf(f, "# comment\nframes = 4  # trailing\n\nheight=8\nbogus=1\n");
+    fclose(f);
+    tr_config_defaults(&c);
+    assert_int_equal(tr_config_load(&c, cfg, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":5:"));
+    assert_int_equal(c.frames, 4);
+    unlink(cfg);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_config),
+        cmocka_unit_test(test_data),
+        cmocka_unit_test(test_gradient_dense),
+        cmocka_unit_test(test_gradient_hybrid_mask),
+        cmocka_unit_test(test_checkpoint_roundtrip),
+        cmocka_unit_test(test_resume_and_distillation),
+        cmocka_unit_test(test_training_lowers_loss),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
