@@ -354,6 +354,19 @@ static void test_resume_and_distillation(void **state)
     assert_int_equal(fscanf(f, "%lld,%lf", &step, &loss), 2);
     assert_true(loss > 0.0);
     fclose(f);
+    /* evaluation of the 6-step model against itself as the teacher: dense has no velocity error,
+     * Top-k some; Euler samples and the reference videos give finite statistics */
+    tr_config e = tiny_config();
+    e.eval = 1, e.sample_steps = 4;
+    snprintf(e.init, sizeof e.init, "%s", full);
+    snprintf(e.teacher, sizeof e.teacher, "%s", full);
+    tr_eval_result r;
+    assert_int_equal(tr_evaluate(&e, &r, err, sizeof err), 0);
+    assert_true(r.velocity_mse == 0.0 && r.sparsity == 0.0);
+    assert_true(r.diffusion_loss > 0.1 && isfinite(r.sample.sharpness) && r.reference.sharpness > 0.0);
+    e.attn = TR_ATTN_TOPK, e.topk = 0.25;
+    assert_int_equal(tr_evaluate(&e, &r, err, sizeof err), 0);
+    assert_true(r.velocity_rel_l2 > 0.0 && r.velocity_rel_l2 < 1.0 && r.sparsity > 0.5);
     /* vd without a teacher is refused */
     v.init[0] = 0;
     assert_int_equal(tr_train(&v, err, sizeof err), -1);
@@ -362,6 +375,42 @@ static void test_resume_and_distillation(void **state)
     rmdir(dir);
     free(dir);
     free(a), free(b);
+}
+
+/* With only the final bias non-zero the velocity is constant, so Euler integration from t = 1 to
+ * 0 must land on noise − velocity exactly, whatever the number of steps. */
+static void test_euler_sampler(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    sparge_device *dev = open_device("cpu");
+    char err[512];
+    tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_non_null(m);
+    tr_model_init(m, 1);
+    const tr_param *bias = tr_model_find(m, "final.linear.bias");
+    assert_non_null(bias);
+    randomize(tr_model_params(m) + bias->offset, bias->size, 21, 1.0);
+    const tr_dims *d = tr_model_dims(m);
+    size_t n = (size_t)c.batch * d->T * d->H * d->W * d->C;
+    float *x = malloc(n * sizeof(float)), *noise = malloc(n * sizeof(float)), *u = malloc(n * sizeof(float));
+    float *scratch = malloc(n * sizeof(float));
+    randomize(noise, n, 22, 1.0);
+    int y[2] = {0, 1};
+    float t[2] = {0.5f, 0.5f};
+    assert_int_equal(tr_model_forward(m, noise, t, y, u, err, sizeof err), 0);
+    for (int steps = 1; steps <= 7; steps += 6) {
+        memcpy(x, noise, n * sizeof(float));
+        assert_int_equal(tr_sample_euler(m, x, y, steps, scratch, err, sizeof err), 0);
+        for (size_t i = 0; i < n; i++)
+            assert_float_equal(x[i], noise[i] - u[i], 1e-5);
+    }
+    /* the velocity is the bias of the token's patch entry: pixel (0,0) of each video gets bias[c] */
+    for (int ch = 0; ch < d->C; ch++)
+        assert_float_equal(u[ch], tr_model_params(m)[bias->offset + ch], 1e-6);
+    free(x), free(noise), free(u), free(scratch);
+    tr_model_free(m);
+    sparge_device_close(dev);
 }
 
 static void mean_stats(char dist, uint64_t seed, int count, tr_video_stats *mean)
@@ -456,6 +505,7 @@ int main(void)
         cmocka_unit_test(test_data),
         cmocka_unit_test(test_gradient_dense),
         cmocka_unit_test(test_gradient_hybrid_mask),
+        cmocka_unit_test(test_euler_sampler),
         cmocka_unit_test(test_checkpoint_roundtrip),
         cmocka_unit_test(test_resume_and_distillation),
         cmocka_unit_test(test_training_lowers_loss),

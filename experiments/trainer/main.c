@@ -1,6 +1,7 @@
 /* sparge-train: train the tiny video DiT of issue 8 (README.md beside this file).
  *   sparge-train [CONFIG.cfg] [key=value ...]
- * The config file is read first, then each key=value overrides it. */
+ * Arguments apply in order (a config file, then key=value overrides). mode=eval prints one CSV
+ * row of held-out metrics of init= (README.md, "Evaluation") instead of training. */
 #include <stdio.h>
 #include <string.h>
 
@@ -25,6 +26,20 @@ int main(int argc, char **argv)
             fprintf(stderr, "sparge-train: %s\n", err);
             return 2;
         }
+    }
+    if (cfg.eval) {
+        tr_eval_result r;
+        if (tr_evaluate(&cfg, &r, err, sizeof err)) {
+            fprintf(stderr, "sparge-train: %s\n", err);
+            return 1;
+        }
+        printf("velocity_mse,velocity_rel_l2,diffusion_loss,sparsity,sample_sharpness,sample_temporal_change,"
+               "sample_temporal_jitter,sample_mean_c0,ref_sharpness,ref_temporal_change,ref_temporal_jitter,"
+               "ref_mean_c0\n%.6g,%.6g,%.6g,%.4f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f\n",
+               r.velocity_mse, r.velocity_rel_l2, r.diffusion_loss, r.sparsity, r.sample.sharpness,
+               r.sample.temporal_change, r.sample.temporal_jitter, r.sample.mean_c0, r.reference.sharpness,
+               r.reference.temporal_change, r.reference.temporal_jitter, r.reference.mean_c0);
+        return 0;
     }
     if (tr_train(&cfg, err, sizeof err)) {
         fprintf(stderr, "sparge-train: %s\n", err);

@@ -37,7 +37,7 @@ void tr_config_defaults(tr_config *c)
     c->steps = 100, c->batch = 4, c->log_every = 10, c->ckpt_every = 0, c->warmup = 0;
     c->lr = 3e-4, c->beta1 = 0.9, c->beta2 = 0.999, c->adam_eps = 1e-8, c->weight_decay = 0.0, c->grad_clip = 1.0;
     c->seed = 0, c->data_seed = 1;
-    c->sample_steps = 20;
+    c->sample_steps = 20, c->eval_batches = 2;
 }
 
 const char *tr_attn_mode_name(tr_attn_mode m)
@@ -46,7 +46,7 @@ const char *tr_attn_mode_name(tr_attn_mode m)
     return m >= 0 && m <= TR_ATTN_TOPP ? names[m] : "?";
 }
 
-typedef enum { K_INT, K_DOUBLE, K_U64, K_STRING, K_ATTN, K_LOSS, K_DATA } key_kind;
+typedef enum { K_INT, K_DOUBLE, K_U64, K_STRING, K_ATTN, K_LOSS, K_DATA, K_MODE } key_kind;
 typedef struct {
     const char *name;
     key_kind kind;
@@ -64,6 +64,7 @@ static const key_def KEYS[] = {
     KEY(beta2, K_DOUBLE),     KEY(adam_eps, K_DOUBLE), KEY(weight_decay, K_DOUBLE), KEY(grad_clip, K_DOUBLE),
     KEY(seed, K_U64),         KEY(data_seed, K_U64),   KEY(init, K_STRING),       KEY(teacher, K_STRING),
     KEY(resume, K_STRING),    KEY(out, K_STRING),      KEY(log, K_STRING),        KEY(sample_steps, K_INT),
+    KEY(eval_batches, K_INT), {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
 };
 #undef KEY
 
@@ -141,6 +142,12 @@ int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_le
                 return 0;
             }
             return fail(err, err_len, "data=%s: expected A or B", val);
+        case K_MODE:
+            if (!strcmp(val, "train") || !strcmp(val, "eval")) {
+                c->eval = !strcmp(val, "eval");
+                return 0;
+            }
+            return fail(err, err_len, "mode=%s: expected train or eval", val);
         }
     }
     return fail(err, err_len, "unknown key '%s' (README.md lists the keys)", key);
@@ -194,9 +201,9 @@ int tr_config_check(const tr_config *c, char *err, size_t err_len)
         (c->attn == TR_ATTN_TOPP && c->topp == 0))
         return fail(err, err_len, "attn=%s needs a nonzero topk/topp", tr_attn_mode_name(c->attn));
     if (c->batch < 1 || c->steps < 0 || c->log_every < 1 || c->ckpt_every < 0 || c->warmup < 0 ||
-        c->sample_steps < 1)
+        c->sample_steps < 1 || c->eval_batches < 1)
         return fail(err, err_len, "batch >= 1, steps >= 0, log_every >= 1, ckpt_every >= 0, warmup >= 0, "
-                                  "sample_steps >= 1");
+                                  "sample_steps >= 1, eval_batches >= 1");
     if (!(c->lr >= 0) || c->beta1 < 0 || c->beta1 >= 1 || c->beta2 < 0 || c->beta2 >= 1 || !(c->adam_eps > 0))
         return fail(err, err_len, "lr >= 0, beta1/beta2 in [0, 1), adam_eps > 0");
     return 0;
@@ -572,6 +579,88 @@ out:
     tr_adamw_free(&opt);
     tr_model_free(teacher);
     tr_model_free(student);
+    sparge_device_close(dev);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- evaluation */
+
+static void add_stats(tr_video_stats *sum, const float *video, const tr_dims *d, double weight)
+{
+    tr_video_stats s;
+    tr_video_statistics(video, d->T, d->H, d->W, d->C, &s);
+    sum->sharpness += weight * s.sharpness, sum->temporal_change += weight * s.temporal_change;
+    sum->temporal_jitter += weight * s.temporal_jitter, sum->mean_c0 += weight * s.mean_c0;
+}
+
+int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err_len)
+{
+    if (tr_config_check(cfg, err, err_len))
+        return -1;
+    if (!cfg->init[0])
+        return fail(err, err_len, "mode=eval needs the model to evaluate: init=CKPT");
+    sparge_device *dev = NULL;
+    sparge_status s = sparge_device_open(cfg->device, &dev);
+    if (s)
+        return fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
+    tr_model *model = NULL, *teacher = NULL;
+    float *buf = NULL;
+    int rc = -1;
+    tr_config held_out = *cfg; /* held-out videos of A: indices far past any training stream */
+    snprintf(held_out.data, sizeof held_out.data, "A");
+    if (!(model = tr_model_create(cfg, cfg->batch, dev, err, err_len)) ||
+        tr_checkpoint_load(cfg->init, model, NULL, err, err_len))
+        goto out;
+    if (cfg->teacher[0]) {
+        tr_config tc = *cfg;
+        tc.attn = TR_ATTN_DENSE;
+        if (!(teacher = tr_model_create(&tc, cfg->batch, dev, err, err_len)) ||
+            tr_checkpoint_load(cfg->teacher, teacher, NULL, err, err_len))
+            goto out;
+    }
+    const tr_dims *d = tr_model_dims(model);
+    size_t per = (size_t)d->T * d->H * d->W * d->C, n = (size_t)cfg->batch * per;
+    buf = malloc(n * 6 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
+    if (!buf) {
+        fail(err, err_len, "evaluation buffers: out of memory");
+        goto out;
+    }
+    float *x0 = buf, *eps = buf + n, *xt = buf + 2 * n, *u = buf + 3 * n, *ut = buf + 4 * n, *x = buf + 5 * n;
+    float *t = buf + 6 * n;
+    int *y = (int *)(t + cfg->batch);
+    memset(res, 0, sizeof *res);
+    double diff2 = 0, ref2 = 0, videos = (double)cfg->eval_batches * cfg->batch;
+    for (int i = 0; i < cfg->eval_batches; i++) {
+        tr_make_batch(&held_out, d, 1000000000 + i, x0, y, t, eps, xt);
+        if (tr_model_forward(model, xt, t, y, u, err, err_len))
+            goto out;
+        res->sparsity += tr_model_last_sparsity(model) / cfg->eval_batches;
+        for (size_t j = 0; j < n; j++)
+            x[j] = eps[j] - x0[j];
+        res->diffusion_loss += tr_mse(u, x, n, NULL) / cfg->eval_batches;
+        if (teacher) {
+            if (tr_model_forward(teacher, xt, t, y, ut, err, err_len))
+                goto out;
+            for (size_t j = 0; j < n; j++) {
+                diff2 += ((double)u[j] - ut[j]) * ((double)u[j] - ut[j]);
+                ref2 += (double)ut[j] * ut[j];
+            }
+        }
+        memcpy(x, eps, n * sizeof(float)); /* sample from the batch's noise, for its classes */
+        if (tr_sample_euler(model, x, y, cfg->sample_steps, u, err, err_len))
+            goto out;
+        for (int b = 0; b < cfg->batch; b++) {
+            add_stats(&res->sample, x + b * per, d, 1.0 / videos);
+            add_stats(&res->reference, x0 + b * per, d, 1.0 / videos);
+        }
+    }
+    res->velocity_mse = teacher ? diff2 / (n * (double)cfg->eval_batches) : NAN;
+    res->velocity_rel_l2 = teacher ? sqrt(diff2 / ref2) : NAN;
+    rc = 0;
+out:
+    free(buf);
+    tr_model_free(teacher);
+    tr_model_free(model);
     sparge_device_close(dev);
     return rc;
 }

@@ -39,8 +39,10 @@ typedef struct {
     char resume[512];  /* checkpoint to resume (weights, AdamW moments, step) */
     char out[512];     /* checkpoint written every ckpt_every steps and at the end; "" = none */
     char log[512];     /* CSV log; "" = none */
-    /* sampler */
-    int sample_steps;
+    /* evaluation (mode=eval) */
+    int eval;          /* 0: train, 1: evaluate init= (and teacher=) */
+    int sample_steps;  /* Euler steps */
+    int eval_batches;  /* held-out batches of `batch` videos */
 } tr_config;
 
 void tr_config_defaults(tr_config *c);
@@ -194,5 +196,14 @@ int tr_sample_euler(tr_model *m, float *x, const int *y, int steps, float *scrat
 
 /* The whole training loop of sparge-train (progress on stderr, CSV log, checkpoints). */
 int tr_train(const tr_config *cfg, char *err, size_t err_len);
+
+/* Held-out evaluation of init= under cfg's attention (README.md, "Evaluation"). */
+typedef struct {
+    double velocity_mse, velocity_rel_l2; /* to teacher= on held-out A inputs (NaN without a teacher) */
+    double diffusion_loss;                /* ‖u − (ε − x0)‖² mean on the same inputs */
+    double sparsity;                      /* mean block sparsity of the masks on those inputs */
+    tr_video_stats sample, reference;     /* means over Euler samples and over real videos of the same classes */
+} tr_eval_result;
+int tr_evaluate(const tr_config *cfg, tr_eval_result *out, char *err, size_t err_len);
 
 #endif
