@@ -6,7 +6,8 @@
 #   paper-repro/run.sh [--backend NAME] [--bindir DIR] [--out DIR] [--only LIST] [--quick] [-- DRIVER-ARGS]
 #
 #   --backend NAME  sparge backend for every entry (default cpu; e.g. cuda)
-#   --bindir DIR    where the exp_* drivers are (default: ./experiments if built here, else build one)
+#   --bindir DIR    where the exp_* drivers are (default: ./experiments if built here, else build them in
+#                   build-repro/, configured --without-cuda --without-hip for CPU runs; CONFIGURE_FLAGS overrides)
 #   --out DIR       results directory (default paper-repro/results, or results/NAME for another backend)
 #   --only LIST     comma-separated subset of: fig1,table1,sensitivity,decomposition,ablation,speed
 #   --quick         small shapes (a smoke test in seconds; results are not the committed ones)
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
     --only) only=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -39,10 +40,16 @@ if [ -z "$bindir" ]; then
         bindir=$(pwd)/experiments
     else
         build=$top/build-repro
-        echo "== building sparge and the experiment drivers in $build"
+        # CPU runs need no GPU code; other backends let configure find their toolkits. CONFIGURE_FLAGS overrides.
+        case $backend in
+        cpu|cpu-ref) flags=${CONFIGURE_FLAGS:---without-cuda --without-hip} ;;
+        *) flags=${CONFIGURE_FLAGS:-} ;;
+        esac
+        echo "== building sparge and the experiment drivers in $build (configure $flags)"
         [ -x "$top/configure" ] || (cd "$top" && autoreconf -fi)
         mkdir -p "$build"
-        (cd "$build" && { [ -f Makefile ] || "$top/configure" --quiet; } && make -j2 --no-print-directory \
+        # shellcheck disable=SC2086
+        (cd "$build" && { [ -f Makefile ] || "$top/configure" --quiet $flags; } && make -j2 --no-print-directory \
             experiments/exp_gen experiments/exp_table1 experiments/exp_failure experiments/exp_decomp \
             experiments/exp_ablation experiments/exp_speed)
         bindir=$build/experiments
