@@ -571,7 +571,8 @@ int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, 
         tr_layernorm_forward(a->xhat2, a->rstd2, a->x_mid, BN, D);
         modulate_forward(a->h2, a->xhat2, a->mod + 3 * D, a->mod + 4 * D, ms, B, N, D);
         tr_linear_forward(a->fc1, a->h2, p->fc1_w, p->fc1_b, BN, D, d->M);
-        for (size_t i = 0; i < (size_t)BN * d->M; i++)
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < (int64_t)BN * d->M; i++)
             a->gelu[i] = tr_gelu(a->fc1[i]);
         tr_linear_forward(a->fc2, a->gelu, p->fc2_w, p->fc2_b, BN, d->M, D);
         gated_add(x_out, a->x_mid, a->mod + 5 * D, a->fc2, ms, B, N, D);
@@ -609,7 +610,8 @@ int tr_model_backward(tr_model *m, const float *du, char *err, size_t err_len)
         /* x_out = x_mid + gate2·fc2: dres stays as d(x_mid) */
         gated_add_backward(m->dbuf, m->dmod + 5 * D, m->dres, a->mod + 5 * D, a->fc2, ms, B, N, D);
         tr_linear_backward(m->dfc, G(m, p->fc2_w), G(m, p->fc2_b), m->dbuf, a->gelu, p->fc2_w, BN, d->M, D, 0);
-        for (size_t i = 0; i < (size_t)BN * d->M; i++)
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < (int64_t)BN * d->M; i++)
             m->dfc[i] *= tr_gelu_grad(a->fc1[i]);
         tr_linear_backward(m->dbuf, G(m, p->fc1_w), G(m, p->fc1_b), m->dfc, a->h2, p->fc1_w, BN, D, d->M, 0);
         modulate_backward(m->dbuf2, m->dmod + 3 * D, m->dmod + 4 * D, m->dbuf, a->xhat2, a->mod + 4 * D, ms, B, N, D);
