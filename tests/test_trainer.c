@@ -214,6 +214,44 @@ static void test_training_lowers_loss(void **state)
     sparge_device_close(dev);
 }
 
+/* The staged attention path (what GPU devices use) gives the same outputs and gradients as the
+ * in-place one, bit for bit, on the cpu device. */
+static void test_staged_attention(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.attn = TR_ATTN_HYBRID, c.topk = 0.25, c.topp = 0.5;
+    sparge_device *dev = open_device("cpu");
+    char err[512];
+    float *out[2][2];
+    size_t n = 0, np = 0;
+    for (int staged = 0; staged < 2; staged++) {
+        c.stage_attention = staged;
+        tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+        assert_non_null(m);
+        const tr_dims *d = tr_model_dims(m);
+        n = (size_t)c.batch * d->T * d->H * d->W * d->C, np = tr_model_num_params(m);
+        randomize(tr_model_params(m), np, 31, 0.3);
+        float *x = malloc(n * sizeof(float)), t[2] = {0.2f, 0.7f};
+        int y[2] = {1, 0};
+        randomize(x, n, 32, 1.0);
+        out[staged][0] = malloc(n * sizeof(float));
+        out[staged][1] = malloc(np * sizeof(float));
+        assert_int_equal(tr_model_forward(m, x, t, y, out[staged][0], err, sizeof err), 0);
+        assert_true(tr_model_last_sparsity(m) > 0.2);
+        tr_model_zero_grad(m);
+        assert_int_equal(tr_model_backward(m, x, err, sizeof err), 0); /* any dL/du will do */
+        memcpy(out[staged][1], tr_model_grads(m), np * sizeof(float));
+        free(x);
+        tr_model_free(m);
+    }
+    assert_memory_equal(out[0][0], out[1][0], n * sizeof(float));
+    assert_memory_equal(out[0][1], out[1][1], np * sizeof(float));
+    for (int i = 0; i < 4; i++)
+        free(out[i / 2][i % 2]);
+    sparge_device_close(dev);
+}
+
 static char *temp_dir(void)
 {
     char *dir = strdup("/tmp/test_trainer_XXXXXX");
@@ -506,6 +544,7 @@ int main(void)
         cmocka_unit_test(test_gradient_dense),
         cmocka_unit_test(test_gradient_hybrid_mask),
         cmocka_unit_test(test_euler_sampler),
+        cmocka_unit_test(test_staged_attention),
         cmocka_unit_test(test_checkpoint_roundtrip),
         cmocka_unit_test(test_resume_and_distillation),
         cmocka_unit_test(test_training_lowers_loss),

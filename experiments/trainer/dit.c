@@ -245,7 +245,7 @@ tr_model *tr_model_create(const tr_config *c, int B, sparge_device *dev, char *e
     m->block_q = c->block_q, m->block_k = c->block_k;
     m->dev = dev;
     const char *backend = sparge_device_backend(dev);
-    m->host_resident = !strcmp(backend, "cpu") || !strcmp(backend, "cpu-ref");
+    m->host_resident = (!strcmp(backend, "cpu") || !strcmp(backend, "cpu-ref")) && !c->stage_attention;
     build_layout(m);
     size_t nacts = carve(m, NULL);
     m->params = calloc(m->nparams, sizeof(float));

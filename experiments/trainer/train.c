@@ -64,7 +64,7 @@ static const key_def KEYS[] = {
     KEY(beta2, K_DOUBLE),     KEY(adam_eps, K_DOUBLE), KEY(weight_decay, K_DOUBLE), KEY(grad_clip, K_DOUBLE),
     KEY(seed, K_U64),         KEY(data_seed, K_U64),   KEY(init, K_STRING),       KEY(teacher, K_STRING),
     KEY(resume, K_STRING),    KEY(out, K_STRING),      KEY(log, K_STRING),        KEY(sample_steps, K_INT),
-    KEY(eval_batches, K_INT), {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
+    KEY(eval_batches, K_INT), KEY(stage_attention, K_INT), {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
 };
 #undef KEY
 

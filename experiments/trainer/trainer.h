@@ -27,6 +27,8 @@ typedef struct {
     double topk, topp;
     int block_q, block_k;
     char device[64];
+    int stage_attention; /* copy Q/K/V, O, LSE, dO through separate sparge_malloc buffers even on a host
+                          * device, the path GPU devices take (lets CPU tests cover it) */
     /* training */
     tr_loss_kind loss;
     char data[8]; /* "A" or "B" */
