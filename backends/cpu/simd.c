@@ -273,7 +273,8 @@ static inline void vst(float *p, vec x, int64_t w)
 /* ------------------------------------------------ GEMM */
 
 /* One mr × nv register tile; the last vector holds `last` (≤ VL) columns and
- * is masked when `masked`. Constant mr, nv, masked unroll into registers. */
+ * is masked when `masked`. With constant mr, nv, masked and the loops fully
+ * unrolled, the accumulator array lives in registers (not on the stack). */
 static inline __attribute__((always_inline)) void tile(const int mr, const int nv, const int masked, int64_t k,
                                                        const float *a, int64_t sai, int64_t sap, const float *b,
                                                        int64_t ldb, float *c, int64_t ldc, int accumulate,
@@ -281,27 +282,27 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
 {
     vec s[MR][NV], bv[NV];
     vmask tail = vtail(masked ? last : VL);
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < mr; i++)
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int v = 0; v < nv; v++)
             s[i][v] = vzero();
     for (int64_t p = 0; p < k; p++) {
         const float *bp = b + p * ldb, *ap = a + p * sap;
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int v = 0; v < nv; v++)
             bv[v] = masked && v == nv - 1 ? vmload(bp + v * VL, tail) : vload(bp + v * VL);
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
             vec x = vset1(ap[i * sai]);
-            #pragma GCC unroll 8
+#pragma GCC unroll 8
             for (int v = 0; v < nv; v++)
                 s[i][v] = vfma(x, bv[v], s[i][v]);
         }
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int i = 0; i < mr; i++)
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int v = 0; v < nv; v++) {
             float *cp = c + i * ldc + v * VL;
             int m = masked && v == nv - 1;
