@@ -408,27 +408,34 @@ static void gated_add_backward(float *dy, float *dgate, const float *dout, const
         }
 }
 
-/* video [B,T,H,W,C] <-> tokens [B,N,P]; forward = 1 gathers, 0 scatters (the adjoint). */
-static void patchify(const tr_dims *d, float *video, float *tokens, int forward)
+/* video [B,T,H,W,C] <-> tokens [B,N,P]: token (b, t, y, x) holds the 2x2 patch at (2y, 2x) of frame t,
+ * its values in (py, px, c) order. A permutation: unpatchify is also patchify's adjoint. */
+static void patch_indices(const tr_dims *d, size_t token, size_t *video_offsets)
 {
-    for (int b = 0; b < d->B; b++)
-        for (int t = 0; t < d->T; t++)
-            for (int y = 0; y < d->Hp; y++)
-                for (int x = 0; x < d->Wp; x++) {
-                    float *tok = tokens + (((size_t)b * d->T + t) * d->Hp * d->Wp + (size_t)y * d->Wp + x) * d->P;
-                    for (int py = 0; py < 2; py++)
-                        for (int px = 0; px < 2; px++) {
-                            float *pix = video + ((((size_t)b * d->T + t) * d->H + 2 * y + py) * d->W + 2 * x + px) *
-                                                     d->C;
-                            float *pv = tok + (py * 2 + px) * d->C;
-                            for (int ch = 0; ch < d->C; ch++) {
-                                if (forward)
-                                    pv[ch] = pix[ch];
-                                else
-                                    pix[ch] = pv[ch];
-                            }
-                        }
-                }
+    size_t x = token % d->Wp, y = token / d->Wp % d->Hp, bt = token / ((size_t)d->Wp * d->Hp); /* bt = b*T + t */
+    for (int py = 0; py < 2; py++)
+        for (int px = 0; px < 2; px++)
+            video_offsets[py * 2 + px] = ((bt * d->H + 2 * y + py) * d->W + 2 * x + px) * d->C;
+}
+
+static void patchify(const tr_dims *d, const float *video, float *tokens)
+{
+    for (size_t tok = 0; tok < (size_t)d->B * d->N; tok++) {
+        size_t off[4];
+        patch_indices(d, tok, off);
+        for (int q = 0; q < 4; q++)
+            memcpy(tokens + tok * d->P + q * d->C, video + off[q], (size_t)d->C * sizeof(float));
+    }
+}
+
+static void unpatchify(const tr_dims *d, const float *tokens, float *video)
+{
+    for (size_t tok = 0; tok < (size_t)d->B * d->N; tok++) {
+        size_t off[4];
+        patch_indices(d, tok, off);
+        for (int q = 0; q < 4; q++)
+            memcpy(video + off[q], tokens + tok * d->P + q * d->C, (size_t)d->C * sizeof(float));
+    }
 }
 
 /* ---------------------------------------------------------------- attention through sparge */
@@ -548,7 +555,7 @@ int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, 
             m->cs[(size_t)b * D + i] = tr_silu(m->c[(size_t)b * D + i]);
         }
     /* tokens */
-    patchify(d, (float *)x, m->xp, 1);
+    patchify(d, x, m->xp);
     float *x0 = d->L ? m->ba[0].x_in : m->x_final;
     tr_linear_forward(x0, m->xp, m->x_emb_w, m->x_emb_b, BN, d->P, D);
     for (int b = 0; b < B; b++)
@@ -583,7 +590,7 @@ int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, 
     tr_layernorm_forward(m->xhatf, m->rstdf, m->x_final, BN, D);
     modulate_forward(m->hf, m->xhatf, m->fmod, m->fmod + D, 2 * D, B, N, D);
     tr_linear_forward(m->out, m->hf, m->f_w, m->f_b, BN, D, d->P);
-    patchify(d, u, m->out, 0);
+    unpatchify(d, m->out, u);
     return 0;
 }
 
@@ -593,7 +600,7 @@ int tr_model_backward(tr_model *m, const float *du, char *err, size_t err_len)
 {
     const tr_dims *d = &m->dm;
     const int B = d->B, N = d->N, D = d->d, BN = B * N;
-    patchify(d, (float *)du, m->dout, 1);
+    patchify(d, du, m->dout);
     /* final layer */
     tr_linear_backward(m->dbuf, G(m, m->f_w), G(m, m->f_b), m->dout, m->hf, m->f_w, BN, D, d->P, 0);
     memset(m->dmod, 0, (size_t)B * 2 * D * sizeof(float));
