@@ -400,11 +400,15 @@ static void test_resume_and_distillation(void **state)
     snprintf(e.teacher, sizeof e.teacher, "%s", full);
     tr_eval_result r;
     assert_int_equal(tr_evaluate(&e, &r, err, sizeof err), 0);
-    assert_true(r.velocity_mse == 0.0 && r.sparsity == 0.0);
+    assert_true(r.velocity_mse == 0.0 && r.sparsity == 0.0 && r.attention_rel_l1 == 0.0);
     assert_true(r.diffusion_loss > 0.1 && isfinite(r.sample.sharpness) && r.reference.sharpness > 0.0);
     e.attn = TR_ATTN_TOPK, e.topk = 0.25;
     assert_int_equal(tr_evaluate(&e, &r, err, sizeof err), 0);
     assert_true(r.velocity_rel_l2 > 0.0 && r.velocity_rel_l2 < 1.0 && r.sparsity > 0.5);
+    assert_true(r.attention_rel_l1 > 1e-3 && r.attention_rel_l1 < 2.0);
+    e.topk = 1.0; /* every block kept: the sparse path equals dense up to rounding */
+    assert_int_equal(tr_evaluate(&e, &r, err, sizeof err), 0);
+    assert_true(r.sparsity == 0.0 && r.attention_rel_l1 < 1e-5 && r.velocity_rel_l2 < 1e-5);
     /* vd without a teacher is refused */
     v.init[0] = 0;
     assert_int_equal(tr_train(&v, err, sizeof err), -1);

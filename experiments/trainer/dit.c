@@ -47,8 +47,8 @@ struct tr_model {
     sparge_mask *masks[TR_MAX_DEPTH];
     tr_attn_mode mode;
     double topk, topp;
-    int frozen, masks_valid;
-    double last_sparsity, attn_ms;
+    int frozen, masks_valid, measure_error;
+    double last_sparsity, last_l1, attn_ms;
 };
 
 static int fail(char *err, size_t len, const char *fmt, ...)
@@ -312,6 +312,8 @@ float *tr_model_params(tr_model *m) { return m->params; }
 float *tr_model_grads(tr_model *m) { return m->grads; }
 void tr_model_zero_grad(tr_model *m) { memset(m->grads, 0, m->nparams * sizeof(float)); }
 double tr_model_last_sparsity(const tr_model *m) { return m->last_sparsity; }
+double tr_model_last_attention_l1(const tr_model *m) { return m->last_l1; }
+void tr_model_measure_attention_error(tr_model *m, int on) { m->measure_error = on; }
 double tr_model_attention_ms(const tr_model *m) { return m->attn_ms; }
 void tr_model_reset_timers(tr_model *m) { m->attn_ms = 0.0; }
 
@@ -491,6 +493,20 @@ static int attention_forward(tr_model *m, int l, char *err, size_t err_len)
             return sparge_failed(s, err, err_len, "attention: download");
     }
     m->attn_ms += now_ms() - t0;
+    if (mask && m->measure_error) { /* dense output into the backward's dO scratch, unused until then */
+        float *dense = m->host_resident ? m->datt : m->dev_datt;
+        sparge_tensor od = sparge_tensor_bnhd(dense, SPARGE_F32, d->B, d->nh, d->N, d->hd);
+        if ((s = sparge_attention_forward(m->dev, &q, &k, &v, NULL, &ap, &od, NULL)))
+            return sparge_failed(s, err, err_len, "attention: dense reference");
+        if (!m->host_resident && (s = sparge_memcpy_to_host(m->dev, m->datt, dense, BN * d->d * sizeof(float))))
+            return sparge_failed(s, err, err_len, "attention: download");
+        double diff = 0, ref = 0;
+        for (size_t i = 0; i < BN * d->d; i++) {
+            diff += fabs((double)a->att[i] - m->datt[i]);
+            ref += fabs((double)m->datt[i]);
+        }
+        m->last_l1 += (ref > 0 ? diff / ref : 0) / d->L;
+    }
     return 0;
 }
 
@@ -561,7 +577,7 @@ int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, 
     for (int b = 0; b < B; b++)
         for (size_t i = 0; i < (size_t)N * D; i++)
             x0[(size_t)b * N * D + i] += m->pos[i];
-    m->last_sparsity = 0.0;
+    m->last_sparsity = m->last_l1 = 0.0;
     for (int l = 0; l < d->L; l++) {
         block_params *p = &m->blk[l];
         block_acts *a = &m->ba[l];

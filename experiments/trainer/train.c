@@ -618,6 +618,7 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
             tr_checkpoint_load(cfg->teacher, teacher, NULL, err, err_len))
             goto out;
     }
+    tr_model_measure_attention_error(model, 1);
     const tr_dims *d = tr_model_dims(model);
     size_t per = (size_t)d->T * d->H * d->W * d->C, n = (size_t)cfg->batch * per;
     buf = malloc(n * 6 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
@@ -635,6 +636,7 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
         if (tr_model_forward(model, xt, t, y, u, err, err_len))
             goto out;
         res->sparsity += tr_model_last_sparsity(model) / cfg->eval_batches;
+        res->attention_rel_l1 += tr_model_last_attention_l1(model) / cfg->eval_batches;
         for (size_t j = 0; j < n; j++)
             x[j] = eps[j] - x0[j];
         res->diffusion_loss += tr_mse(u, x, n, NULL) / cfg->eval_batches;

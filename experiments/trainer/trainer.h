@@ -107,6 +107,11 @@ void tr_model_set_attention(tr_model *m, tr_attn_mode mode, double topk, double 
 void tr_model_freeze_masks(tr_model *m, int frozen);
 /* Mean block sparsity over the blocks of the last forward (0 for dense). */
 double tr_model_last_sparsity(const tr_model *m);
+/* When on, every sparse attention call also runs dense attention on the same Q/K/V (the paper's
+ * Table 2 measure): tr_model_last_attention_l1 is then the mean over blocks of the relative L1
+ * error Σ|O_sparse − O_dense| / Σ|O_dense| of the last forward (0 for dense attention). */
+void tr_model_measure_attention_error(tr_model *m, int on);
+double tr_model_last_attention_l1(const tr_model *m);
 /* Milliseconds spent in sparge calls (mask prediction + attention) since the last reset. */
 double tr_model_attention_ms(const tr_model *m);
 void tr_model_reset_timers(tr_model *m);
@@ -204,6 +209,7 @@ typedef struct {
     double velocity_mse, velocity_rel_l2; /* to teacher= on held-out A inputs (NaN without a teacher) */
     double diffusion_loss;                /* ‖u − (ε − x0)‖² mean on the same inputs */
     double sparsity;                      /* mean block sparsity of the masks on those inputs */
+    double attention_rel_l1;              /* mean relative L1 of sparse vs dense attention output, same Q/K/V */
     tr_video_stats sample, reference;     /* means over Euler samples and over real videos of the same classes */
 } tr_eval_result;
 int tr_evaluate(const tr_config *cfg, tr_eval_result *out, char *err, size_t err_len);
