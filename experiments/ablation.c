@@ -70,7 +70,8 @@ int main(int argc, char **argv)
     if (csv)
         fprintf(csv, "family,kind,rule,k,p,kept_blocks,sparsity,token_density,mean_row_mass,rel_l1,rel_l2\n");
     fprintf(md, "Paper operating points (each at its own sparsity):\n\n"
-                "| input | arm | k | p | sparsity | kept pooled mass | rel. L1 | rel. L2 |\n|---|---|---|---|---|---|---|---|\n");
+                "| input | arm | k | p | sparsity | kept pooled mass | rel. L1 | rel. L2 |\n"
+                "|---|---|---|---|---|---|---|---|\n");
     char sweep_md[64][256];
     int nsweep = 0;
     for (int fi = 0; fi < nfam; fi++) {

@@ -97,10 +97,12 @@ int main(int argc, char **argv)
         fprintf(csv, "family,rule,k,p,sparsity,tokens,alpha_mean,pooled_mass_mean,rel_l1_measured,rel_l1_predicted,"
                      "identity_residual,identity_residual_max,dropped_rel,renorm_rel\n");
     if (tcsv)
-        fprintf(tcsv, "family,rule,head,token,alpha,pooled_mass,err_l1,pred_l1,residual_l1,dropped_l1,renorm_l1,o_l1\n");
-    fprintf(md, "| input | rule | sparsity | token kept mass α (mean) | pooled kept mass (mean) | ‖O−O_s‖₁/‖O‖₁ measured "
-                "| (1−α)(μ_d−μ_k) predicted | identity residual (max) | dropped term ‖(1−α)μ_d‖₁/‖O‖₁ "
-                "| renorm. term ‖(1−α)μ_k‖₁/‖O‖₁ |\n|---|---|---|---|---|---|---|---|---|---|\n");
+        fprintf(tcsv, "family,rule,head,token,alpha,pooled_mass,err_l1,pred_l1,residual_l1,dropped_l1,renorm_l1,"
+                      "o_l1\n");
+    fprintf(md, "| input | rule | sparsity | token kept mass α (mean) | pooled kept mass (mean) "
+                "| ‖O−O_s‖₁/‖O‖₁ measured | (1−α)(μ_d−μ_k) predicted | identity residual (max) "
+                "| dropped term ‖(1−α)μ_d‖₁/‖O‖₁ | renorm. term ‖(1−α)μ_k‖₁/‖O‖₁ |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n");
     for (int fi = 0; fi < nfam; fi++) {
         exp_family f = (exp_family)fam[fi];
         exp_qkv x;

@@ -130,7 +130,8 @@ int main(int argc, char **argv)
         fprintf(rows_csv, "family,setting,rule,head,row,kind,sink_share,kept_blocks,kept_mass,row_rel_l1\n");
     fprintf(md, "Per-row statistics on each family (kept pooled mass from the mask; rel. L1 of the output):\n\n"
                 "| input | setting | rule | k | p | sparsity | kept blocks mean [min, max] | kept mass mean (min) "
-                "| rows with 1 block | rel. L1 | rel. L1 by row kind |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+                "| rows with 1 block | rel. L1 | rel. L1 by row kind |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int fi = 0; fi < nfam; fi++) {
         exp_family f = (exp_family)fam[fi];
         exp_qkv x;
@@ -191,7 +192,8 @@ int main(int argc, char **argv)
                 char kinds[96] = "—";
                 if (*kb)
                     snprintf(kinds, sizeof kinds, "%s %.4f, %s %.4f", ka, ea, kb, eb);
-                fprintf(md, "| %s | %s | %s | %.4f | %.4f | %.2f %% | %.2f [%d, %d] | %.3f (%.3f) | %.1f %% | %.4f | %s |\n",
+                fprintf(md, "| %s | %s | %s | %.4f | %.4f | %.2f %% | %.2f [%d, %d] | %.3f (%.3f) | %.1f %% | %.4f "
+                            "| %s |\n",
                         x.label, sname, ru->name, ru->k, ru->p, 100.0 * pt.sparsity, bmean, bmin, bmax, mmean, mmin,
                         100.0 * (double)ones / (double)s.rows, pt.rel_l1, kinds);
                 if (csv)

@@ -219,16 +219,17 @@ int main(int argc, char **argv)
                      "dense_ms,speedup_fwd,speedup_total,dense_equiv_tflops,effective_tflops,bwd_ms,dense_bwd_ms,"
                      "speedup_bwd\n");
     fprintf(md, "Device: %s (%s). Shape B=%lld H=%lld N=%lld D=%lld, %s, blocks %dx%d. Median of %d runs after %d "
-                "warm-up; timer: sparge_timer_start/stop. Each sparse forward is timed alternately with a dense forward (mask "
-                "NULL) and compared with that dense median, so a shared machine's drifting load cancels in the ratio."
+                "warm-up; timer: sparge_timer_start/stop. Each sparse forward is timed alternately with a dense "
+                "forward (mask NULL) and compared with that dense median, so a shared machine's drifting load "
+                "cancels in the ratio."
                 "\n\nDense forward, first measurement: %.3f ms (%.3f TFLOP/s).\n\n",
             sparge_device_name(b.dev), sparge_device_description(b.dev), (long long)x.B, (long long)x.H,
             (long long)x.N, (long long)x.D, sparge_dtype_name(o.dtype), g->block_q, g->block_k, reps, warmup, t_dense,
             flops / t_dense * 1e-9);
     if (backward)
         fprintf(md, "Dense backward: %.3f ms.\n\n", t_dense_bwd);
-    fprintf(md, "| sparsity | token density | mask prediction ms | sparse forward ms | dense forward ms (paired) | total ms "
-                "| speedup (forward) | speedup (with mask) | dense-equiv. TFLOP/s | effective TFLOP/s |%s\n"
+    fprintf(md, "| sparsity | token density | mask prediction ms | sparse forward ms | dense forward ms (paired) "
+                "| total ms | speedup (forward) | speedup (with mask) | dense-equiv. TFLOP/s | effective TFLOP/s |%s\n"
                 "|---|---|---|---|---|---|---|---|---|---|%s\n",
             backward ? " backward ms | speedup (backward) |" : "", backward ? "---|---|" : "");
     double speedup_at_95 = NAN;
@@ -260,14 +261,15 @@ int main(int argc, char **argv)
             fprintf(md, " %.3f | %.2f× |", t_bwd, t_dense_bwd / t_bwd);
         fprintf(md, "\n");
         if (csv)
-            fprintf(csv, "%s,%s,%s,%lld,%lld,%lld,%lld,%.4f,%.6f,%.6f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f\n",
+            fprintf(csv, "%s,%s,%s,%lld,%lld,%lld,%lld,%.4f,%.6f,%.6f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,"
+                         "%.4f,%.4f\n",
                     sparge_device_backend(b.dev), sparge_device_name(b.dev), sparge_dtype_name(o.dtype), (long long)x.B,
                     (long long)x.H, (long long)x.N, (long long)x.D, sp[i], st.sparsity, st.token_density, t_mask, t_fwd,
                     total, t_dense, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
                     flops * (1.0 - st.sparsity) / t_fwd * 1e-9, t_bwd, t_dense_bwd,
                     backward ? t_dense_bwd / t_bwd : -1.0);
-        exp_progress(&o, "speed", "  sparsity %.4f: mask %.3f ms, sparse forward %.3f ms, speedup %.2fx (%.2fx with mask)",
-                     st.sparsity, t_mask, t_fwd, t_dense / t_fwd, t_dense / total);
+        exp_progress(&o, "speed", "  sparsity %.4f: mask %.3f ms, sparse forward %.3f ms, speedup %.2fx (%.2fx with "
+                     "mask)", st.sparsity, t_mask, t_fwd, t_dense / t_fwd, t_dense / total);
     }
     if (!isnan(speedup_at_95))
         fprintf(md, "\nAt 95 %% sparsity: %.2f× over dense (mask prediction included); paper: %.1f× (RTX 5090, "

@@ -255,7 +255,8 @@ static void test_calibration(void **state)
         assert_int_equal(s.rows, 32);
         for (int64_t n = 1; n <= 8; n *= 2) {
             exp_rule rules[EXP_RULES];
-            assert_int_equal(exp_equal_sparsity_rules(&s, (double)n / (double)s.Nkb, 0.6 * n / (double)s.Nkb, rules), 0);
+            double k = (double)n / (double)s.Nkb;
+            assert_int_equal(exp_equal_sparsity_rules(&s, k, 0.6 * k, rules), 0);
             int64_t target = s.rows * n;
             assert_int_equal(exp_select(&s, rules[EXP_TOPK].k, rules[EXP_TOPK].p), target);
             for (int r = EXP_TOPP; r <= EXP_HYBRID; r++) {
@@ -366,7 +367,8 @@ static void test_safetensors_roundtrip(void **state)
         assert_non_null(t);
         assert_int_equal(t->ndim, 3);
         assert_int_equal(t->shape[2], 4);
-        float *ra = exp_st_read_f32(&f, t, err, sizeof err), *rb = exp_st_read_f32(&f, exp_st_find(&f, "beta"), err, sizeof err);
+        float *ra = exp_st_read_f32(&f, t, err, sizeof err);
+        float *rb = exp_st_read_f32(&f, exp_st_find(&f, "beta"), err, sizeof err);
         assert_non_null(ra);
         assert_non_null(rb);
         double tol = types[ti] == SPARGE_F32 ? 0.0 : types[ti] == SPARGE_F16 ? 1e-3 : 8e-3;
@@ -451,7 +453,8 @@ static void test_load_qkv(void **state)
     }
     int64_t shapes[3][8] = {{1, x.N, x.H, x.D}, {1, x.N, x.H, x.D}, {1, x.N, x.H, x.D}};
     const float *data[3] = {bnhd[0], bnhd[1], bnhd[2]};
-    assert_int_equal(exp_st_write(path, 3, names, data, nd, (const int64_t(*)[8])shapes, SPARGE_F32, NULL, err, sizeof err), 0);
+    assert_int_equal(
+        exp_st_write(path, 3, names, data, nd, (const int64_t(*)[8])shapes, SPARGE_F32, NULL, err, sizeof err), 0);
     assert_int_equal(exp_load_qkv(path, names, 1, &y), 0);
     assert_int_equal(y.H, x.H);
     assert_int_equal(y.N, x.N);

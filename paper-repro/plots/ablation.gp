@@ -4,7 +4,8 @@
 set terminal term size 1500,480 font ",10"
 set output out
 set datafile separator ","
-set multiplot layout 1,3 title "Output error vs. sparsity (lines: equal-sparsity sweep; symbols: paper arms Top-k 0.05, Top-p 0.4, hybrid 0.03/0.2)"
+set multiplot layout 1,3 title "Output error vs. sparsity (lines: equal-sparsity sweep; " . \
+    "symbols: paper arms Top-k 0.05, Top-p 0.4, hybrid 0.03/0.2)"
 families = "uniform sink video"
 rules = "Top-k Top-p hybrid"
 colors = "#1f77b4 #d62728 #2ca02c"

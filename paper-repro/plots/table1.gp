@@ -3,7 +3,8 @@
 # dat: "input rule ours paper ours/Top-k paper/Top-k" rows (NaN where the paper has no number).
 set terminal term size 1500,520 font ",10"
 set output out
-set multiplot layout 1,2 title "Equal sparsity: Top-k k = 0.05 arm; Top-p and hybrid p calibrated to the same kept-block count"
+set multiplot layout 1,2 title "Equal sparsity: Top-k k = 0.05 arm; " . \
+    "Top-p and hybrid p calibrated to the same kept-block count"
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.85 border -1
