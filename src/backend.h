@@ -55,6 +55,15 @@ typedef struct {
     sparge_mask_view mask; /* writes counts, indices, dense, row_mass */
 } sparge_select_args;
 
+/* The whole of sparge_mask_predict: pool Q and K, the pooled map (softmax
+ * rows written to map.map), selection into mask (as mask_select). */
+typedef struct {
+    sparge_pool_args q, k;
+    sparge_map_args map;
+    double topk, topp;
+    sparge_mask_view mask;
+} sparge_predict_args;
+
 typedef struct {
     sparge_view q, k, v, o;
     float *lse;       /* [B*H*Nq] or NULL */
@@ -99,6 +108,8 @@ typedef struct sparge_backend {
     sparge_status (*mask_from_dense)(void *impl, const sparge_mask_view *m);
     sparge_status (*forward)(void *impl, const sparge_fwd_args *a);
     sparge_status (*backward)(void *impl, const sparge_bwd_args *a);
+    /* Optional fused prediction; NULL: the core calls pool, pooled_map and mask_select. */
+    sparge_status (*mask_predict)(void *impl, const sparge_predict_args *a);
 } sparge_backend;
 
 /* Backends compiled in (defined in their own sources). */

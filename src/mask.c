@@ -169,8 +169,13 @@ sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, co
     sparge_map_args ma = {pq, pk, scale, map};
     mask->predicted = 0;
     mask->filled = 0;
-    if ((s = dev->be->pool(dev->impl, &pa)) || (s = dev->be->pool(dev->impl, &pb)) ||
-        (s = dev->be->pooled_map(dev->impl, &ma)) || (s = select_into(dev, &map, params, mask)))
+    if (dev->be->mask_predict) {
+        sparge_predict_args fa = {pa, pb, ma, params->topk, params->topp, mask->v};
+        if ((s = dev->be->mask_predict(dev->impl, &fa)))
+            return s;
+        mask->filled = 1;
+    } else if ((s = dev->be->pool(dev->impl, &pa)) || (s = dev->be->pool(dev->impl, &pb)) ||
+               (s = dev->be->pooled_map(dev->impl, &ma)) || (s = select_into(dev, &map, params, mask)))
         return s;
     mask->predicted = 1;
     return SPARGE_OK;

@@ -242,4 +242,4 @@ const sparge_backend sparge_backend_cpu_ref = {
     NULL,             NULL,             NULL,              NULL,
     ref_pool,         ref_pooled_map,
     sparge_cpu_mask_select,             sparge_cpu_mask_from_dense,
-    ref_forward,      ref_backward};
+    ref_forward,      ref_backward, NULL};

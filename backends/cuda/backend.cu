@@ -158,6 +158,10 @@ static sparge_status op_from_dense(void *impl, const sparge_mask_view *m)
 {
     return SPARGE_GPU_FN(mask_from_dense)(current(impl), m);
 }
+static sparge_status op_predict(void *impl, const sparge_predict_args *a)
+{
+    return SPARGE_GPU_FN(mask_predict)(current(impl), a);
+}
 static sparge_status op_generic_forward(void *impl, const sparge_fwd_args *a)
 {
     return SPARGE_GPU_FN(generic_forward)(current(impl), a);
@@ -181,7 +185,8 @@ static sparge_status open_hip(int index, void **impl, char *desc, size_t desc_le
 
 extern "C" const sparge_backend sparge_backend_hip = {
     "hip", device_count, open_hip, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
+    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward,
+    op_predict};
 #else
 static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_len)
 {
@@ -198,9 +203,11 @@ static sparge_status op_mma_backward(void *impl, const sparge_bwd_args *a)
 
 extern "C" const sparge_backend sparge_backend_cuda = {
     "cuda", device_count, open_fast, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_mma_forward, op_mma_backward};
+    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_mma_forward, op_mma_backward,
+    op_predict};
 
 extern "C" const sparge_backend sparge_backend_cuda_generic = {
     "cuda-generic", device_count, open_generic, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync,
-    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward};
+    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward,
+    op_predict};
 #endif

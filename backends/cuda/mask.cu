@@ -56,6 +56,24 @@ template <typename T> __device__ T block_exclusive_scan(T x, T *total, T *scratc
     return before + incl - x;
 }
 
+/* Reduction over the block with op; every thread gets the result. scratch
+ * holds MAX_WARPS values. All threads must call it. */
+template <typename T, typename Op> __device__ T block_reduce(T x, Op op, T *scratch)
+{
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
+    const int warps = (blockDim.x + SPARGE_WARP_SIZE - 1) / SPARGE_WARP_SIZE;
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
+        x = op(x, sparge_shfl_xor(x, o));
+    if (lane == 0)
+        scratch[warp] = x;
+    __syncthreads();
+    T r = scratch[0];
+    for (int w = 1; w < warps; w++)
+        r = op(r, scratch[w]);
+    __syncthreads(); /* scratch may be reused right away */
+    return r;
+}
+
 /* Writes the ascending positions j < n with flag(j) into idx[0..count) and -1
  * into idx[count..n); returns count. Any n; all threads must call it. */
 template <typename Flag> __device__ int32_t write_csr_row(Flag flag, int64_t n, int32_t *idx, int32_t *scratch)
@@ -101,15 +119,32 @@ __global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
     const int64_t i0 = tile / ktiles % qtiles * MAP_TILE, j0 = tile % ktiles * MAP_TILE;
     const float *q = p.q + b * p.qb + h * p.qh, *k = p.k + b * p.kb + h * p.kh;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+    constexpr int LOADS = MAP_TILE * MAP_DCHUNK / MAP_THREADS, ROW_STEP = MAP_THREADS / MAP_DCHUNK;
+    static_assert(LOADS * MAP_THREADS == MAP_TILE * MAP_DCHUNK, "the tile loads split evenly");
+    /* Thread t loads column dd = t % 16 of rows t / 16 + 16u; the next D chunk
+     * is fetched into registers while this one is multiplied. */
+    const int dd_mine = threadIdx.x % MAP_DCHUNK, r_mine = threadIdx.x / MAP_DCHUNK;
+    const float *q_mine = q + (i0 + r_mine) * p.qn + dd_mine * p.qd;
+    const float *k_mine = k + (j0 + r_mine) * p.kn + dd_mine * p.kd;
+    float q_next[LOADS], k_next[LOADS];
+    auto fetch = [&](int64_t d0) {
+        const bool d_ok = d0 + dd_mine < p.D;
+        for (int u = 0; u < LOADS; u++) {
+            const int r = r_mine + u * ROW_STEP;
+            q_next[u] = d_ok && i0 + r < p.Nqb ? q_mine[u * ROW_STEP * p.qn + d0 * p.qd] : 0.0f;
+            k_next[u] = d_ok && j0 + r < p.Nkb ? k_mine[u * ROW_STEP * p.kn + d0 * p.kd] : 0.0f;
+        }
+    };
     float acc[4][4] = {};
+    fetch(0);
     for (int64_t d0 = 0; d0 < p.D; d0 += MAP_DCHUNK) {
-        for (int e = threadIdx.x; e < MAP_TILE * MAP_DCHUNK; e += MAP_THREADS) {
-            const int r = e / MAP_DCHUNK, dd = e % MAP_DCHUNK;
-            const int64_t d = d0 + dd;
-            qs[dd][r] = i0 + r < p.Nqb && d < p.D ? q[(i0 + r) * p.qn + d * p.qd] : 0.0f;
-            ks[dd][r] = j0 + r < p.Nkb && d < p.D ? k[(j0 + r) * p.kn + d * p.kd] : 0.0f;
+        for (int u = 0; u < LOADS; u++) {
+            qs[dd_mine][r_mine + u * ROW_STEP] = q_next[u];
+            ks[dd_mine][r_mine + u * ROW_STEP] = k_next[u];
         }
         __syncthreads();
+        if (d0 + MAP_DCHUNK < p.D)
+            fetch(d0 + MAP_DCHUNK);
 #pragma unroll
         for (int dd = 0; dd < MAP_DCHUNK; dd++) {
             const float4 a = *(const float4 *)&qs[dd][ty * 4];
@@ -168,13 +203,19 @@ __global__ void map_softmax_kernel(map_params p, int64_t rows)
 template <int THREADS, int IPT> struct row_sort {
     using impl = rocprim::block_radix_sort<uint32_t, THREADS, IPT, int32_t>;
     using storage = typename impl::storage_type;
-    static __device__ void descending(uint32_t (&k)[IPT], int32_t (&v)[IPT], storage &s) { impl().sort_desc(k, v, s); }
+    static __device__ void descending(uint32_t (&k)[IPT], int32_t (&v)[IPT], storage &s, int begin_bit, int end_bit)
+    {
+        impl().sort_desc(k, v, s, (unsigned)begin_bit, (unsigned)end_bit);
+    }
 };
 #else
 template <int THREADS, int IPT> struct row_sort {
     using impl = cub::BlockRadixSort<uint32_t, THREADS, IPT, int32_t>;
     using storage = typename impl::TempStorage;
-    static __device__ void descending(uint32_t (&k)[IPT], int32_t (&v)[IPT], storage &s) { impl(s).SortDescending(k, v); }
+    static __device__ void descending(uint32_t (&k)[IPT], int32_t (&v)[IPT], storage &s, int begin_bit, int end_bit)
+    {
+        impl(s).SortDescending(k, v, begin_bit, end_bit);
+    }
 };
 #endif
 
@@ -190,7 +231,7 @@ __device__ __forceinline__ uint32_t score_key(float x)
 __device__ __forceinline__ float key_score(uint32_t k) { return __uint_as_float(k & 0x80000000u ? k & 0x7fffffffu : ~k); }
 
 struct select_params {
-    const float *map;
+    float *map; /* probabilities, or logits when the kernel applies the softmax (then overwritten) */
     int64_t mb, mh, mn, md;
     int64_t H, Nqb, Nkb;
     int64_t topk_count; /* n_k, computed on the host exactly as the reference */
@@ -200,7 +241,11 @@ struct select_params {
     float *row_mass;
 };
 
-template <int THREADS, int IPT> __global__ void __launch_bounds__(THREADS) select_kernel(select_params p)
+/* One thread block per row; thread t holds entries t*IPT .. t*IPT+IPT-1 (the
+ * blocked arrangement of the sort). SOFTMAX: the row holds logits; the block
+ * turns them into the pooled map's probabilities (written back) before
+ * selecting, as map_softmax_kernel would. */
+template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(THREADS) select_kernel(select_params p)
 {
     using sorter = row_sort<THREADS, IPT>;
     __shared__ union {
@@ -208,24 +253,56 @@ template <int THREADS, int IPT> __global__ void __launch_bounds__(THREADS) selec
         double dscan[MAX_WARPS];
         int32_t iscan[MAX_WARPS];
     } tmp;
+    __shared__ float fred[MAX_WARPS];
+    __shared__ uint32_t ured[MAX_WARPS];
     __shared__ uint8_t keep[THREADS * IPT];
     __shared__ int32_t np_shared;
 
     const int64_t row = blockIdx.x, bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H;
-    const int64_t n = p.Nkb;
-    const float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
+    const int64_t n = p.Nkb, s0 = (int64_t)threadIdx.x * IPT;
+    float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
     uint8_t *dense = p.dense + row * n;
     int32_t *idx = p.indices + row * n;
 
-    uint32_t keys[IPT];
+    float x[IPT];
+    for (int e = 0; e < IPT; e++)
+        x[e] = s0 + e < n ? src[(s0 + e) * p.md] : 0.0f;
+    if constexpr (SOFTMAX) {
+        int logit_nan = 0;
+        float mx = -INFINITY;
+        for (int e = 0; e < IPT; e++)
+            if (s0 + e < n) {
+                logit_nan |= is_nan(x[e]);
+                mx = fmaxf(mx, x[e]);
+            }
+        logit_nan = __syncthreads_or(logit_nan);
+        mx = block_reduce(mx, [](float u, float v) { return fmaxf(u, v); }, fred);
+        float sum = 0.0f;
+        for (int e = 0; e < IPT; e++)
+            if (s0 + e < n) {
+                x[e] = expf(x[e] - mx);
+                sum += x[e];
+            }
+        const float inv = 1.0f / block_reduce(sum, [](float u, float v) { return u + v; }, fred);
+        for (int e = 0; e < IPT; e++)
+            if (s0 + e < n) {
+                x[e] = logit_nan ? NAN : x[e] * inv;
+                src[(s0 + e) * p.md] = x[e];
+            }
+    }
+
+    uint32_t keys[IPT], key_or = 0u, key_and = ~0u;
     int32_t vals[IPT];
     int nan = 0;
     for (int e = 0; e < IPT; e++) {
-        const int64_t j = (int64_t)threadIdx.x * IPT + e;
-        const float x = j < n ? src[j * p.md] : 0.0f;
-        nan |= j < n && is_nan(x);
-        keys[e] = j < n ? score_key(x) : 0u; /* below every real key: padding sorts last */
-        vals[e] = (int32_t)j;
+        const bool real = s0 + e < n;
+        nan |= real && is_nan(x[e]);
+        keys[e] = real ? score_key(x[e]) : 0u; /* below every real key: padding sorts last */
+        vals[e] = (int32_t)(s0 + e);
+        if (real) {
+            key_or |= keys[e];
+            key_and &= keys[e];
+        }
     }
     if (__syncthreads_or(nan)) {
         for (int64_t j = threadIdx.x; j < n; j += THREADS) {
@@ -238,49 +315,67 @@ template <int THREADS, int IPT> __global__ void __launch_bounds__(THREADS) selec
         }
         return;
     }
-    sorter::descending(keys, vals, tmp.sort);
-    __syncthreads();
-
-    /* After the sort, thread t holds sorted positions t*IPT .. t*IPT+IPT-1. */
-    const int64_t s0 = (int64_t)threadIdx.x * IPT;
-    double score[IPT], local = 0.0;
-    for (int e = 0; e < IPT; e++) {
-        score[e] = s0 + e < n ? (double)key_score(keys[e]) : 0.0;
-        local += score[e];
+    /* Bits on which all real keys agree cannot order them: sort only the span
+     * that differs (stable, so ties keep ascending indices; padding's 0 bits
+     * still sort last). One probability row typically shares its top bits. */
+    key_or = block_reduce(key_or, [](uint32_t u, uint32_t v) { return u | v; }, ured);
+    key_and = block_reduce(key_and, [](uint32_t u, uint32_t v) { return u & v; }, ured);
+    const uint32_t differ = key_or ^ key_and;
+    if (differ) {
+        sorter::descending(keys, vals, tmp.sort, __ffs((int)differ) - 1, 32 - __clz((int)differ));
+        __syncthreads();
     }
+
+    /* Thread t now holds sorted positions s0 .. s0+IPT-1. Scores are decoded
+     * from the keys where needed (fewer live registers than an array). */
+    auto score = [&](int e) { return s0 + e < n ? (double)key_score(keys[e]) : 0.0; };
+    double local = 0.0;
+    for (int e = 0; e < IPT; e++)
+        local += score(e);
     if (threadIdx.x == 0)
         np_shared = (int32_t)n; /* total below p after rounding: keep the whole row */
     double total;
-    double cum = block_exclusive_scan<double>(local, &total, tmp.dscan);
-    if (p.topp > 0.0)
+    const double before = block_exclusive_scan<double>(local, &total, tmp.dscan);
+    if (p.topp > 0.0) {
+        double cum = before;
         for (int e = 0; e < IPT; e++) {
-            cum += score[e];
+            cum += score(e);
             if (s0 + e < n && cum >= p.topp) {
                 atomicMin(&np_shared, (int32_t)(s0 + e + 1));
                 break;
             }
         }
+    }
     __syncthreads();
     int64_t kept = p.topp > 0.0 ? np_shared : 0;
     kept = kept > p.topk_count ? kept : p.topk_count;
     kept = kept < 1 ? 1 : kept;
 
-    double mass = 0.0;
-    for (int e = 0; e < IPT; e++) {
-        const bool k = s0 + e < kept;
-        mass += k ? score[e] : 0.0;
-        if (s0 + e < n)
-            keep[vals[e]] = k;
+    /* The kept mass is the prefix through sorted position kept-1. */
+    if (s0 < kept && kept <= s0 + IPT) {
+        double mass = before;
+        for (int e = 0; e < IPT; e++)
+            mass += s0 + e < kept ? score(e) : 0.0;
+        p.row_mass[row] = (float)mass;
+        p.counts[row] = (int32_t)kept;
     }
-    double kept_mass;
-    block_exclusive_scan<double>(mass, &kept_mass, tmp.dscan);
+    for (int e = 0; e < IPT; e++)
+        if (s0 + e < n)
+            keep[vals[e]] = s0 + e < kept;
+    __syncthreads();
     for (int64_t j = threadIdx.x; j < n; j += THREADS)
         dense[j] = keep[j];
-    write_csr_row([&](int64_t j) { return keep[j] != 0; }, n, idx, tmp.iscan);
-    if (threadIdx.x == 0) {
-        p.counts[row] = (int32_t)kept;
-        p.row_mass[row] = (float)kept_mass;
-    }
+    /* CSR: thread t owns block indices s0 .. s0+IPT-1; one scan places them. */
+    int32_t mine = 0;
+    for (int e = 0; e < IPT; e++)
+        mine += s0 + e < n && keep[s0 + e];
+    int32_t kept_total;
+    int32_t at = block_exclusive_scan<int32_t>(mine, &kept_total, tmp.iscan);
+    for (int e = 0; e < IPT; e++)
+        if (s0 + e < n && keep[s0 + e])
+            idx[at++] = (int32_t)(s0 + e);
+    for (int64_t j = kept + threadIdx.x; j < n; j += THREADS)
+        idx[j] = -1;
 }
 
 /* ---------------------------------------------------------------- CSR and transpose */
@@ -297,91 +392,80 @@ __global__ void __launch_bounds__(CSR_THREADS) csr_from_dense_kernel(sparge_mask
         m.counts[row] = c;
 }
 
-constexpr int T_COLS = 32, T_THREADS = 256;
+constexpr int T_THREADS = 256, T_WARPS = T_THREADS / SPARGE_WARP_SIZE, T_COLS = SPARGE_WARP_SIZE;
 
-/* Per (b,h,j) the ascending query blocks i that keep j. A block owns 32 columns
- * and walks the rows a warp-height at a time through shared memory; each warp
- * compacts its columns with a ballot. */
+/* Per (b,h,j) the ascending query blocks i that keep j. A block owns a warp's
+ * width of columns (one per lane) and splits the rows into one consecutive
+ * chunk per warp: each warp counts its chunk, the counts are scanned across
+ * warps, and each warp writes its chunk's entries at its offset. */
 __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m)
 {
-    constexpr int W = SPARGE_WARP_SIZE, WARPS = T_THREADS / W, COLS_PER_WARP = T_COLS / WARPS;
-    __shared__ uint8_t tile[W][T_COLS];
+    __shared__ int32_t offset[T_WARPS][T_COLS]; /* kept rows of column c in the earlier warps' chunks */
+    __shared__ int32_t total[T_COLS];
     const int64_t col_tiles = (m.Nkb + T_COLS - 1) / T_COLS, bh = blockIdx.x / col_tiles;
     const int64_t j0 = blockIdx.x % col_tiles * T_COLS;
-    const uint8_t *dense = m.dense + bh * m.Nqb * m.Nkb;
-    const int lane = threadIdx.x % W, warp = threadIdx.x / W;
-    int32_t count[COLS_PER_WARP] = {};
-    for (int64_t i0 = 0; i0 < m.Nqb; i0 += W) {
-        for (int e = threadIdx.x; e < W * T_COLS; e += T_THREADS) {
-            const int r = e / T_COLS, c = e % T_COLS;
-            tile[r][c] = i0 + r < m.Nqb && j0 + c < m.Nkb ? dense[(i0 + r) * m.Nkb + j0 + c] : 0;
-        }
-        __syncthreads();
-        for (int cc = 0; cc < COLS_PER_WARP; cc++) {
-            const int64_t j = j0 + warp * COLS_PER_WARP + cc;
-            const int f = tile[lane][warp * COLS_PER_WARP + cc] != 0;
-            const unsigned long long bits = sparge_ballot(f);
-            if (j < m.Nkb && f)
-                m.t_indices[(bh * m.Nkb + j) * m.Nqb + count[cc] + __popcll(bits & ((1ull << lane) - 1))] =
-                    (int32_t)(i0 + lane);
-            count[cc] += __popcll(bits);
-        }
-        __syncthreads();
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
+    const int64_t j = j0 + lane, chunk = (m.Nqb + T_WARPS - 1) / T_WARPS;
+    const int64_t r0 = warp * chunk, r1 = r0 + chunk < m.Nqb ? r0 + chunk : m.Nqb;
+    const bool real = j < m.Nkb;
+    const uint8_t *column = m.dense + bh * m.Nqb * m.Nkb + j;
+    int32_t count = 0;
+    if (real) {
+#pragma unroll 8
+        for (int64_t i = r0; i < r1; i++)
+            count += column[i * m.Nkb] != 0;
     }
-    for (int cc = 0; cc < COLS_PER_WARP; cc++) {
-        const int64_t j = j0 + warp * COLS_PER_WARP + cc;
-        if (j >= m.Nkb)
-            continue;
+    offset[warp][lane] = count;
+    __syncthreads();
+    if (threadIdx.x < T_COLS) {
+        int32_t run = 0;
+        for (int w = 0; w < T_WARPS; w++) {
+            const int32_t c = offset[w][threadIdx.x];
+            offset[w][threadIdx.x] = run;
+            run += c;
+        }
+        total[threadIdx.x] = run;
+    }
+    __syncthreads();
+    if (real) {
         int32_t *t = m.t_indices + (bh * m.Nkb + j) * m.Nqb;
-        for (int64_t i = count[cc] + lane; i < m.Nqb; i += W)
+        int32_t at = offset[warp][lane];
+        for (int64_t i = r0; i < r1; i++)
+            if (column[i * m.Nkb])
+                t[at++] = (int32_t)i;
+    }
+    /* -1 past each column's count, a warp per column so the stores coalesce. */
+    for (int c = warp; c < T_COLS && j0 + c < m.Nkb; c += T_WARPS) {
+        int32_t *t = m.t_indices + (bh * m.Nkb + j0 + c) * m.Nqb;
+        for (int64_t i = total[c] + lane; i < m.Nqb; i += SPARGE_WARP_SIZE)
             t[i] = -1;
         if (lane == 0)
-            m.t_counts[bh * m.Nkb + j] = count[cc];
+            m.t_counts[bh * m.Nkb + j0 + c] = total[c];
     }
 }
 
-sparge_status build_transpose(gpu_ctx *ctx, const sparge_mask_view *m)
+/* Limits are checked before anything is queued, so a refusal writes nothing. */
+sparge_status check_transpose(const sparge_mask_view *m)
 {
     const int64_t blocks = m->B * m->H * ((m->Nkb + T_COLS - 1) / T_COLS);
     if (blocks > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask transpose: %lld column tiles exceed the grid limit %d",
                            (long long)blocks, INT32_MAX);
-    transpose_kernel<<<(unsigned)blocks, T_THREADS, 0, ctx->stream>>>(*m);
-    return GPU_CHECK_LAUNCH("mask transpose kernel");
+    return SPARGE_OK;
 }
 
-template <int THREADS, int IPT> sparge_status launch_select(gpu_ctx *ctx, const select_params &p, int64_t rows)
+sparge_status launch_transpose(gpu_ctx *ctx, const sparge_mask_view *m)
 {
-    select_kernel<THREADS, IPT><<<(unsigned)rows, THREADS, 0, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH("mask selection kernel");
+    const int64_t blocks = m->B * m->H * ((m->Nkb + T_COLS - 1) / T_COLS);
+    transpose_kernel<<<(unsigned)blocks, T_THREADS, 0, ctx->stream>>>(*m);
+    return GPU_CHECK_LAUNCH("mask transpose kernel");
 }
 
 /* Widest row the block sort holds. */
 constexpr int64_t SELECT_MAX_ROW = 512 * 16;
 
-} // namespace
-
-sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a)
+sparge_status check_select(const sparge_mask_view *m)
 {
-    const sparge_view &q = a->qbar, &k = a->kbar, &m = a->map;
-    const int64_t bh = q.B * q.H, tiles = bh * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
-    if (tiles > INT32_MAX || bh * q.N > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pooled map: %lld tiles of 64x64 exceed the grid limit %d",
-                           (long long)tiles, INT32_MAX);
-    map_params p = {(const float *)q.data, (const float *)k.data, q.sb, q.sh, q.sn, q.sd, k.sb, k.sh, k.sn, k.sd,
-                    (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
-    map_logits_kernel<<<(unsigned)tiles, MAP_THREADS, 0, ctx->stream>>>(p);
-    sparge_status s = GPU_CHECK_LAUNCH("pooled map kernel");
-    if (s)
-        return s;
-    const int64_t rows = bh * q.N, per_block = 256 / SPARGE_WARP_SIZE;
-    map_softmax_kernel<<<(unsigned)((rows + per_block - 1) / per_block), 256, 0, ctx->stream>>>(p, rows);
-    return GPU_CHECK_LAUNCH("pooled map softmax kernel");
-}
-
-sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args *a)
-{
-    const sparge_mask_view *m = &a->mask;
     const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb;
     if (n > SELECT_MAX_ROW)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
@@ -391,29 +475,109 @@ sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args 
     if (rows > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask selection: B*H*Nqb = %lld exceeds the grid limit",
                            (long long)rows);
+    return check_transpose(m);
+}
+
+template <int THREADS, int IPT, bool SOFTMAX>
+sparge_status launch_select_kernel(gpu_ctx *ctx, const select_params &p, int64_t rows)
+{
+    select_kernel<THREADS, IPT, SOFTMAX><<<(unsigned)rows, THREADS, 0, ctx->stream>>>(p);
+    return GPU_CHECK_LAUNCH("mask selection kernel");
+}
+
+/* Rows wider than this take the softmax as a separate kernel. */
+constexpr int64_t FUSED_SOFTMAX_MAX_ROW = 4096;
+
+/* Selection of every row (after check_select), then the transpose. */
+template <bool SOFTMAX>
+sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, double topp, const sparge_mask_view *m)
+{
+    const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb;
     /* n_k exactly as backends/cpu/select.c computes it. */
     int64_t nk = 0;
-    if (a->topk > 0.0) {
-        nk = (int64_t)floor(a->topk * (double)n + 1e-6);
+    if (topk > 0.0) {
+        nk = (int64_t)floor(topk * (double)n + 1e-6);
         nk = nk < 1 ? 1 : nk > n ? n : nk;
     }
-    const sparge_view &mv = a->map;
-    select_params p = {(const float *)mv.data, mv.sb, mv.sh, mv.sn, mv.sd, m->H, m->Nqb, n, nk, a->topp,
+    select_params p = {(float *)mv.data, mv.sb, mv.sh, mv.sn, mv.sd, m->H, m->Nqb, n, nk, topp,
                        m->dense, m->counts, m->indices, m->row_mass};
     sparge_status s;
     if (n <= 256)
-        s = launch_select<64, 4>(ctx, p, rows);
+        s = launch_select_kernel<64, 4, SOFTMAX>(ctx, p, rows);
     else if (n <= 512)
-        s = launch_select<128, 4>(ctx, p, rows);
+        s = launch_select_kernel<128, 4, SOFTMAX>(ctx, p, rows);
     else if (n <= 1024)
-        s = launch_select<128, 8>(ctx, p, rows);
+        s = launch_select_kernel<128, 8, SOFTMAX>(ctx, p, rows);
     else if (n <= 2048)
-        s = launch_select<256, 8>(ctx, p, rows);
+        s = launch_select_kernel<256, 8, SOFTMAX>(ctx, p, rows);
     else if (n <= 4096)
-        s = launch_select<256, 16>(ctx, p, rows);
-    else
-        s = launch_select<512, 16>(ctx, p, rows);
-    return s ? s : build_transpose(ctx, m);
+        s = launch_select_kernel<256, 16, SOFTMAX>(ctx, p, rows);
+    else /* the caller ran map_softmax_kernel first: the fused prologue would spill here */
+        s = launch_select_kernel<512, 16, false>(ctx, p, rows);
+    return s ? s : launch_transpose(ctx, m);
+}
+
+sparge_status check_map(const sparge_map_args *a)
+{
+    const sparge_view &q = a->qbar, &k = a->kbar;
+    const int64_t bh = q.B * q.H, tiles = bh * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
+    if (tiles > INT32_MAX || bh * q.N > INT32_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pooled map: %lld tiles of 64x64 exceed the grid limit %d",
+                           (long long)tiles, INT32_MAX);
+    return SPARGE_OK;
+}
+
+map_params make_map_params(const sparge_map_args *a)
+{
+    const sparge_view &q = a->qbar, &k = a->kbar, &m = a->map;
+    return map_params{(const float *)q.data, (const float *)k.data, q.sb, q.sh, q.sn, q.sd, k.sb, k.sh, k.sn, k.sd,
+                      (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
+}
+
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). */
+sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
+{
+    const sparge_view &q = a->qbar, &k = a->kbar;
+    const int64_t tiles = q.B * q.H * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
+    map_logits_kernel<<<(unsigned)tiles, MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
+    return GPU_CHECK_LAUNCH("pooled map kernel");
+}
+
+sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
+{
+    const int64_t rows = a->qbar.B * a->qbar.H * a->qbar.N, per_block = 256 / SPARGE_WARP_SIZE;
+    map_softmax_kernel<<<(unsigned)((rows + per_block - 1) / per_block), 256, 0, ctx->stream>>>(make_map_params(a),
+                                                                                                  rows);
+    return GPU_CHECK_LAUNCH("pooled map softmax kernel");
+}
+
+} // namespace
+
+sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a)
+{
+    sparge_status s;
+    if ((s = check_map(a)) || (s = launch_logits(ctx, a)))
+        return s;
+    return launch_softmax(ctx, a);
+}
+
+sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args *a)
+{
+    sparge_status s = check_select(&a->mask);
+    return s ? s : launch_select<false>(ctx, a->map, a->topk, a->topp, &a->mask);
+}
+
+/* One pooling launch for Q and K, the logits, then selection with the row
+ * softmax in its prologue: the map is written once, as probabilities. */
+sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a)
+{
+    sparge_status s;
+    if ((s = check_map(&a->map)) || (s = check_select(&a->mask)) || (s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k)) ||
+        (s = launch_logits(ctx, &a->map)))
+        return s;
+    if (a->mask.Nkb > FUSED_SOFTMAX_MAX_ROW && (s = launch_softmax(ctx, &a->map)))
+        return s;
+    return launch_select<true>(ctx, a->map.map, a->topk, a->topp, &a->mask);
 }
 
 sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_view *m)
@@ -422,7 +586,10 @@ sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_vie
     if (rows > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask import: B*H*Nqb = %lld exceeds the grid limit",
                            (long long)rows);
+    sparge_status s = check_transpose(m);
+    if (s)
+        return s;
     csr_from_dense_kernel<<<(unsigned)rows, CSR_THREADS, 0, ctx->stream>>>(*m);
-    sparge_status s = GPU_CHECK_LAUNCH("mask CSR kernel");
-    return s ? s : build_transpose(ctx, m);
+    s = GPU_CHECK_LAUNCH("mask CSR kernel");
+    return s ? s : launch_transpose(ctx, m);
 }
