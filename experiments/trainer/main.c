@@ -33,13 +33,13 @@ int main(int argc, char **argv)
             fprintf(stderr, "sparge-train: %s\n", err);
             return 1;
         }
-        printf("velocity_mse,velocity_rel_l2,diffusion_loss,sparsity,attention_rel_l1,sample_sharpness,sample_temporal_change,"
-               "sample_temporal_jitter,sample_mean_c0,ref_sharpness,ref_temporal_change,ref_temporal_jitter,"
-               "ref_mean_c0\n%.6g,%.6g,%.6g,%.4f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f\n",
-               r.velocity_mse, r.velocity_rel_l2, r.diffusion_loss, r.sparsity, r.attention_rel_l1,
-               r.sample.sharpness,
-               r.sample.temporal_change, r.sample.temporal_jitter, r.sample.mean_c0, r.reference.sharpness,
-               r.reference.temporal_change, r.reference.temporal_jitter, r.reference.mean_c0);
+        printf("velocity_mse,velocity_rel_l2,diffusion_loss,sparsity,attention_rel_l1,"
+               "sample_sharpness,sample_temporal_change,sample_temporal_jitter,sample_mean_c0,"
+               "ref_sharpness,ref_temporal_change,ref_temporal_jitter,ref_mean_c0\n");
+        printf("%.6g,%.6g,%.6g,%.4f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f\n", r.velocity_mse, r.velocity_rel_l2,
+               r.diffusion_loss, r.sparsity, r.attention_rel_l1, r.sample.sharpness, r.sample.temporal_change,
+               r.sample.temporal_jitter, r.sample.mean_c0, r.reference.sharpness, r.reference.temporal_change,
+               r.reference.temporal_jitter, r.reference.mean_c0);
         return 0;
     }
     if (tr_train(&cfg, err, sizeof err)) {
