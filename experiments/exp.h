@@ -236,5 +236,12 @@ FILE *exp_open_out(const char *path);
 double exp_now(void);
 /* Prints "what: sparge message" and returns -1 when s != OK. */
 int exp_check(sparge_status s, const char *what);
+/* Formats a message into err (when err_len > 0) and returns -1: the error path of the functions that report into
+ * their caller's buffer (safetensors, trainer). */
+int exp_fail(char *err, size_t err_len, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
 
 #endif

@@ -6,7 +6,6 @@
 #define _FILE_OFFSET_BITS 64
 #include <sys/types.h>
 #include <ctype.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,17 +13,6 @@
 
 /* Header sizes above this are refused (the format's reference reader uses 100 MB). */
 #define ST_MAX_HEADER (100u << 20)
-
-static int fail(char *err, size_t len, const char *fmt, ...)
-{
-    if (err && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, len, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
 
 static int little_endian(void)
 {
@@ -200,31 +188,32 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
     memset(f, 0, sizeof *f);
     snprintf(f->path, sizeof f->path, "%s", path);
     if (!little_endian())
-        return fail(err, err_len, "%s: this reader needs a little-endian host", path);
+        return exp_fail(err, err_len, "%s: this reader needs a little-endian host", path);
     FILE *fp = fopen(path, "rb");
     if (!fp)
-        return fail(err, err_len, "%s: cannot open", path);
+        return exp_fail(err, err_len, "%s: cannot open", path);
     uint8_t len8[8];
     char *hdr = NULL;
     int rc = -1;
     if (fread(len8, 1, 8, fp) != 8) {
-        fail(err, err_len, "%s: shorter than the 8-byte header length", path);
+        exp_fail(err, err_len, "%s: shorter than the 8-byte header length", path);
         goto out;
     }
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--)
         hlen = hlen << 8 | len8[i];
     if (hlen < 2 || hlen > ST_MAX_HEADER) {
-        fail(err, err_len, "%s: header length %llu is outside [2, %u]", path, (unsigned long long)hlen, ST_MAX_HEADER);
+        exp_fail(err, err_len, "%s: header length %llu is outside [2, %u]", path, (unsigned long long)hlen,
+                 ST_MAX_HEADER);
         goto out;
     }
     hdr = malloc(hlen);
     if (!hdr || fread(hdr, 1, hlen, fp) != hlen) {
-        fail(err, err_len, "%s: cannot read the %llu-byte header", path, (unsigned long long)hlen);
+        exp_fail(err, err_len, "%s: cannot read the %llu-byte header", path, (unsigned long long)hlen);
         goto out;
     }
     if (fseeko(fp, 0, SEEK_END)) {
-        fail(err, err_len, "%s: cannot seek", path);
+        exp_fail(err, err_len, "%s: cannot seek", path);
         goto out;
     }
     uint64_t file_size = (uint64_t)ftello(fp);
@@ -249,7 +238,7 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
                     cap = cap ? 2 * cap : 8;
                     exp_st_tensor *t = realloc(f->tensors, sizeof *t * (size_t)cap);
                     if (!t) {
-                        fail(err, err_len, "%s: out of memory", path);
+                        exp_fail(err, err_len, "%s: out of memory", path);
                         goto out;
                     }
                     f->tensors = t;
@@ -264,12 +253,12 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
                     elems *= (uint64_t)(t->shape[d] < 0 ? 0 : t->shape[d]);
                 size_t es = dtype_bytes(t->dtype);
                 if (es && elems * es != t->end - t->begin) {
-                    fail(err, err_len, "%s: tensor '%s' has %llu bytes for %llu %s elements", path, name,
-                         (unsigned long long)(t->end - t->begin), (unsigned long long)elems, t->dtype);
+                    exp_fail(err, err_len, "%s: tensor '%s' has %llu bytes for %llu %s elements", path, name,
+                             (unsigned long long)(t->end - t->begin), (unsigned long long)elems, t->dtype);
                     goto out;
                 }
                 if (f->data_start + t->end > file_size) {
-                    fail(err, err_len, "%s: tensor '%s' runs past the end of the file", path, name);
+                    exp_fail(err, err_len, "%s: tensor '%s' runs past the end of the file", path, name);
                     goto out;
                 }
                 f->count++;
@@ -286,7 +275,7 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
     rc = 0;
     goto out;
 bad:
-    fail(err, err_len, "%s: malformed JSON header near byte %ld", path, (long)(j.p - hdr));
+    exp_fail(err, err_len, "%s: malformed JSON header near byte %ld", path, (long)(j.p - hdr));
 out:
     free(hdr);
     fclose(fp);
@@ -307,8 +296,8 @@ float *exp_st_read_f32(const exp_st_file *f, const exp_st_tensor *t, char *err, 
 {
     size_t es = dtype_bytes(t->dtype);
     if (!es) {
-        fail(err, err_len, "%s: tensor '%s' has dtype %s (F32, F16 and BF16 are supported)", f->path, t->name,
-             t->dtype);
+        exp_fail(err, err_len, "%s: tensor '%s' has dtype %s (F32, F16 and BF16 are supported)", f->path, t->name,
+                 t->dtype);
         return NULL;
     }
     size_t n = (size_t)((t->end - t->begin) / es);
@@ -322,7 +311,7 @@ float *exp_st_read_f32(const exp_st_file *f, const exp_st_tensor *t, char *err, 
     if (!ok) {
         free(out);
         free(raw);
-        fail(err, err_len, "%s: cannot read tensor '%s'", f->path, t->name);
+        exp_fail(err, err_len, "%s: cannot read tensor '%s'", f->path, t->name);
         return NULL;
     }
     for (size_t i = 0; i < n; i++) {
@@ -344,12 +333,12 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
                  const int64_t (*shapes)[8], sparge_dtype dtype, const char *metadata_json, char *err, size_t err_len)
 {
     if (!little_endian())
-        return fail(err, err_len, "%s: this writer needs a little-endian host", path);
+        return exp_fail(err, err_len, "%s: this writer needs a little-endian host", path);
     const char *dname = dtype == SPARGE_F32 ? "F32" : dtype == SPARGE_F16 ? "F16" : "BF16";
     size_t es = sparge_dtype_size(dtype), cap = 4096 + (size_t)n * 256, len = 0;
     char *hdr = malloc(cap + 8);
     if (!hdr)
-        return fail(err, err_len, "%s: out of memory", path);
+        return exp_fail(err, err_len, "%s: out of memory", path);
     len += (size_t)snprintf(hdr + len, cap - len, "{");
     if (metadata_json)
         len += (size_t)snprintf(hdr + len, cap - len, "\"__metadata__\":%s%s", metadata_json, n ? "," : "");
@@ -367,7 +356,7 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
     }
     if (len + 1 >= cap) {
         free(hdr);
-        return fail(err, err_len, "%s: header too long", path);
+        return exp_fail(err, err_len, "%s: header too long", path);
     }
     hdr[len++] = '}';
     while (len % 8) /* the data section starts 8-byte aligned; trailing spaces are allowed */
@@ -375,7 +364,7 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
     FILE *fp = fopen(path, "wb");
     if (!fp) {
         free(hdr);
-        return fail(err, err_len, "%s: cannot create", path);
+        return exp_fail(err, err_len, "%s: cannot create", path);
     }
     uint8_t len8[8];
     for (int i = 0; i < 8; i++)
@@ -397,7 +386,7 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
         }
     }
     if (fclose(fp) || !ok)
-        return fail(err, err_len, "%s: write failed", path);
+        return exp_fail(err, err_len, "%s: write failed", path);
     return 0;
 }
 

@@ -205,6 +205,17 @@ void exp_progress(const exp_opts *o, const char *tag, const char *fmt, ...)
     va_end(ap);
 }
 
+int exp_fail(char *err, size_t err_len, const char *fmt, ...)
+{
+    if (err && err_len) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, err_len, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
 FILE *exp_open_out(const char *path)
 {
     if (!path)

@@ -7,12 +7,12 @@
  * Attention runs through sparge on Q/K/V viewed in place inside the qkv activation
  * ([B, N, 3, heads, hd] = BNHD views with token stride 3·dim), no copies. */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "exp.h"
 #include "trainer.h"
 
 typedef struct {
@@ -51,20 +51,9 @@ struct tr_model {
     double last_sparsity, last_l1, attn_ms;
 };
 
-static int fail(char *err, size_t len, const char *fmt, ...)
-{
-    if (err && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, len, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
-
 static int sparge_failed(sparge_status s, char *err, size_t len, const char *what)
 {
-    return fail(err, len, "%s: %s: %s", what, sparge_status_name(s), sparge_last_error());
+    return exp_fail(err, len, "%s: %s: %s", what, sparge_status_name(s), sparge_last_error());
 }
 
 static double now_ms(void)
@@ -228,12 +217,12 @@ tr_model *tr_model_create(const tr_config *c, int B, sparge_device *dev, char *e
     if (tr_config_check(c, err, err_len))
         return NULL;
     if (B < 1 || !dev) {
-        fail(err, err_len, "model: batch must be >= 1 (got %d) and a device is needed", B);
+        exp_fail(err, err_len, "model: batch must be >= 1 (got %d) and a device is needed", B);
         return NULL;
     }
     tr_model *m = calloc(1, sizeof *m);
     if (!m) {
-        fail(err, err_len, "model: out of memory");
+        exp_fail(err, err_len, "model: out of memory");
         return NULL;
     }
     tr_dims *d = &m->dm;
@@ -253,7 +242,7 @@ tr_model *tr_model_create(const tr_config *c, int B, sparge_device *dev, char *e
     m->acts = calloc(nacts, sizeof(float));
     m->y = calloc((size_t)B, sizeof(int));
     if (!m->params || !m->grads || !m->acts || !m->y) {
-        fail(err, err_len, "model: out of memory (%zu parameters, %zu activation floats)", m->nparams, nacts);
+        exp_fail(err, err_len, "model: out of memory (%zu parameters, %zu activation floats)", m->nparams, nacts);
         tr_model_free(m);
         return NULL;
     }
@@ -550,7 +539,7 @@ int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, 
     const int B = d->B, N = d->N, D = d->d, BN = B * N;
     for (int b = 0; b < B; b++) {
         if (y[b] < 0 || y[b] >= d->K)
-            return fail(err, err_len, "forward: class %d of sample %d is outside [0, %d)", y[b], b, d->K);
+            return exp_fail(err, err_len, "forward: class %d of sample %d is outside [0, %d)", y[b], b, d->K);
         m->y[b] = y[b];
     }
     /* conditioning: c = MLP(sinusoid(1000 t)) + y_embedding[y] */

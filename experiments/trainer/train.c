@@ -2,7 +2,6 @@
  * the training loop of sparge-train. */
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,17 +10,6 @@
 
 #include "exp.h"
 #include "trainer.h"
-
-static int fail(char *err, size_t len, const char *fmt, ...)
-{
-    if (err && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, len, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
 
 /* ---------------------------------------------------------------- configuration */
 
@@ -87,7 +75,7 @@ int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_le
         s++;
     char *eq = strchr(s, '=');
     if (!eq)
-        return fail(err, err_len, "'%s' is not key=value", assignment);
+        return exp_fail(err, err_len, "'%s' is not key=value", assignment);
     *eq = 0;
     char *key = trim(s), *val = trim(eq + 1);
     for (size_t i = 0; i < sizeof KEYS / sizeof KEYS[0]; i++) {
@@ -100,27 +88,27 @@ int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_le
         case K_INT: {
             long v = strtol(val, &end, 10);
             if (*val == 0 || *end || errno || v < -1000000000L || v > 1000000000L)
-                return fail(err, err_len, "%s=%s: not an integer in [-1e9, 1e9]", key, val);
+                return exp_fail(err, err_len, "%s=%s: not an integer in [-1e9, 1e9]", key, val);
             *(int *)field = (int)v;
             return 0;
         }
         case K_DOUBLE: {
             double v = strtod(val, &end);
             if (*val == 0 || *end || errno || !isfinite(v))
-                return fail(err, err_len, "%s=%s: not a finite number", key, val);
+                return exp_fail(err, err_len, "%s=%s: not a finite number", key, val);
             *(double *)field = v;
             return 0;
         }
         case K_U64: {
             unsigned long long v = strtoull(val, &end, 10);
             if (*val == 0 || *end || errno)
-                return fail(err, err_len, "%s=%s: not an unsigned integer", key, val);
+                return exp_fail(err, err_len, "%s=%s: not an unsigned integer", key, val);
             *(uint64_t *)field = v;
             return 0;
         }
         case K_STRING:
             if (strlen(val) >= k->size)
-                return fail(err, err_len, "%s: value longer than %zu characters", key, k->size - 1);
+                return exp_fail(err, err_len, "%s: value longer than %zu characters", key, k->size - 1);
             memcpy(field, val, strlen(val) + 1);
             return 0;
         case K_ATTN:
@@ -129,35 +117,35 @@ int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_le
                     c->attn = (tr_attn_mode)m;
                     return 0;
                 }
-            return fail(err, err_len, "attn=%s: expected dense, hybrid, topk or topp", val);
+            return exp_fail(err, err_len, "attn=%s: expected dense, hybrid, topk or topp", val);
         case K_LOSS:
             if (!strcmp(val, "diffusion") || !strcmp(val, "vd")) {
                 c->loss = !strcmp(val, "vd") ? TR_LOSS_VD : TR_LOSS_DIFFUSION;
                 return 0;
             }
-            return fail(err, err_len, "loss=%s: expected diffusion or vd", val);
+            return exp_fail(err, err_len, "loss=%s: expected diffusion or vd", val);
         case K_DATA:
             if ((val[0] == 'A' || val[0] == 'B') && val[1] == 0) {
                 snprintf(c->data, sizeof c->data, "%s", val);
                 return 0;
             }
-            return fail(err, err_len, "data=%s: expected A or B", val);
+            return exp_fail(err, err_len, "data=%s: expected A or B", val);
         case K_MODE:
             if (!strcmp(val, "train") || !strcmp(val, "eval")) {
                 c->eval = !strcmp(val, "eval");
                 return 0;
             }
-            return fail(err, err_len, "mode=%s: expected train or eval", val);
+            return exp_fail(err, err_len, "mode=%s: expected train or eval", val);
         }
     }
-    return fail(err, err_len, "unknown key '%s' (README.md lists the keys)", key);
+    return exp_fail(err, err_len, "unknown key '%s' (README.md lists the keys)", key);
 }
 
 int tr_config_load(tr_config *c, const char *path, char *err, size_t err_len)
 {
     FILE *f = fopen(path, "r");
     if (!f)
-        return fail(err, err_len, "%s: cannot open", path);
+        return exp_fail(err, err_len, "%s: cannot open", path);
     char line[1024], msg[768];
     int lineno = 0;
     while (fgets(line, sizeof line, f)) {
@@ -170,7 +158,7 @@ int tr_config_load(tr_config *c, const char *path, char *err, size_t err_len)
             continue;
         if (tr_config_set(c, s, msg, sizeof msg)) {
             fclose(f);
-            return fail(err, err_len, "%s:%d: %s", path, lineno, msg);
+            return exp_fail(err, err_len, "%s:%d: %s", path, lineno, msg);
         }
     }
     fclose(f);
@@ -180,32 +168,32 @@ int tr_config_load(tr_config *c, const char *path, char *err, size_t err_len)
 int tr_config_check(const tr_config *c, char *err, size_t err_len)
 {
     if (c->frames < 1 || c->height < 2 || c->width < 2 || c->height % 2 || c->width % 2)
-        return fail(err, err_len, "video %dx%dx%d: frames >= 1, height and width even and >= 2 (patch 1x2x2)",
-                    c->frames, c->height, c->width);
+        return exp_fail(err, err_len, "video %dx%dx%d: frames >= 1, height and width even and >= 2 (patch 1x2x2)",
+                        c->frames, c->height, c->width);
     if (c->channels < 1 || c->channels > 8)
-        return fail(err, err_len, "channels=%d: must be in [1, 8]", c->channels);
+        return exp_fail(err, err_len, "channels=%d: must be in [1, 8]", c->channels);
     if (c->dim < 6 || c->dim % 2 || c->heads < 1 || c->dim % c->heads)
-        return fail(err, err_len, "dim=%d heads=%d: dim must be even, >= 6 and a multiple of heads", c->dim,
-                    c->heads);
+        return exp_fail(err, err_len, "dim=%d heads=%d: dim must be even, >= 6 and a multiple of heads", c->dim,
+                        c->heads);
     if (c->dim / c->heads > 256)
-        return fail(err, err_len, "head dim %d exceeds 256 (sparge's CPU limit)", c->dim / c->heads);
+        return exp_fail(err, err_len, "head dim %d exceeds 256 (sparge's CPU limit)", c->dim / c->heads);
     if (c->depth < 0 || c->depth > TR_MAX_DEPTH)
-        return fail(err, err_len, "depth=%d: must be in [0, %d]", c->depth, TR_MAX_DEPTH);
+        return exp_fail(err, err_len, "depth=%d: must be in [0, %d]", c->depth, TR_MAX_DEPTH);
     if (c->classes < 1 || c->mlp_ratio < 1)
-        return fail(err, err_len, "classes=%d mlp_ratio=%d: both must be >= 1", c->classes, c->mlp_ratio);
+        return exp_fail(err, err_len, "classes=%d mlp_ratio=%d: both must be >= 1", c->classes, c->mlp_ratio);
     if (c->block_q < 1 || c->block_k < 1)
-        return fail(err, err_len, "block_q=%d block_k=%d: must be >= 1", c->block_q, c->block_k);
+        return exp_fail(err, err_len, "block_q=%d block_k=%d: must be >= 1", c->block_q, c->block_k);
     if (c->topk < 0 || c->topk > 1 || c->topp < 0 || c->topp > 1)
-        return fail(err, err_len, "topk=%g topp=%g: must be in [0, 1]", c->topk, c->topp);
+        return exp_fail(err, err_len, "topk=%g topp=%g: must be in [0, 1]", c->topk, c->topp);
     if ((c->attn == TR_ATTN_HYBRID && c->topk == 0 && c->topp == 0) || (c->attn == TR_ATTN_TOPK && c->topk == 0) ||
         (c->attn == TR_ATTN_TOPP && c->topp == 0))
-        return fail(err, err_len, "attn=%s needs a nonzero topk/topp", tr_attn_mode_name(c->attn));
+        return exp_fail(err, err_len, "attn=%s needs a nonzero topk/topp", tr_attn_mode_name(c->attn));
     if (c->batch < 1 || c->steps < 0 || c->log_every < 1 || c->ckpt_every < 0 || c->warmup < 0 ||
         c->sample_steps < 1 || c->eval_batches < 1)
-        return fail(err, err_len, "batch >= 1, steps >= 0, log_every >= 1, ckpt_every >= 0, warmup >= 0, "
-                                  "sample_steps >= 1, eval_batches >= 1");
+        return exp_fail(err, err_len, "batch >= 1, steps >= 0, log_every >= 1, ckpt_every >= 0, warmup >= 0, "
+                                      "sample_steps >= 1, eval_batches >= 1");
     if (!(c->lr >= 0) || c->beta1 < 0 || c->beta1 >= 1 || c->beta2 < 0 || c->beta2 >= 1 || !(c->adam_eps > 0))
-        return fail(err, err_len, "lr >= 0, beta1/beta2 in [0, 1), adam_eps > 0");
+        return exp_fail(err, err_len, "lr >= 0, beta1/beta2 in [0, 1), adam_eps > 0");
     return 0;
 }
 
@@ -337,7 +325,7 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
     float step = opt ? (float)opt->step : 0.0f;
     int rc = -1;
     if (!names || !data || !ndims || !shapes || !owned) {
-        fail(err, err_len, "%s: out of memory", path);
+        exp_fail(err, err_len, "%s: out of memory", path);
         goto out;
     }
     for (int i = 0; i < nt; i++) {
@@ -379,11 +367,12 @@ static int read_tensor(const exp_st_file *f, const char *name, const tr_param *p
 {
     const exp_st_tensor *t = exp_st_find(f, name);
     if (!t)
-        return fail(err, err_len, "%s: no tensor '%s'", f->path, name);
+        return exp_fail(err, err_len, "%s: no tensor '%s'", f->path, name);
     int64_t want1 = p->ndim == 2 ? p->shape[1] : 0, got1 = t->ndim == 2 ? t->shape[1] : 0;
     if (t->ndim != p->ndim || t->shape[0] != p->shape[0] || got1 != want1)
-        return fail(err, err_len, "%s: tensor '%s' has another shape than this model's [%lld%s%lld] (other config?)",
-                    f->path, name, (long long)p->shape[0], p->ndim == 2 ? "," : "", (long long)want1);
+        return exp_fail(err, err_len,
+                        "%s: tensor '%s' has another shape than this model's [%lld%s%lld] (other config?)", f->path,
+                        name, (long long)p->shape[0], p->ndim == 2 ? "," : "", (long long)want1);
     float *v = exp_st_read_f32(f, t, err, err_len);
     if (!v)
         return -1;
@@ -402,7 +391,7 @@ int tr_checkpoint_load(const char *path, tr_model *m, tr_adamw *opt, char *err, 
     int rc = -1;
     float step = 0.0f;
     if (!staged) {
-        fail(err, err_len, "%s: out of memory", path);
+        exp_fail(err, err_len, "%s: out of memory", path);
         goto out;
     }
     for (int i = 0; i < tr_model_num_tensors(m); i++) {
@@ -442,7 +431,7 @@ int tr_sample_euler(tr_model *m, float *x, const int *y, int steps, float *scrat
     size_t n = (size_t)d->B * d->T * d->H * d->W * d->C;
     float *t = malloc((size_t)d->B * sizeof(float));
     if (!t)
-        return fail(err, err_len, "sampler: out of memory");
+        return exp_fail(err, err_len, "sampler: out of memory");
     double dt = 1.0 / steps;
     for (int i = 0; i < steps; i++) {
         for (int b = 0; b < d->B; b++)
@@ -472,11 +461,12 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
     if (tr_config_check(cfg, err, err_len))
         return -1;
     if (cfg->loss == TR_LOSS_VD && !cfg->teacher[0] && !cfg->init[0])
-        return fail(err, err_len, "loss=vd needs a teacher: teacher=CKPT (or init=CKPT, then the init is the teacher)");
+        return exp_fail(err, err_len,
+                        "loss=vd needs a teacher: teacher=CKPT (or init=CKPT, then the init is the teacher)");
     sparge_device *dev = NULL;
     sparge_status s = sparge_device_open(cfg->device, &dev);
     if (s)
-        return fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
+        return exp_fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
     tr_model *student = NULL, *teacher = NULL;
     tr_adamw opt = {0};
     float *buf = NULL;
@@ -492,7 +482,7 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
             goto out;
     }
     if (tr_adamw_init(&opt, tr_model_num_params(student))) {
-        fail(err, err_len, "optimizer: out of memory");
+        exp_fail(err, err_len, "optimizer: out of memory");
         goto out;
     }
     if (cfg->resume[0]) {
@@ -507,7 +497,7 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
     size_t n = (size_t)cfg->batch * d->T * d->H * d->W * d->C;
     buf = malloc(n * 6 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
     if (!buf) {
-        fail(err, err_len, "batch buffers: out of memory");
+        exp_fail(err, err_len, "batch buffers: out of memory");
         goto out;
     }
     float *x0 = buf, *eps = buf + n, *xt = buf + 2 * n, *u = buf + 3 * n, *target = buf + 4 * n, *du = buf + 5 * n;
@@ -516,7 +506,7 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
     if (cfg->log[0]) {
         log = fopen(cfg->log, opt.step ? "a" : "w");
         if (!log) {
-            fail(err, err_len, "%s: cannot open the log", cfg->log);
+            exp_fail(err, err_len, "%s: cannot open the log", cfg->log);
             goto out;
         }
         if (!opt.step)
@@ -542,7 +532,7 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
                 target[i] = eps[i] - x0[i];
         double loss = tr_mse(u, target, n, du);
         if (!isfinite(loss)) {
-            fail(err, err_len, "step %lld: the loss is not finite (%g)", (long long)step, loss);
+            exp_fail(err, err_len, "step %lld: the loss is not finite (%g)", (long long)step, loss);
             goto out;
         }
         tr_model_zero_grad(student);
@@ -598,11 +588,11 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
     if (tr_config_check(cfg, err, err_len))
         return -1;
     if (!cfg->init[0])
-        return fail(err, err_len, "mode=eval needs the model to evaluate: init=CKPT");
+        return exp_fail(err, err_len, "mode=eval needs the model to evaluate: init=CKPT");
     sparge_device *dev = NULL;
     sparge_status s = sparge_device_open(cfg->device, &dev);
     if (s)
-        return fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
+        return exp_fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
     tr_model *model = NULL, *teacher = NULL;
     float *buf = NULL;
     int rc = -1;
@@ -623,7 +613,7 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
     size_t per = (size_t)d->T * d->H * d->W * d->C, n = (size_t)cfg->batch * per;
     buf = malloc(n * 6 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
     if (!buf) {
-        fail(err, err_len, "evaluation buffers: out of memory");
+        exp_fail(err, err_len, "evaluation buffers: out of memory");
         goto out;
     }
     float *x0 = buf, *eps = buf + n, *xt = buf + 2 * n, *u = buf + 3 * n, *ut = buf + 4 * n, *x = buf + 5 * n;
