@@ -36,24 +36,11 @@ int main(int argc, char **argv)
         if (r)
             continue;
         if (!strcmp(argv[i], "--families") && i + 1 < argc) {
-            char buf[128];
-            snprintf(buf, sizeof buf, "%s", argv[++i]);
-            nfam = 0;
-            for (char *tok = strtok(buf, ","); tok && nfam < 3; tok = strtok(NULL, ",")) {
-                int f = exp_family_parse(tok);
-                if (f < 0 || f == EXP_FILE) {
-                    fprintf(stderr, "unknown family '%s'\n", tok);
-                    return 2;
-                }
-                fam[nfam++] = f;
-            }
-        } else if (!strcmp(argv[i], "--sparsities") && i + 1 < argc) {
-            char buf[512];
-            snprintf(buf, sizeof buf, "%s", argv[++i]);
-            ntargets = 0;
-            for (char *tok = strtok(buf, ","); tok && ntargets < 32; tok = strtok(NULL, ","))
-                targets[ntargets++] = atof(tok);
-        } else if (!strcmp(argv[i], "--hybrid-ratio") && i + 1 < argc)
+            if ((nfam = exp_parse_families(argv[++i], fam, 3)) < 0)
+                return 2;
+        } else if (!strcmp(argv[i], "--sparsities") && i + 1 < argc)
+            ntargets = exp_parse_numbers(argv[++i], targets, 32);
+        else if (!strcmp(argv[i], "--hybrid-ratio") && i + 1 < argc)
             ratio = atof(argv[++i]);
         else {
             usage();
@@ -64,7 +51,7 @@ int main(int argc, char **argv)
         fam[0] = EXP_FILE;
         nfam = 1;
     }
-    FILE *csv = exp_open_out(o.csv), *md = o.md ? exp_open_out(o.md) : stdout;
+    FILE *csv = exp_open_out(o.csv), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || !md)
         return 1;
     if (csv)
@@ -77,8 +64,8 @@ int main(int argc, char **argv)
     for (int fi = 0; fi < nfam; fi++) {
         exp_family f = (exp_family)fam[fi];
         exp_qkv x;
-        exp_gen_params g = o.gen[f == EXP_FILE ? EXP_UNIFORM : f];
-        if (f == EXP_FILE ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(&g, &x))
+        exp_gen_params g;
+        if (exp_family_input(&o, f, 0, &g, &x))
             return 1;
         exp_session s;
         if (exp_session_open(&s, o.backend, o.ref_backend, &x, o.dtype, g.block_q, g.block_k))
@@ -142,9 +129,7 @@ int main(int argc, char **argv)
             100.0 * targets[0], 100.0 * targets[ntargets - 1], ratio);
     for (int i = 0; i < nsweep; i++)
         fprintf(md, "%s\n", sweep_md[i]);
-    if (csv)
-        fclose(csv);
-    if (md != stdout)
-        fclose(md);
+    exp_close_out(csv);
+    exp_close_out(md);
     return 0;
 }

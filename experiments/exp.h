@@ -223,6 +223,16 @@ void exp_opts_init(exp_opts *o);
 int exp_opts_parse(exp_opts *o, int argc, char **argv, int *i);
 /* Help text of the common options. */
 void exp_opts_usage(FILE *out);
+/* The input of family f: Q/K/V loaded from o->input for EXP_FILE, otherwise generated from o->gen[f] with its seed
+ * advanced by seed_offset. *g receives the parameters (for a file, the uniform family's: they give the block sizes).
+ * Returns 0, or -1 with a message printed. */
+int exp_family_input(const exp_opts *o, exp_family f, uint64_t seed_offset, exp_gen_params *g, exp_qkv *x);
+
+/* Comma-separated family names ("uniform,sink,video"; not "file") into fam[0..max-1]. Returns the count, or -1
+ * after printing a message for an unknown name. */
+int exp_parse_families(const char *list, int *fam, int max);
+/* Comma-separated numbers (atof) into values[0..max-1]. Returns the count. */
+int exp_parse_numbers(const char *list, double *values, int max);
 
 /* Progress to stderr ("[table1] uniform seed 1: Top-p calibrated ..."), unless quiet. */
 void exp_progress(const exp_opts *o, const char *tag, const char *fmt, ...)
@@ -232,6 +242,10 @@ void exp_progress(const exp_opts *o, const char *tag, const char *fmt, ...)
     ;
 /* fopen for writing, creating nothing on NULL path; prints an error on failure. */
 FILE *exp_open_out(const char *path);
+/* The Markdown output: path opened as by exp_open_out, or stdout for a NULL path. */
+FILE *exp_open_md(const char *path);
+/* Closes an output of exp_open_out or exp_open_md; nothing for NULL or stdout. */
+void exp_close_out(FILE *f);
 /* Seconds of wall clock (monotonic). */
 double exp_now(void);
 /* Prints "what: sparge message" and returns -1 when s != OK. */

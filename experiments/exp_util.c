@@ -193,6 +193,39 @@ int exp_opts_parse(exp_opts *o, int argc, char **argv, int *i)
     return 1;
 }
 
+int exp_family_input(const exp_opts *o, exp_family f, uint64_t seed_offset, exp_gen_params *g, exp_qkv *x)
+{
+    *g = o->gen[f == EXP_FILE ? EXP_UNIFORM : f];
+    g->seed += seed_offset;
+    return f == EXP_FILE ? exp_load_qkv(o->input, o->names, o->bnhd, x) : exp_generate(g, x);
+}
+
+int exp_parse_families(const char *list, int *fam, int max)
+{
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", list);
+    int n = 0;
+    for (char *tok = strtok(buf, ","); tok && n < max; tok = strtok(NULL, ",")) {
+        int f = exp_family_parse(tok);
+        if (f < 0 || f == EXP_FILE) {
+            fprintf(stderr, "unknown family '%s'\n", tok);
+            return -1;
+        }
+        fam[n++] = f;
+    }
+    return n;
+}
+
+int exp_parse_numbers(const char *list, double *values, int max)
+{
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", list);
+    int n = 0;
+    for (char *tok = strtok(buf, ","); tok && n < max; tok = strtok(NULL, ","))
+        values[n++] = atof(tok);
+    return n;
+}
+
 void exp_progress(const exp_opts *o, const char *tag, const char *fmt, ...)
 {
     if (o && o->quiet)
@@ -224,6 +257,17 @@ FILE *exp_open_out(const char *path)
     if (!f)
         perror(path);
     return f;
+}
+
+FILE *exp_open_md(const char *path)
+{
+    return path ? exp_open_out(path) : stdout;
+}
+
+void exp_close_out(FILE *f)
+{
+    if (f && f != stdout)
+        fclose(f);
 }
 
 double exp_now(void)

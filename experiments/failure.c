@@ -96,17 +96,8 @@ int main(int argc, char **argv)
         if (r)
             continue;
         if (!strcmp(argv[i], "--families") && i + 1 < argc) {
-            char buf[128];
-            snprintf(buf, sizeof buf, "%s", argv[++i]);
-            nfam = 0;
-            for (char *tok = strtok(buf, ","); tok && nfam < 3; tok = strtok(NULL, ",")) {
-                int f = exp_family_parse(tok);
-                if (f < 0 || f == EXP_FILE) {
-                    fprintf(stderr, "unknown family '%s'\n", tok);
-                    return 2;
-                }
-                fam[nfam++] = f;
-            }
+            if ((nfam = exp_parse_families(argv[++i], fam, 3)) < 0)
+                return 2;
         } else if (!strcmp(argv[i], "--rows-csv") && i + 1 < argc)
             rows_csv_path = argv[++i];
         else {
@@ -118,7 +109,7 @@ int main(int argc, char **argv)
         fam[0] = EXP_FILE;
         nfam = 1;
     }
-    FILE *csv = exp_open_out(o.csv), *rows_csv = exp_open_out(rows_csv_path), *md = o.md ? exp_open_out(o.md) : stdout;
+    FILE *csv = exp_open_out(o.csv), *rows_csv = exp_open_out(rows_csv_path), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || (rows_csv_path && !rows_csv) || !md)
         return 1;
     if (toy_rows(&o, md))
@@ -135,8 +126,8 @@ int main(int argc, char **argv)
     for (int fi = 0; fi < nfam; fi++) {
         exp_family f = (exp_family)fam[fi];
         exp_qkv x;
-        exp_gen_params g = o.gen[f == EXP_FILE ? EXP_UNIFORM : f];
-        if (f == EXP_FILE ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(&g, &x))
+        exp_gen_params g;
+        if (exp_family_input(&o, f, 0, &g, &x))
             return 1;
         exp_session s;
         double t0 = exp_now();
@@ -209,11 +200,8 @@ int main(int argc, char **argv)
         exp_session_close(&s);
         exp_qkv_free(&x);
     }
-    if (csv)
-        fclose(csv);
-    if (rows_csv)
-        fclose(rows_csv);
-    if (md != stdout)
-        fclose(md);
+    exp_close_out(csv);
+    exp_close_out(rows_csv);
+    exp_close_out(md);
     return 0;
 }

@@ -139,13 +139,9 @@ int main(int argc, char **argv)
             return 2;
         if (r)
             continue;
-        if (!strcmp(argv[i], "--sparsities") && i + 1 < argc) {
-            char buf[512];
-            snprintf(buf, sizeof buf, "%s", argv[++i]);
-            nsp = 0;
-            for (char *tok = strtok(buf, ","); tok && nsp < 32; tok = strtok(NULL, ","))
-                sp[nsp++] = atof(tok);
-        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
+        if (!strcmp(argv[i], "--sparsities") && i + 1 < argc)
+            nsp = exp_parse_numbers(argv[++i], sp, 32);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc)
             warmup = atoi(argv[++i]);
@@ -170,7 +166,7 @@ int main(int argc, char **argv)
     exp_qkv x;
     if (o.input ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(g, &x))
         return 1;
-    FILE *csv = exp_open_out(o.csv), *md = o.md ? exp_open_out(o.md) : stdout;
+    FILE *csv = exp_open_out(o.csv), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || !md)
         return 1;
     bench b = {0};
@@ -281,9 +277,7 @@ int main(int argc, char **argv)
     sparge_mask_destroy(b.mask);
     sparge_device_close(b.dev);
     exp_qkv_free(&x);
-    if (csv)
-        fclose(csv);
-    if (md != stdout)
-        fclose(md);
+    exp_close_out(csv);
+    exp_close_out(md);
     return 0;
 }

@@ -35,22 +35,6 @@ typedef struct {
     exp_point pt[RULES];
 } result;
 
-static int parse_families(const char *s, int *fam, int *n)
-{
-    char buf[128];
-    snprintf(buf, sizeof buf, "%s", s);
-    *n = 0;
-    for (char *tok = strtok(buf, ","); tok && *n < 4; tok = strtok(NULL, ",")) {
-        int f = exp_family_parse(tok);
-        if (f < 0 || f == EXP_FILE) {
-            fprintf(stderr, "unknown family '%s'\n", tok);
-            return -1;
-        }
-        fam[(*n)++] = f;
-    }
-    return *n ? 0 : -1;
-}
-
 /* "Top-p < hybrid < Top-k"; "≈" joins values within 0.5 % of each other. */
 static const char *ordering(const double *v, char *buf, size_t len)
 {
@@ -83,7 +67,7 @@ int main(int argc, char **argv)
         if (r)
             continue;
         if (!strcmp(argv[i], "--families") && i + 1 < argc) {
-            if (parse_families(argv[++i], fam, &nfam))
+            if ((nfam = exp_parse_families(argv[++i], fam, 4)) < 1)
                 return 2;
         } else if (!strcmp(argv[i], "--topk") && i + 1 < argc)
             topk = atof(argv[++i]);
@@ -100,7 +84,7 @@ int main(int argc, char **argv)
         fam[0] = EXP_FILE;
         nfam = 1;
     }
-    FILE *csv = exp_open_out(o.csv), *md = o.md ? exp_open_out(o.md) : stdout;
+    FILE *csv = exp_open_out(o.csv), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || !md)
         return 1;
     if (csv)
@@ -115,10 +99,9 @@ int main(int argc, char **argv)
         for (int si = 0; si < o.seeds; si++) {
             exp_family f = (exp_family)fam[fi];
             exp_qkv x;
-            exp_gen_params g = o.gen[f == EXP_FILE ? EXP_UNIFORM : f];
-            g.seed += (uint64_t)si;
+            exp_gen_params g;
             double t0 = exp_now();
-            if (f == EXP_FILE ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(&g, &x))
+            if (exp_family_input(&o, f, (uint64_t)si, &g, &x))
                 return 1;
             snprintf(label[fi], sizeof label[fi], "%s", x.label);
             exp_session s;
@@ -157,10 +140,8 @@ int main(int argc, char **argv)
             fprintf(md, "| %s | %s | %.2f %% | %.4f | %.4f | %.4f | %s |\n", label[fi], row_label,
                     100.0 * sparsity_target[fi], mean[0], mean[1], mean[2], ordering(mean, a, sizeof a));
         }
-        if (csv)
-            fclose(csv);
-        if (md != stdout)
-            fclose(md);
+        exp_close_out(csv);
+        exp_close_out(md);
         free(res);
         return 0;
     }
@@ -218,10 +199,8 @@ int main(int argc, char **argv)
             fprintf(md, "; paper %s", ordering(paper, b, sizeof b));
         fprintf(md, " (best per seed: Top-k %d, Top-p %d, hybrid %d of %d)\n", wins[0], wins[1], wins[2], o.seeds);
     }
-    if (csv)
-        fclose(csv);
-    if (md != stdout)
-        fclose(md);
+    exp_close_out(csv);
+    exp_close_out(md);
     free(res);
     return 0;
 }
