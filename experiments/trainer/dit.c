@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "exp.h"
 #include "trainer.h"
@@ -54,13 +53,6 @@ struct tr_model {
 static int sparge_failed(sparge_status s, char *err, size_t len, const char *what)
 {
     return exp_fail(err, len, "%s: %s: %s", what, sparge_status_name(s), sparge_last_error());
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
 /* ---------------------------------------------------------------- layout */
@@ -451,7 +443,7 @@ static int attention_forward(tr_model *m, int l, char *err, size_t err_len)
     size_t BN = (size_t)d->B * d->N;
     float *qkv = a->qkv, *att = a->att, *lse = a->lse;
     sparge_status s;
-    double t0 = now_ms();
+    double t0 = exp_now();
     if (!m->host_resident) {
         qkv = m->dev_qkv, att = m->dev_att, lse = m->dev_lse;
         if ((s = sparge_memcpy_to_device(m->dev, qkv, a->qkv, BN * 3 * d->d * sizeof(float))))
@@ -481,7 +473,7 @@ static int attention_forward(tr_model *m, int l, char *err, size_t err_len)
             (s = sparge_memcpy_to_host(m->dev, a->lse, lse, (size_t)d->B * d->nh * d->N * sizeof(float))))
             return sparge_failed(s, err, err_len, "attention: download");
     }
-    m->attn_ms += now_ms() - t0;
+    m->attn_ms += 1e3 * (exp_now() - t0);
     if (mask && m->measure_error) { /* dense output into the backward's dO scratch, unused until then */
         float *dense = m->host_resident ? m->datt : m->dev_datt;
         sparge_tensor od = sparge_tensor_bnhd(dense, SPARGE_F32, d->B, d->nh, d->N, d->hd);
@@ -507,7 +499,7 @@ static int attention_backward(tr_model *m, int l, char *err, size_t err_len)
     size_t BN = (size_t)d->B * d->N;
     float *qkv = a->qkv, *att = a->att, *lse = a->lse, *datt = m->datt, *dqkv = m->dqkv;
     sparge_status s;
-    double t0 = now_ms();
+    double t0 = exp_now();
     if (!m->host_resident) {
         qkv = m->dev_qkv, att = m->dev_att, lse = m->dev_lse, datt = m->dev_datt, dqkv = m->dev_dqkv;
         if ((s = sparge_memcpy_to_device(m->dev, qkv, a->qkv, BN * 3 * d->d * sizeof(float))) ||
@@ -527,7 +519,7 @@ static int attention_backward(tr_model *m, int l, char *err, size_t err_len)
         return sparge_failed(s, err, err_len, "attention: backward");
     if (!m->host_resident && (s = sparge_memcpy_to_host(m->dev, m->dqkv, dqkv, BN * 3 * d->d * sizeof(float))))
         return sparge_failed(s, err, err_len, "attention backward: download");
-    m->attn_ms += now_ms() - t0;
+    m->attn_ms += 1e3 * (exp_now() - t0);
     return 0;
 }
 

@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "exp.h"
 #include "trainer.h"
@@ -449,13 +448,6 @@ int tr_sample_euler(tr_model *m, float *x, const int *y, int steps, float *scrat
 
 /* ---------------------------------------------------------------- training loop */
 
-static double wall_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
 int tr_train(const tr_config *cfg, char *err, size_t err_len)
 {
     if (tr_config_check(cfg, err, err_len))
@@ -519,7 +511,7 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
     double window_loss = 0, window_ms = 0, window_attn = 0;
     int window = 0;
     for (int64_t step = opt.step; step < cfg->steps; step++) {
-        double t0 = wall_ms();
+        double t0 = exp_now();
         tr_model_reset_timers(student);
         tr_make_batch(cfg, d, step, x0, y, t, eps, xt);
         if (tr_model_forward(student, xt, t, y, u, err, err_len))
@@ -541,7 +533,7 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
         double gnorm = tr_clip_grad_norm(student, cfg->grad_clip);
         double lr = cfg->warmup && step < cfg->warmup ? cfg->lr * (step + 1) / cfg->warmup : cfg->lr;
         tr_adamw_step(&opt, student, lr, cfg->beta1, cfg->beta2, cfg->adam_eps, cfg->weight_decay);
-        double ms = wall_ms() - t0, attn = tr_model_attention_ms(student);
+        double ms = 1e3 * (exp_now() - t0), attn = tr_model_attention_ms(student);
         double sparsity = tr_model_last_sparsity(student);
         if (log)
             fprintf(log, "%lld,%.8g,%.6g,%.6g,%.6f,%.4f,%.4f,%.3f\n", (long long)step + 1, loss, gnorm, lr, sparsity,
