@@ -157,7 +157,8 @@ static sparge_status cpu_pool(void *impl, const sparge_pool_args *a)
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tasks; t++) {
-                int64_t bh = t / o->N, i = t % o->N, b = bh / x->H, h = bh % x->H;
+                /* block-major order: a thread's share is one contiguous span in BNHD as in BHND */
+                int64_t i = t / (x->B * x->H), bh = t % (x->B * x->H), b = bh / x->H, h = bh % x->H;
                 int64_t rows = block_rows(i, a->block, x->N);
                 memset(acc, 0, (size_t)D * sizeof *acc);
                 ctx->simd->sum_rows(row_ptr(x, b, h, i * a->block), x->dtype, x->sn, x->sd, rows, D, acc);
