@@ -140,15 +140,21 @@ static void scratch_free(scratch *s)
         free(s->buf[i]);
 }
 
+/* Block means. When the heads of a token are adjacent (BNHD: sh = D, sd = 1), a
+ * task sums every head of a block at once, as rows of H·D elements, so that the
+ * reads are sequential; otherwise a task is one (b, h, block). Tasks go block
+ * by block, so a thread's share is one contiguous span of either layout. */
 static sparge_status cpu_pool(void *impl, const sparge_pool_args *a)
 {
     const cpu_ctx *ctx = impl;
     const sparge_view *x = &a->x, *o = &a->out;
-    int64_t tasks = x->B * x->H * o->N, D = x->D;
+    int fused = x->H > 1 && x->sd == 1 && x->sh == x->D;
+    int64_t D = x->D, heads = fused ? x->H : 1, width = heads * D, groups = x->B * (fused ? 1 : x->H);
+    int64_t tasks = groups * o->N;
     int failed = 0;
 #pragma omp parallel
     {
-        float *acc = malloc((size_t)D * sizeof *acc);
+        float *acc = malloc((size_t)width * sizeof *acc);
         if (!acc) {
 #pragma omp atomic write
             failed = 1;
@@ -157,14 +163,14 @@ static sparge_status cpu_pool(void *impl, const sparge_pool_args *a)
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tasks; t++) {
-                /* block-major order: a thread's share is one contiguous span in BNHD as in BHND */
-                int64_t i = t / (x->B * x->H), bh = t % (x->B * x->H), b = bh / x->H, h = bh % x->H;
+                int64_t i = t / groups, g = t % groups, b = fused ? g : g / x->H, h = fused ? 0 : g % x->H;
                 int64_t rows = block_rows(i, a->block, x->N);
-                memset(acc, 0, (size_t)D * sizeof *acc);
-                ctx->simd->sum_rows(row_ptr(x, b, h, i * a->block), x->dtype, x->sn, x->sd, rows, D, acc);
-                for (int64_t d = 0; d < D; d++)
-                    acc[d] /= (float)rows;
-                ctx->simd->store(acc, D, NULL, 1, D, row_ptr(o, b, h, i), o->dtype, o->sn, o->sd);
+                memset(acc, 0, (size_t)width * sizeof *acc);
+                ctx->simd->sum_rows(row_ptr(x, b, h, i * a->block), x->dtype, x->sn, x->sd, rows, width, acc);
+                for (int64_t e = 0; e < width; e++)
+                    acc[e] /= (float)rows;
+                for (int64_t hh = 0; hh < heads; hh++)
+                    ctx->simd->store(acc + hh * D, D, NULL, 1, D, row_ptr(o, b, h + hh, i), o->dtype, o->sn, o->sd);
             }
         }
         free(acc);
