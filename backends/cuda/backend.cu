@@ -65,69 +65,78 @@ static sparge_status open_device(int index, void **impl, char *desc, size_t desc
 static void close_device(void *impl)
 {
     gpu_ctx *ctx = (gpu_ctx *)impl;
-    gpuSetDevice(ctx->device);
-    gpuStreamSynchronize(ctx->stream);
-    gpuFree(ctx->workspace);
+    /* Best effort: closing cannot report failure, and the handle goes away either way. */
+    (void)gpuSetDevice(ctx->device);
+    (void)gpuStreamSynchronize(ctx->stream);
+    (void)gpuFree(ctx->workspace);
     for (int i = 0; i < 2; i++)
         if (ctx->timer[i])
-            gpuEventDestroy(ctx->timer[i]);
+            (void)gpuEventDestroy(ctx->timer[i]);
     free(ctx);
 }
 
 /* Every entry point makes the handle's device current: a process may hold several. */
-static gpu_ctx *current(void *impl)
+static sparge_status activate(void *impl, gpu_ctx **ctx)
 {
-    gpu_ctx *ctx = (gpu_ctx *)impl;
-    gpuSetDevice(ctx->device);
-    return ctx;
+    *ctx = (gpu_ctx *)impl;
+    return GPU_CHECK(gpuSetDevice((*ctx)->device));
 }
 
 static sparge_status dev_alloc(void *impl, size_t bytes, void **ptr)
 {
-    current(impl);
-    return GPU_CHECK(gpuMalloc(ptr, bytes));
+    gpu_ctx *ctx;
+    sparge_status s = activate(impl, &ctx);
+    return s ? s : GPU_CHECK(gpuMalloc(ptr, bytes));
 }
 
 static sparge_status dev_free(void *impl, void *ptr)
 {
-    gpu_ctx *ctx = current(impl);
-    sparge_status s = GPU_CHECK(gpuStreamSynchronize(ctx->stream));
-    return s ? s : GPU_CHECK(gpuFree(ptr));
+    gpu_ctx *ctx;
+    sparge_status s;
+    if ((s = activate(impl, &ctx)) || (s = GPU_CHECK(gpuStreamSynchronize(ctx->stream))))
+        return s;
+    return GPU_CHECK(gpuFree(ptr));
 }
 
 static sparge_status dev_copy(void *impl, void *dst, const void *src, size_t bytes, sparge_copy_kind kind)
 {
-    gpu_ctx *ctx = current(impl);
+    gpu_ctx *ctx;
     auto k = kind == SPARGE_COPY_H2D ? gpuMemcpyHostToDevice
              : kind == SPARGE_COPY_D2H ? gpuMemcpyDeviceToHost : gpuMemcpyDeviceToDevice;
-    sparge_status s = GPU_CHECK(gpuMemcpyAsync(dst, src, bytes, k, ctx->stream));
+    sparge_status s;
+    if ((s = activate(impl, &ctx)) || (s = GPU_CHECK(gpuMemcpyAsync(dst, src, bytes, k, ctx->stream))))
+        return s;
     /* Host buffers may be pageable and reused by the caller right after. */
-    return s ? s : GPU_CHECK(gpuStreamSynchronize(ctx->stream));
+    return GPU_CHECK(gpuStreamSynchronize(ctx->stream));
 }
 
 static sparge_status dev_fill(void *impl, void *dst, int byte, size_t bytes)
 {
-    gpu_ctx *ctx = current(impl);
-    return GPU_CHECK(gpuMemsetAsync(dst, byte, bytes, ctx->stream));
+    gpu_ctx *ctx;
+    sparge_status s = activate(impl, &ctx);
+    return s ? s : GPU_CHECK(gpuMemsetAsync(dst, byte, bytes, ctx->stream));
 }
 
 static sparge_status dev_sync(void *impl)
 {
-    gpu_ctx *ctx = current(impl);
-    return GPU_CHECK(gpuStreamSynchronize(ctx->stream));
+    gpu_ctx *ctx;
+    sparge_status s = activate(impl, &ctx);
+    return s ? s : GPU_CHECK(gpuStreamSynchronize(ctx->stream));
 }
 
 static sparge_status dev_set_stream(void *impl, void *stream)
 {
-    gpu_ctx *ctx = current(impl);
-    ctx->stream = (gpuStream_t)stream;
-    return SPARGE_OK;
+    gpu_ctx *ctx;
+    sparge_status s = activate(impl, &ctx);
+    if (!s)
+        ctx->stream = (gpuStream_t)stream;
+    return s;
 }
 
 static sparge_status dev_timer_start(void *impl)
 {
-    gpu_ctx *ctx = current(impl);
-    sparge_status s = SPARGE_OK;
+    gpu_ctx *ctx;
+    sparge_status s = activate(impl, &ctx);
     for (int i = 0; i < 2 && !s; i++)
         if (!ctx->timer[i])
             s = GPU_CHECK(gpuEventCreate(&ctx->timer[i]));
@@ -136,9 +145,11 @@ static sparge_status dev_timer_start(void *impl)
 
 static sparge_status dev_timer_stop(void *impl, double *ms)
 {
-    gpu_ctx *ctx = current(impl);
+    gpu_ctx *ctx;
     float f = 0.0f;
-    sparge_status s;
+    sparge_status s = activate(impl, &ctx);
+    if (s)
+        return s;
     if (!ctx->timer[0])
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_timer_stop: the timer was not started");
     if ((s = GPU_CHECK(gpuEventRecord(ctx->timer[1], ctx->stream))) || (s = GPU_CHECK(gpuEventSynchronize(ctx->timer[1]))) ||
@@ -148,34 +159,26 @@ static sparge_status dev_timer_stop(void *impl, double *ms)
     return SPARGE_OK;
 }
 
-static sparge_status op_pool(void *impl, const sparge_pool_args *a) { return SPARGE_GPU_FN(pool)(current(impl), a); }
-static sparge_status op_map(void *impl, const sparge_map_args *a) { return SPARGE_GPU_FN(pooled_map)(current(impl), a); }
-static sparge_status op_select(void *impl, const sparge_select_args *a)
-{
-    return SPARGE_GPU_FN(mask_select)(current(impl), a);
-}
-static sparge_status op_from_dense(void *impl, const sparge_mask_view *m)
-{
-    return SPARGE_GPU_FN(mask_from_dense)(current(impl), m);
-}
-static sparge_status op_predict(void *impl, const sparge_predict_args *a)
-{
-    return SPARGE_GPU_FN(mask_predict)(current(impl), a);
-}
-static sparge_status op_generic_forward(void *impl, const sparge_fwd_args *a)
-{
-    return SPARGE_GPU_FN(generic_forward)(current(impl), a);
-}
-static sparge_status op_generic_backward(void *impl, const sparge_bwd_args *a)
-{
-    return SPARGE_GPU_FN(generic_backward)(current(impl), a);
-}
+/* Op entry points: make the device current, then run the op file's entry. */
+#define GPU_OP(name, args_t, entry)                                                                                    \
+    static sparge_status name(void *impl, const args_t *a)                                                            \
+    {                                                                                                                  \
+        gpu_ctx *ctx;                                                                                                  \
+        sparge_status s = activate(impl, &ctx);                                                                        \
+        return s ? s : entry(ctx, a);                                                                                  \
+    }
+GPU_OP(op_pool, sparge_pool_args, SPARGE_GPU_FN(pool))
+GPU_OP(op_map, sparge_map_args, SPARGE_GPU_FN(pooled_map))
+GPU_OP(op_select, sparge_select_args, SPARGE_GPU_FN(mask_select))
+GPU_OP(op_from_dense, sparge_mask_view, SPARGE_GPU_FN(mask_from_dense))
+GPU_OP(op_predict, sparge_predict_args, SPARGE_GPU_FN(mask_predict))
+GPU_OP(op_generic_forward, sparge_fwd_args, SPARGE_GPU_FN(generic_forward))
+GPU_OP(op_generic_backward, sparge_bwd_args, SPARGE_GPU_FN(generic_backward))
 
 static sparge_status open_generic(int index, void **impl, char *desc, size_t desc_len)
 {
     return open_device(index, impl, desc, desc_len, 1);
 }
-
 
 #ifdef SPARGE_USE_HIP
 static sparge_status open_hip(int index, void **impl, char *desc, size_t desc_len)
@@ -192,14 +195,8 @@ static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_l
 {
     return open_device(index, impl, desc, desc_len, 0);
 }
-static sparge_status op_mma_forward(void *impl, const sparge_fwd_args *a)
-{
-    return sparge_cuda_mma_forward(current(impl), a);
-}
-static sparge_status op_mma_backward(void *impl, const sparge_bwd_args *a)
-{
-    return sparge_cuda_mma_backward(current(impl), a);
-}
+GPU_OP(op_mma_forward, sparge_fwd_args, sparge_cuda_mma_forward)
+GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 
 extern "C" const sparge_backend sparge_backend_cuda = {
     "cuda", device_count, open_fast, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
@@ -208,6 +205,6 @@ extern "C" const sparge_backend sparge_backend_cuda = {
 
 extern "C" const sparge_backend sparge_backend_cuda_generic = {
     "cuda-generic", device_count, open_generic, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync,
-    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward,
-    op_predict};
+    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward,
+    op_generic_backward, op_predict};
 #endif
