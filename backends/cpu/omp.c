@@ -1,7 +1,7 @@
 /* Backend "cpu": OpenMP over (batch, head, query block), tiled online-softmax
  * forward, and a backward that only visits kept blocks (dK/dV per key block
- * through the transposed mask, then dQ per query block: no atomics, bitwise
- * reproducible).
+ * through the transposed mask; dQ in the same pass under per-block locks, or,
+ * when deterministic, per query block in a second pass).
  *
  * Tiles are computed transposed, Sᵀ = K·(s·Q)ᵀ [key × query], so that K and V
  * are used row-major straight from f32 views (no copy, no transpose), each
