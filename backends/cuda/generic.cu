@@ -411,52 +411,40 @@ template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(
 
 /* ---------------------------------------------------------------- launch */
 
-template <typename T, int DT, int BM, int BN> sparge_status launch_forward(gpu_ctx *ctx, attn_params p)
+/* One launch of a tiled kernel with its dynamic shared memory, every step checked. */
+template <typename Kernel>
+sparge_status launch_tiled(gpu_ctx *ctx, Kernel kernel, size_t smem, int64_t blocks, const attn_params &p,
+                           const char *what)
 {
-    constexpr size_t smem = fwd_smem(DT, BM, BN);
-    p.q_tiles = (p.bq + BM - 1) / BM;
-    const int64_t blocks = p.BH * p.Nqb * p.q_tiles;
     if (blocks > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "generic forward: %lld query tiles exceed the grid limit %d",
-                           (long long)blocks, INT32_MAX);
-    auto kernel = fwd_kernel<T, DT, BM, BN>;
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: %lld tiles exceed the grid limit %d", what, (long long)blocks,
+                           INT32_MAX);
     sparge_status s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (s)
         return s;
     kernel<<<(unsigned)blocks, THREADS, smem, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH("generic forward kernel");
+    return GPU_CHECK_LAUNCH(what);
+}
+
+template <typename T, int DT, int BM, int BN> sparge_status launch_forward(gpu_ctx *ctx, attn_params p)
+{
+    p.q_tiles = (p.bq + BM - 1) / BM;
+    return launch_tiled(ctx, fwd_kernel<T, DT, BM, BN>, fwd_smem(DT, BM, BN), p.BH * p.Nqb * p.q_tiles, p,
+                        "generic forward kernel");
 }
 
 template <typename T, int DT, int BQ, int BK> sparge_status launch_dkdv(gpu_ctx *ctx, attn_params p)
 {
-    constexpr size_t smem = bwd_smem(DT, BQ, BK);
     p.k_tiles = (p.bk + BK - 1) / BK;
-    const int64_t blocks = p.BH * p.Nkb * p.k_tiles;
-    if (blocks > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "generic backward: %lld key tiles exceed the grid limit %d",
-                           (long long)blocks, INT32_MAX);
-    auto kernel = dkdv_kernel<T, DT, BQ, BK>;
-    sparge_status s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (s)
-        return s;
-    kernel<<<(unsigned)blocks, THREADS, smem, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH("generic backward dK/dV kernel");
+    return launch_tiled(ctx, dkdv_kernel<T, DT, BQ, BK>, bwd_smem(DT, BQ, BK), p.BH * p.Nkb * p.k_tiles, p,
+                        "generic backward dK/dV kernel");
 }
 
 template <typename T, int DT, int BQ, int BK> sparge_status launch_dq(gpu_ctx *ctx, attn_params p)
 {
-    constexpr size_t smem = bwd_smem(DT, BQ, BK);
     p.q_tiles = (p.bq + BQ - 1) / BQ;
-    const int64_t blocks = p.BH * p.Nqb * p.q_tiles;
-    if (blocks > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "generic backward: %lld query tiles exceed the grid limit %d",
-                           (long long)blocks, INT32_MAX);
-    auto kernel = dq_kernel<T, DT, BQ, BK>;
-    sparge_status s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (s)
-        return s;
-    kernel<<<(unsigned)blocks, THREADS, smem, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH("generic backward dQ kernel");
+    return launch_tiled(ctx, dq_kernel<T, DT, BQ, BK>, bwd_smem(DT, BQ, BK), p.BH * p.Nqb * p.q_tiles, p,
+                        "generic backward dQ kernel");
 }
 
 /* Tile shapes per head-dim class, best first, the last one a last resort. The
