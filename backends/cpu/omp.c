@@ -70,7 +70,7 @@ static sparge_status cpu_open(int index, void **impl, char *desc, size_t len)
     ctx->simd = sparge_simd_best();
     int bound = sparge_cpu_bind_threads();
     snprintf(desc, len, "%d OpenMP thread(s), SIMD %s, %s", max_threads(), ctx->simd->name,
-             bound ? "bound to cores by hwloc" : "not bound");
+             bound ? "workers bound to cores by hwloc" : "not bound");
     *impl = ctx;
     return SPARGE_OK;
 }

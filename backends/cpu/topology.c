@@ -33,6 +33,10 @@ int sparge_cpu_bind_threads(void)
     int ncores = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
     if (ncores <= 0)
         return 0;
+    /* The caller is OpenMP thread 0: bind the pool's workers, then give the
+     * caller its own binding back so opening a device does not pin the user's thread. */
+    hwloc_bitmap_t caller = hwloc_bitmap_alloc();
+    int saved = caller && hwloc_get_cpubind(topo, caller, HWLOC_CPUBIND_THREAD) == 0;
     int bound = 1;
 #pragma omp parallel reduction(&& : bound)
     {
@@ -43,6 +47,9 @@ int sparge_cpu_bind_threads(void)
         hwloc_obj_t core = hwloc_get_obj_by_type(topo, HWLOC_OBJ_CORE, t % ncores);
         bound = core && hwloc_set_cpubind(topo, core->cpuset, HWLOC_CPUBIND_THREAD) == 0;
     }
+    if (saved)
+        hwloc_set_cpubind(topo, caller, HWLOC_CPUBIND_THREAD);
+    hwloc_bitmap_free(caller);
     return bound;
 }
 
