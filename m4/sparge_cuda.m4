@@ -15,7 +15,11 @@ AC_DEFUN([SPARGE_CUDA], [
             [sparge_cuda_path="$with_cuda/bin"])
     AC_PATH_PROG([NVCC], [nvcc], [], [$sparge_cuda_path])
     AS_IF([test -n "$NVCC"], [
-      CUDA_HOME=$(cd "$(dirname "$NVCC")/.." && pwd)
+      dnl nvcc may be a wrapper script (e.g. /usr/local/bin/nvcc): ask nvcc where its toolkit lives.
+      sparge_cuda_top=$("$NVCC" -dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -n 1)
+      AS_IF([test -z "$sparge_cuda_top"], [sparge_cuda_top="$(dirname "$NVCC")/.."])
+      CUDA_HOME=$(cd "$sparge_cuda_top" && pwd)
+      AC_MSG_NOTICE([CUDA toolkit root: $CUDA_HOME])
       sparge_save_CPPFLAGS=$CPPFLAGS; CPPFLAGS="$CPPFLAGS -I$CUDA_HOME/include"
       sparge_save_LIBS=$LIBS
       AC_CHECK_HEADER([cuda_runtime_api.h],
