@@ -507,6 +507,272 @@ static void test_data(void **state)
     free(a), free(b);
 }
 
+/* ---------------------------------------------------------------- metrics */
+
+/* Accuracy of the motion recognizer on `count` held-out videos of A (indices no stream reaches). */
+static double recognizer_accuracy(int T, int H, int W, int C, int K, int count, double *strength)
+{
+    float *v = malloc((size_t)T * H * W * C * sizeof(float));
+    int correct = 0;
+    *strength = 0;
+    for (int i = 0; i < count; i++) {
+        int label;
+        tr_motion m;
+        tr_data_sample('A', 1, 3000000000ull + (uint64_t)i, T, H, W, C, K, v, &label);
+        assert_int_equal(tr_motion_estimate(v, T, H, W, C, K, &m), 0);
+        correct += m.label == label;
+        *strength += m.strength / count;
+    }
+    free(v);
+    print_message("recognizer on A, %d frames of %dx%dx%d, %d classes: accuracy %.3f, peak strength %.3f\n", T, H,
+                  W, C, K, (double)correct / count, *strength);
+    return (double)correct / count;
+}
+
+/* Floors a little below the accuracies measured on these 200 videos (README.md, "Evaluation"). */
+static void test_motion_recognizer(void **state)
+{
+    (void)state;
+    double strength;
+    assert_true(recognizer_accuracy(8, 16, 16, 3, 4, 200, &strength) >= 0.97); /* tiny.cfg's shape */
+    assert_true(strength > 0.6);
+    assert_true(recognizer_accuracy(8, 16, 16, 3, 8, 200, &strength) >= 0.95);
+    assert_true(recognizer_accuracy(3, 16, 24, 1, 6, 200, &strength) >= 0.90);
+    assert_true(recognizer_accuracy(8, 32, 32, 3, 8, 100, &strength) >= 0.90);
+    /* a blob moving at a known sub-pixel velocity over a static texture: vy > 0 is down the rows */
+    const int T = 6, H = 16, W = 20, C = 2;
+    float *v = malloc((size_t)T * H * W * C * sizeof(float));
+    const double vx = 0.6, vy = -0.8;
+    for (int t = 0; t < T; t++)
+        for (int y = 0; y < H; y++)
+            for (int x = 0; x < W; x++) {
+                double dx = fmod(x - (5 + vx * t) + 1.5 * W, W) - W / 2.0; /* wrapped offset to the centre */
+                double dy = fmod(y - (9 + vy * t) + 1.5 * H, H) - H / 2.0;
+                for (int c = 0; c < C; c++)
+                    v[(((size_t)t * H + y) * W + x) * C + c] =
+                        (float)((c ? -1 : 1) * exp(-(dx * dx + dy * dy) / 4.5) + 0.3 * sin(0.9 * x + 2.0 * y + c));
+            }
+    tr_motion m;
+    assert_int_equal(tr_motion_estimate(v, T, H, W, C, 16, &m), 0);
+    print_message("blob at (0.6, -0.8) px/frame: estimated (%.3f, %.3f), strength %.3f\n", m.vx, m.vy, m.strength);
+    assert_true(fabs(m.vx - vx) < 0.15 && fabs(m.vy - vy) < 0.15);
+    assert_int_equal(m.label, 14); /* angle −53° = 307°, nearest of 16 directions: 14 · 22.5° = 315° */
+    /* too few frames, or nothing moving: no label */
+    assert_int_equal(tr_motion_estimate(v, 2, H, W, C, 4, &m), -1);
+    assert_int_equal(m.label, -1);
+    for (int t = 1; t < T; t++)
+        memcpy(v + (size_t)t * H * W * C, v, (size_t)H * W * C * sizeof(float));
+    assert_int_equal(tr_motion_estimate(v, T, H, W, C, 4, &m), -1);
+    free(v);
+}
+
+/* On pure noise the recognizer guesses: accuracy against the classes near 1/K, no favoured class. */
+static void test_motion_recognizer_chance(void **state)
+{
+    (void)state;
+    const int T = 8, H = 16, W = 16, C = 3, count = 400;
+    float *v = malloc((size_t)T * H * W * C * sizeof(float));
+    uint64_t s = 99;
+    for (int K = 4; K <= 8; K += 4) {
+        int correct = 0, votes[8] = {0};
+        double strength = 0;
+        for (int i = 0; i < count; i++) {
+            for (size_t j = 0; j < (size_t)T * H * W * C; j++)
+                v[j] = (float)tr_normal(&s);
+            int label = (int)(tr_uniform(&s) * K);
+            tr_motion m;
+            tr_motion_estimate(v, T, H, W, C, K, &m);
+            correct += m.label == label;
+            votes[m.label]++;
+            strength += m.strength / count;
+        }
+        int most = 0;
+        for (int k = 0; k < K; k++)
+            most = votes[k] > most ? votes[k] : most;
+        print_message("noise, %d classes: accuracy %.3f (chance %.3f), most frequent class %.3f, strength %.3f\n", K,
+                      (double)correct / count, 1.0 / K, (double)most / count, strength);
+        assert_true((double)correct / count < 1.5 / K);
+        assert_true((double)most / count < 2.0 / K);
+        assert_true(strength < 0.2);
+    }
+    free(v);
+}
+
+/* Feature rows of `count` videos of dist (seed 1, indices from `first`) at tiny.cfg's shape. */
+static double *feature_rows(char dist, uint64_t first, int count)
+{
+    const int T = 8, H = 16, W = 16, C = 3;
+    float *v = malloc((size_t)T * H * W * C * sizeof(float));
+    double *f = malloc((size_t)count * TR_FEATURES * sizeof(double));
+    for (int i = 0; i < count; i++) {
+        int label;
+        tr_data_sample(dist, 1, first + (uint64_t)i, T, H, W, C, 4, v, &label);
+        assert_int_equal(tr_video_features(v, T, H, W, C, f + (size_t)i * TR_FEATURES), 0);
+        for (int j = 0; j < TR_FEATURES; j++)
+            assert_true(isfinite(f[(size_t)i * TR_FEATURES + j]));
+    }
+    free(v);
+    return f;
+}
+
+static void test_frechet_distance(void **state)
+{
+    (void)state;
+    /* Jacobi: A v = λ v and orthonormal vectors on a random symmetric matrix */
+    enum { N = 9 };
+    double a[N * N], work[N * N], values[N], vectors[N * N];
+    uint64_t s = 5;
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j <= i; j++)
+            a[i * N + j] = a[j * N + i] = tr_normal(&s);
+    memcpy(work, a, sizeof a);
+    tr_symmetric_eigen(work, N, values, vectors);
+    for (int k = 0; k < N; k++)
+        for (int i = 0; i < N; i++) {
+            double av = 0, dot = 0;
+            for (int j = 0; j < N; j++)
+                av += a[i * N + j] * vectors[j * N + k], dot += vectors[j * N + i] * vectors[j * N + k];
+            assert_true(fabs(av - values[k] * vectors[i * N + k]) < 1e-10);
+            assert_true(fabs(dot - (i == k)) < 1e-10);
+        }
+    /* closed form: the 16 sign patterns of 4 dims, scaled and shifted, have sample mean μ and
+     * diagonal covariance (16/15)·σ², so FD = Σ (μa − μb)² + (16/15)·Σ (σa − σb)²; rotating both
+     * sets by the same rotation (non-diagonal covariances) leaves it unchanged */
+    enum { D = 4, P = 16 };
+    const double mu_a[D] = {0, 1, -2, 0.5}, mu_b[D] = {0.3, 1, -1, 0};
+    const double sd_a[D] = {1, 2, 0.5, 1}, sd_b[D] = {2, 2, 1, 0.1};
+    double xa[P * D], xb[P * D], ra[P * D], rb[P * D], expected = 0;
+    for (int p = 0; p < P; p++)
+        for (int j = 0; j < D; j++) {
+            double sign = (p >> j) & 1 ? 1 : -1;
+            xa[p * D + j] = mu_a[j] + sd_a[j] * sign, xb[p * D + j] = mu_b[j] + sd_b[j] * sign;
+        }
+    for (int j = 0; j < D; j++)
+        expected += pow(mu_a[j] - mu_b[j], 2) + 16.0 / 15.0 * pow(sd_a[j] - sd_b[j], 2);
+    double fd = tr_frechet_distance(xa, P, xb, P, D, NULL);
+    print_message("Frechet distance of two diagonal Gaussians: %.12f, closed form %.12f\n", fd, expected);
+    assert_true(fabs(fd - expected) < 1e-9 * expected);
+    double c = cos(0.7), sn = sin(0.7), c2 = cos(-1.1), s2 = sin(-1.1); /* rotations in planes (0,1), (2,3) */
+    for (int p = 0; p < P; p++) {
+        const double *u = xa + p * D, *w = xb + p * D;
+        ra[p * D] = c * u[0] - sn * u[1], ra[p * D + 1] = sn * u[0] + c * u[1];
+        ra[p * D + 2] = c2 * u[2] - s2 * u[3], ra[p * D + 3] = s2 * u[2] + c2 * u[3];
+        rb[p * D] = c * w[0] - sn * w[1], rb[p * D + 1] = sn * w[0] + c * w[1];
+        rb[p * D + 2] = c2 * w[2] - s2 * w[3], rb[p * D + 3] = s2 * w[2] + c2 * w[3];
+    }
+    assert_true(fabs(tr_frechet_distance(ra, P, rb, P, D, NULL) - expected) < 1e-9 * expected);
+    /* on video features: 0 for identical sets, symmetric, and B far from A compared with other A videos */
+    double *ref = feature_rows('A', 3000000000ull, 128), *a2 = feature_rows('A', 5000000000ull, 64);
+    double *b = feature_rows('B', 3000000000ull, 64), scale[TR_FEATURES];
+    tr_feature_scales(ref, 128, TR_FEATURES, scale);
+    for (int j = 0; j < TR_FEATURES; j++)
+        assert_true(scale[j] > 0);
+    assert_true(tr_frechet_distance(ref, 128, ref, 128, TR_FEATURES, scale) < 1e-9);
+    double ab = tr_frechet_distance(a2, 64, b, 64, TR_FEATURES, scale);
+    assert_true(fabs(ab - tr_frechet_distance(b, 64, a2, 64, TR_FEATURES, scale)) < 1e-9 * ab);
+    double floor_a = tr_frechet_distance(a2, 64, ref, 128, TR_FEATURES, scale);
+    double fd_b = tr_frechet_distance(b, 64, ref, 128, TR_FEATURES, scale);
+    print_message("Frechet distance to 128 A videos: 64 other A videos %.3f, 64 B videos %.3f\n", floor_a, fd_b);
+    assert_true(floor_a > 0 && fd_b > 20 * floor_a);
+    free(ref), free(a2), free(b);
+}
+
+/* Imaging quality and temporal consistency: real A videos score better than B videos on both,
+ * and A with added noise scores lower imaging quality. */
+static void test_quality_scores(void **state)
+{
+    (void)state;
+    const int count = 48, T = 8, H = 16, W = 16, C = 3;
+    double *ref = feature_rows('A', 3000000000ull, count), *a = feature_rows('A', 5000000000ull, count);
+    double *b = feature_rows('B', 5000000000ull, count), ref_mean[TR_FEATURES];
+    tr_feature_mean(ref, count, TR_FEATURES, ref_mean);
+    double iq_a = 0, iq_b = 0, iq_noisy = 0, tc_a = 0, tc_b = 0;
+    float *v = malloc((size_t)T * H * W * C * sizeof(float));
+    uint64_t s = 3;
+    for (int i = 0; i < count; i++) {
+        iq_a += tr_imaging_quality(a + (size_t)i * TR_FEATURES, ref_mean) / count;
+        iq_b += tr_imaging_quality(b + (size_t)i * TR_FEATURES, ref_mean) / count;
+        tc_a += a[(size_t)i * TR_FEATURES + TR_FEAT_TEMPORAL_CONSISTENCY] / count;
+        tc_b += b[(size_t)i * TR_FEATURES + TR_FEAT_TEMPORAL_CONSISTENCY] / count;
+        int label;
+        double f[TR_FEATURES];
+        tr_data_sample('A', 1, 5000000000ull + (uint64_t)i, T, H, W, C, 4, v, &label);
+        for (size_t j = 0; j < (size_t)T * H * W * C; j++)
+            v[j] += (float)(0.1 * tr_normal(&s));
+        tr_video_features(v, T, H, W, C, f);
+        iq_noisy += tr_imaging_quality(f, ref_mean) / count;
+    }
+    print_message("imaging quality A %.3f, A + N(0, 0.1) %.3f, B %.3f; temporal consistency A %.3f, B %.3f\n", iq_a,
+                  iq_noisy, iq_b, tc_a, tc_b);
+    assert_true(iq_a > 0.8 && iq_a <= 1.0 && iq_b < 0.6 && iq_noisy < iq_a - 0.15);
+    assert_true(tc_a > 0.7 && tc_b < 0.5);
+    free(v), free(ref), free(a), free(b);
+}
+
+/* mode=eval: the new scores of a freshly initialized model (adaLN-Zero: zero velocity, so its samples
+ * are the noise) against real videos, and the new columns at the end of the CSV that sparge-train
+ * prints (checked when the test runs in the build directory, as make check does). */
+static void test_eval_scores(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.frames = 4, c.height = 8, c.width = 8, c.classes = 4, c.eval = 1, c.sample_steps = 2, c.eval_batches = 3;
+    char err[512], path[256];
+    char *dir = temp_dir();
+    snprintf(path, sizeof path, "%s/init.safetensors", dir);
+    sparge_device *dev = open_device("cpu");
+    tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_non_null(m);
+    tr_model_init(m, 3);
+    assert_int_equal(tr_checkpoint_save(path, m, NULL, &c, err, sizeof err), 0);
+    tr_model_free(m);
+    sparge_device_close(dev);
+    snprintf(c.init, sizeof c.init, "%s", path);
+    tr_eval_result r;
+    if (tr_evaluate(&c, &r, err, sizeof err))
+        fail_msg("%s", err);
+    print_message("eval of an untrained model: class accuracy %.3f (real %.3f), Frechet %.2f (floor %.2f), imaging "
+                  "quality %.3f (real %.3f), temporal consistency %.3f (real %.3f)\n",
+                  r.class_accuracy, r.reference_class_accuracy, r.frechet, r.frechet_floor, r.imaging_quality,
+                  r.reference_imaging_quality, r.temporal_consistency, r.reference_temporal_consistency);
+    assert_true(r.class_accuracy >= 0 && r.class_accuracy <= 1 && r.reference_class_accuracy >= 0.8);
+    assert_true(r.frechet_floor >= 0 && r.frechet > 2 * r.frechet_floor);
+    assert_true(r.reference_imaging_quality > r.imaging_quality);
+    assert_true(r.reference_temporal_consistency > r.temporal_consistency);
+    const char *program = "experiments/trainer/sparge-train";
+    if (access(program, X_OK) == 0) {
+        char command[1024], header[1024], row[1024];
+        snprintf(command, sizeof command,
+                 "%s frames=4 height=8 width=8 channels=3 dim=12 heads=2 depth=2 classes=4 mlp_ratio=2 block_q=4 "
+                 "block_k=2 batch=2 eval_batches=3 sample_steps=2 mode=eval init=%s",
+                 program, path);
+        FILE *p = popen(command, "r");
+        assert_non_null(p);
+        assert_non_null(fgets(header, sizeof header, p));
+        assert_non_null(fgets(row, sizeof row, p));
+        assert_int_equal(pclose(p), 0);
+        int columns = 1;
+        for (const char *h = header; (h = strchr(h, ',')); h++)
+            columns++;
+        assert_int_equal(columns, 21);
+        assert_non_null(strstr(header, "ref_mean_c0,class_accuracy,ref_class_accuracy,frechet,frechet_floor,"
+                                       "imaging_quality,ref_imaging_quality,temporal_consistency,"
+                                       "ref_temporal_consistency\n"));
+        double values[21];
+        char *cursor = row;
+        for (int i = 0; i < 21; i++, cursor++)
+            values[i] = strtod(cursor, &cursor);
+        double class_accuracy = values[13], frechet = values[15]; /* the 14th and 16th columns */
+        print_message("sparge-train mode=eval: class_accuracy %.4f, frechet %.5g\n", class_accuracy, frechet);
+        assert_true(isfinite(class_accuracy) && frechet >= 0);
+        assert_true(fabs(frechet - r.frechet) < 1e-3 * r.frechet); /* the same evaluation, printed to 5 digits */
+    } else
+        print_message("%s not found from this directory: its CSV columns are not checked here\n", program);
+    unlink(path);
+    rmdir(dir);
+    free(dir);
+}
+
 static void test_config(void **state)
 {
     (void)state;
@@ -552,6 +818,11 @@ int main(void)
         cmocka_unit_test(test_checkpoint_roundtrip),
         cmocka_unit_test(test_resume_and_distillation),
         cmocka_unit_test(test_training_lowers_loss),
+        cmocka_unit_test(test_motion_recognizer),
+        cmocka_unit_test(test_motion_recognizer_chance),
+        cmocka_unit_test(test_frechet_distance),
+        cmocka_unit_test(test_quality_scores),
+        cmocka_unit_test(test_eval_scores),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

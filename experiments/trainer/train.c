@@ -575,6 +575,29 @@ static void add_stats(tr_video_stats *sum, const float *video, const tr_dims *d,
     sum->temporal_jitter += weight * s.temporal_jitter, sum->mean_c0 += weight * s.mean_c0;
 }
 
+/* The VBench-like scores of tr_eval_result from the features and recognizer labels of the samples and
+ * of the real videos (n each, classes y) and the features of the real reference set (README.md). */
+static void score_videos(tr_eval_result *res, const double *sample_f, const int *sample_label, const double *real_f,
+                         const int *real_label, const int *y, int n, const double *ref_f, int n_ref, int frames)
+{
+    double ref_mean[TR_FEATURES], scale[TR_FEATURES];
+    tr_feature_mean(ref_f, n_ref, TR_FEATURES, ref_mean);
+    tr_feature_scales(ref_f, n_ref, TR_FEATURES, scale);
+    res->frechet = tr_frechet_distance(sample_f, n, ref_f, n_ref, TR_FEATURES, scale);
+    res->frechet_floor = tr_frechet_distance(real_f, n, ref_f, n_ref, TR_FEATURES, scale);
+    for (int i = 0; i < n; i++) {
+        const double *fs = sample_f + (size_t)i * TR_FEATURES, *fr = real_f + (size_t)i * TR_FEATURES;
+        res->class_accuracy += (double)(sample_label[i] == y[i]) / n;
+        res->reference_class_accuracy += (double)(real_label[i] == y[i]) / n;
+        res->imaging_quality += tr_imaging_quality(fs, ref_mean) / n;
+        res->reference_imaging_quality += tr_imaging_quality(fr, ref_mean) / n;
+        res->temporal_consistency += fs[TR_FEAT_TEMPORAL_CONSISTENCY] / n;
+        res->reference_temporal_consistency += fr[TR_FEAT_TEMPORAL_CONSISTENCY] / n;
+    }
+    if (frames < 3) /* no motion to recognize */
+        res->class_accuracy = res->reference_class_accuracy = NAN;
+}
+
 int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err_len)
 {
     if (tr_config_check(cfg, err, err_len))
@@ -587,7 +610,8 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
         return exp_fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
     tr_model *model = NULL, *teacher = NULL;
     float *buf = NULL;
-    int rc = -1;
+    double *features = NULL;
+    int *labels = NULL, rc = -1;
     tr_config held_out = *cfg; /* held-out videos of A: indices far past any training stream */
     snprintf(held_out.data, sizeof held_out.data, "A");
     if (!(model = tr_model_create(cfg, cfg->batch, dev, err, err_len)) ||
@@ -604,10 +628,16 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
     const tr_dims *d = tr_model_dims(model);
     size_t per = (size_t)d->T * d->H * d->W * d->C, n = (size_t)cfg->batch * per;
     buf = malloc(n * 6 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
-    if (!buf) {
+    int videos_n = cfg->eval_batches * cfg->batch, n_ref = TR_EVAL_REFERENCE_VIDEOS;
+    features = malloc((2 * (size_t)videos_n + n_ref) * TR_FEATURES * sizeof(double));
+    labels = malloc(3 * (size_t)videos_n * sizeof(int));
+    if (!buf || !features || !labels) {
         exp_fail(err, err_len, "evaluation buffers: out of memory");
         goto out;
     }
+    double *sample_f = features, *real_f = features + (size_t)videos_n * TR_FEATURES;
+    double *ref_f = real_f + (size_t)videos_n * TR_FEATURES;
+    int *sample_label = labels, *real_label = labels + videos_n, *classes = labels + 2 * videos_n;
     float *x0 = buf, *eps = buf + n, *xt = buf + 2 * n, *u = buf + 3 * n, *ut = buf + 4 * n, *x = buf + 5 * n;
     float *t = buf + 6 * n;
     int *y = (int *)(t + cfg->batch);
@@ -636,12 +666,33 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
         for (int b = 0; b < cfg->batch; b++) {
             add_stats(&res->sample, x + b * per, d, 1.0 / videos);
             add_stats(&res->reference, x0 + b * per, d, 1.0 / videos);
+            int v = i * cfg->batch + b;
+            tr_motion ms, mr;
+            tr_motion_estimate(x + b * per, d->T, d->H, d->W, d->C, d->K, &ms);
+            tr_motion_estimate(x0 + b * per, d->T, d->H, d->W, d->C, d->K, &mr);
+            sample_label[v] = ms.label, real_label[v] = mr.label, classes[v] = y[b];
+            if (tr_video_features(x + b * per, d->T, d->H, d->W, d->C, sample_f + (size_t)v * TR_FEATURES) ||
+                tr_video_features(x0 + b * per, d->T, d->H, d->W, d->C, real_f + (size_t)v * TR_FEATURES)) {
+                exp_fail(err, err_len, "video features: out of memory");
+                goto out;
+            }
         }
     }
+    for (int r = 0; r < n_ref; r++) { /* the reference set: real A videos at indices no stream reaches */
+        int label;
+        tr_data_sample('A', cfg->data_seed, (1ull << 62) + (uint64_t)r, d->T, d->H, d->W, d->C, d->K, x0, &label);
+        if (tr_video_features(x0, d->T, d->H, d->W, d->C, ref_f + (size_t)r * TR_FEATURES)) {
+            exp_fail(err, err_len, "video features: out of memory");
+            goto out;
+        }
+    }
+    score_videos(res, sample_f, sample_label, real_f, real_label, classes, videos_n, ref_f, n_ref, d->T);
     res->velocity_mse = teacher ? diff2 / (n * (double)cfg->eval_batches) : NAN;
     res->velocity_rel_l2 = teacher ? sqrt(diff2 / ref2) : NAN;
     rc = 0;
 out:
+    free(labels);
+    free(features);
     free(buf);
     tr_model_free(teacher);
     tr_model_free(model);

@@ -159,6 +159,52 @@ typedef struct {
 } tr_video_stats;
 void tr_video_statistics(const float *video, int T, int H, int W, int C, tr_video_stats *out);
 
+/* ---------------------------------------------------------------- metrics (metrics.c) */
+
+/* Global motion of a video [T, H, W, C] (T ≥ 3): the peak of the circular cross-correlation of
+ * consecutive frame differences (the static background cancels in a difference), summed over
+ * frame pairs and channels, over shifts up to min(H, W)/4 pixels, refined to sub-pixel by a
+ * parabola per axis and then by Gauss–Newton on Σ_t ‖D_t+1(x) − D_t(x − v)‖². label: the class
+ * whose direction 2πk/classes is nearest to the motion angle (A's classes), -1 when T < 3 or
+ * nothing moves. */
+typedef struct {
+    int label;
+    double vx, vy;  /* pixels per frame, x to the right, y down (rows) */
+    double speed;   /* hypot(vx, vy) */
+    double angle;   /* atan2(vy, vx) in [0, 2π) */
+    double strength; /* correlation at the peak / Σ‖D_t‖‖D_t+1‖, in [−1, 1]; ≈ 0 on noise */
+} tr_motion;
+/* Returns 0, or -1 (label -1) when T < 3, a frame is smaller than 2×2 or the video is static. */
+int tr_motion_estimate(const float *video, int T, int H, int W, int C, int classes, tr_motion *out);
+
+/* A fixed per-video feature vector (README.md, "Evaluation", lists each): per-channel mean and
+ * std of channels 0..2 (the last channel repeated when C < 3), the tr_video_statistics values
+ * (sharpness, temporal change, temporal jitter), the motion speed and peak strength of
+ * tr_motion_estimate, log10 of the mean spatial variance of a frame and the share of its power
+ * spectrum below 1/8 and from 1/4 cycles per pixel, Immerkær's noise std, the RMS pixel
+ * difference with that noise taken out, and the motion-compensated temporal consistency. */
+enum {
+    TR_FEAT_SHARPNESS = 6, TR_FEAT_MOTION_SPEED = 9, TR_FEAT_MOTION_STRENGTH = 10, TR_FEAT_NOISE_SIGMA = 14,
+    TR_FEAT_GRADIENT_RMS = 15, TR_FEAT_TEMPORAL_CONSISTENCY = 16, TR_FEATURES = 17
+};
+extern const char *const tr_feature_names[TR_FEATURES];
+/* features[TR_FEATURES]. Returns 0, or -1 when out of memory (features zeroed). */
+int tr_video_features(const float *video, int T, int H, int W, int C, double *features);
+/* mean[dims] of n feature rows (row-major [n, dims]). */
+void tr_feature_mean(const double *features, int n, int dims, double *mean);
+/* Per-feature standardization scale: the std over the reference rows (1 for a constant feature). */
+void tr_feature_scales(const double *reference, int n, int dims, double *scale);
+/* Fréchet distance ‖μa − μb‖² + Tr(Σa + Σb − 2(Σa^½ Σb Σa^½)^½) of two sets of feature rows, each
+ * feature divided by scale[j] first (NULL: none); in double, ≥ 0. NaN for an empty set. */
+double tr_frechet_distance(const double *a, int na, const double *b, int nb, int dims, const double *scale);
+/* Cyclic Jacobi eigen-decomposition of the symmetric n×n matrix a (destroyed): values[n], and
+ * the eigenvectors as the columns of vectors[n×n]. */
+void tr_symmetric_eigen(double *a, int n, double *values, double *vectors);
+/* Imaging quality of one video in [0, 1] against the reference set's mean feature vector:
+ * min(1, g/g_ref) · g_ref / (g_ref + max(0, σ − σ_ref)), g = TR_FEAT_GRADIENT_RMS (blur lowers
+ * it), σ = TR_FEAT_NOISE_SIGMA (noise above the reference's lowers the score). */
+double tr_imaging_quality(const double *features, const double *reference_mean);
+
 /* ---------------------------------------------------------------- training */
 
 /* A seeded SplitMix64 stream for noise, timesteps and init. */
@@ -211,7 +257,16 @@ typedef struct {
     double sparsity;                      /* mean block sparsity of the masks on those inputs */
     double attention_rel_l1;              /* mean relative L1 of sparse vs dense attention output, same Q/K/V */
     tr_video_stats sample, reference;     /* means over Euler samples and over real videos of the same classes */
+    /* VBench-like scores (README.md, "Evaluation"); "reference_" ones are of the batches' real videos */
+    double class_accuracy;           /* tr_motion_estimate on the samples vs their classes (NaN if frames < 3) */
+    double reference_class_accuracy; /* the same on the real videos */
+    double frechet;                  /* samples vs TR_EVAL_REFERENCE_VIDEOS other real held-out A videos */
+    double frechet_floor;            /* the real videos (as many as the samples) vs that set: a perfect model */
+    double imaging_quality, reference_imaging_quality;           /* means of tr_imaging_quality */
+    double temporal_consistency, reference_temporal_consistency; /* means of TR_FEAT_TEMPORAL_CONSISTENCY */
 } tr_eval_result;
+/* Size of the fixed reference set of the Fréchet distance and of the imaging-quality reference. */
+#define TR_EVAL_REFERENCE_VIDEOS 256
 int tr_evaluate(const tr_config *cfg, tr_eval_result *out, char *err, size_t err_len);
 
 #endif
