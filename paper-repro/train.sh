@@ -8,8 +8,8 @@
 #                  build-repro/, configured --without-cuda --without-hip)
 #   --device NAME  sparge device for every run (default cpu)
 #   --out DIR      results directory (default paper-repro/results/train; checkpoints go to DIR/runs, not committed)
-#   --only LIST    comma-separated subset of teacher,table3,table6,table2, run in that order; an entry reuses
-#                  the checkpoints of earlier entries found in DIR/runs (table2 needs table6's students)
+#   --only LIST    comma-separated subset of teacher,table3,table6,table2, run in that order; every entry reuses
+#                  the checkpoints found in DIR/runs (delete them to train again; table2 needs table6's students)
 #   --seeds N      fine-tuning seeds per arm (default 3)
 #   --jobs N       runs at a time (default: the number of cores; each gets cores/N OpenMP threads)
 #   --quick        tiny config and a few steps: a smoke test in about a minute, not the committed results
@@ -53,11 +53,11 @@ train=$bindir/sparge-train
 # The experiment. Every number below is a choice of this reproduction, documented in paper-repro/README.md.
 if [ "$quick" = 1 ]; then
     cfg=$top/experiments/trainer/configs/tiny.cfg
-    teacher_steps=30 ft_steps=10 eval_keys="eval_batches=1 sample_steps=2" calib_iters=6
+    teacher_steps=30 ft_steps=10 eval_keys="eval_batches=1 sample_steps=2" calib_iters=6 smooth=3
     out=${out:-/tmp/sparge-train-quick}
 else
     cfg=$top/experiments/trainer/configs/repro.cfg
-    teacher_steps=2000 ft_steps=300 eval_keys="eval_batches=8 sample_steps=16" calib_iters=14
+    teacher_steps=2000 ft_steps=300 eval_keys="eval_batches=8 sample_steps=16" calib_iters=14 smooth=25
     out=${out:-$here/results/train}
 fi
 target_sparsity=0.95 # Table 6: every sparse arm at this block sparsity (paper: ≈95 %)
@@ -226,10 +226,14 @@ for entry in teacher table3 table6 table2; do
     t0=$(date +%s)
     case $entry in
     teacher)
-        echo "== teacher: dense attention, diffusion loss on A, $teacher_steps steps (progress in $runs/teacher.log)"
-        "$train" "$cfg" device="$device" steps="$teacher_steps" out="$runs/teacher.part.safetensors" \
-            log="$runs/teacher.csv" 2> >(tee "$runs/teacher.log" >&2)
-        mv "$runs/teacher.part.safetensors" "$runs/teacher.safetensors"
+        if [ -f "$runs/teacher.safetensors" ]; then
+            echo "== teacher: reusing $runs/teacher.safetensors (delete it to train again)"
+        else
+            echo "== teacher: dense attention, diffusion loss on A, $teacher_steps steps (progress in $runs/teacher.log)"
+            "$train" "$cfg" device="$device" steps="$teacher_steps" out="$runs/teacher.part.safetensors" \
+                log="$runs/teacher.csv" 2> >(tee "$runs/teacher.log" >&2)
+            mv "$runs/teacher.part.safetensors" "$runs/teacher.safetensors"
+        fi
         evaluate "$runs/teacher.eval.csv" teacher full 0 init="$runs/teacher.safetensors" attn=dense
         cp "$runs/teacher.csv" "$out/logs/"
         ;;
@@ -237,8 +241,8 @@ for entry in teacher table3 table6 table2; do
         need_teacher
         echo "== Table 3: full attention fine-tuned with the diffusion loss on mismatched B (control: on A), $seeds seeds"
         for s in $(seq 1 "$seeds"); do
-            queue finetune "t3_full_B_s$s" table3 "full, diffusion, data B" "$s" attn=dense loss=diffusion
-            queue finetune "t3_full_A_s$s" table3 "full, diffusion, data A (control)" "$s" attn=dense loss=diffusion data=A
+            queue finetune "t3_full_B_s$s" table3 "full attention + diffusion loss on B" "$s" attn=dense loss=diffusion
+            queue finetune "t3_full_A_s$s" table3 "full attention + diffusion loss on A (control)" "$s" attn=dense loss=diffusion data=A
         done
         drain
         names=(teacher)
@@ -267,12 +271,12 @@ for entry in teacher table3 table6 table2; do
         k_topk=$(awk -v t="$target_sparsity" 'BEGIN { printf "%.6f", 1 - t }')
         echo "   Top-p only p = $p_topp; hybrid k = $hybrid_k, p = $p_hybrid; Top-k only k = $k_topk"
         hyb="attn=hybrid topk=$hybrid_k topp=$p_hybrid"
-        evaluate "$runs/t6_training_free.eval.csv" table6 "hybrid, training-free" 0 init="$runs/teacher.safetensors" $hyb
+        evaluate "$runs/t6_training_free.eval.csv" table6 "hybrid training-free" 0 init="$runs/teacher.safetensors" $hyb
         for s in $(seq 1 "$seeds"); do
-            queue finetune "t6_hybrid_vd_s$s" table6 "hybrid, L_VD" "$s" $hyb loss=vd
-            queue finetune "t6_topk_vd_s$s" table6 "Top-k only, L_VD" "$s" attn=topk topk="$k_topk" loss=vd
-            queue finetune "t6_topp_vd_s$s" table6 "Top-p only, L_VD" "$s" attn=topp topp="$p_topp" loss=vd
-            queue finetune "t6_hybrid_diff_s$s" table6 "hybrid, diffusion loss" "$s" $hyb loss=diffusion
+            queue finetune "t6_hybrid_vd_s$s" table6 "hybrid + L_VD" "$s" $hyb loss=vd
+            queue finetune "t6_topk_vd_s$s" table6 "Top-k only + L_VD" "$s" attn=topk topk="$k_topk" loss=vd
+            queue finetune "t6_topp_vd_s$s" table6 "Top-p only + L_VD" "$s" attn=topp topp="$p_topp" loss=vd
+            queue finetune "t6_hybrid_diff_s$s" table6 "hybrid + diffusion loss" "$s" $hyb loss=diffusion
         done
         drain
         names=(teacher t6_training_free)
@@ -298,7 +302,7 @@ for entry in teacher table3 table6 table2; do
             init="$runs/teacher.safetensors" attn=topp topp="$table2_p"
         names+=(t2_teacher)
         for s in $(seq 1 "$seeds"); do
-            for pair in "t6_hybrid_vd:after: hybrid L_VD fine-tuning" "t3_full_B:after: dense fine-tuning on B (control)"; do
+            for pair in "t6_hybrid_vd:after: hybrid + L_VD fine-tuning on B" "t3_full_B:after: dense fine-tuning on B (control)"; do
                 run=${pair%%:*}_s$s label=${pair#*:}
                 if [ -f "$runs/$run.safetensors" ]; then
                     queue evaluate "$runs/t2_$run.eval.csv" table2 "$label" "$s" init="$runs/$run.safetensors" \
@@ -323,5 +327,5 @@ curves= # loss curves of the runs present: the teacher and seed 1 of each fine-t
 for r in t6_hybrid_vd_s1 t6_topk_vd_s1 t6_topp_vd_s1 t6_hybrid_diff_s1 t3_full_B_s1 t3_full_A_s1; do
     [ ! -f "$out/logs/$r.csv" ] || curves="$curves $r"
 done
-[ ! -f "$out/logs/teacher.csv" ] || plot train_curves.gp "$out/training_curves.png" "logs='$out/logs'; runs='$curves'"
+[ ! -f "$out/logs/teacher.csv" ] || plot train_curves.gp "$out/training_curves.png" "logs='$out/logs'; runs='$curves'; window=$smooth"
 echo "== done in $(($(date +%s) - t_all)) s; tables in $out"
