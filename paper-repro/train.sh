@@ -203,10 +203,9 @@ plot() { # script output assignments
     "$GNUPLOT" -e "term='$term'; out='$2'; $3" "$here/plots/$1" || echo "train.sh: gnuplot failed on $1" >&2
 }
 
-# means COLUMN...: "arm" mean std ... per arm of a results CSV (stdin), for the plots.
+# means: "arm" mean std ... per arm of headerless CSV rows arm,value... (stdin), for the plots.
 means() {
-    awk -F, 'NR == 1 { next }
-             { if (!($1 in n)) order[++arms] = $1
+    awk -F, '{ if (!($1 in n)) order[++arms] = $1
                n[$1]++; for (i = 2; i <= NF; i++) { s[$1, i] += $i; q[$1, i] += $i * $i }; cols = NF }
              END { for (a = 1; a <= arms; a++) {
                        arm = order[a]; line = "\"" arm "\""

@@ -14,5 +14,5 @@ set title "teacher: diffusion loss on A"
 plot smooth("teacher") using 1:2 with lines lw 2 lc rgb "#444444" title "teacher"
 set title "fine-tuning, seed 1 (L_VD arms: distance to the teacher; diffusion arms: flow loss)"
 # runs: names of the seed-1 logs present (t6_*: Table 6 arms, t3_full_B/A: Table 3 arms)
-plot for [i = 1:words(runs)] smooth(word(runs, i)) using 1:2 with lines lw 2 title word(runs, i)
+plot for [i = 1:words(runs)] smooth(word(runs, i)) using 1:2 with lines lw 2 title word(runs, i) noenhanced
 unset multiplot

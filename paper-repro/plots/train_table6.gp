@@ -8,6 +8,8 @@ set boxwidth 0.6
 set grid ytics
 set xtics rotate by -25 left
 set yrange [0:*]
+set offsets 0.6, 0.6, 0, 0
+set bmargin 7
 set title "velocity rel. L2 to the full-attention teacher (held-out A)"
 plot dat using 0:2:3:xtic(1) with boxerrorbars lc rgb "#1f77b4" notitle
 set title "Fréchet distance of Euler samples to real A videos"
