@@ -2,7 +2,8 @@
 # Reproduce SpargeAttention2's training claims (Tables 2, 3 and 6) with sparge-train, the tiny video
 # DiT of experiments/trainer (see paper-repro/README.md, "Training tables"). `make repro-train` calls it.
 #
-#   paper-repro/train.sh [--bindir DIR] [--device NAME] [--out DIR] [--only LIST] [--seeds N] [--jobs N] [--quick]
+#   paper-repro/train.sh [--bindir DIR] [--device NAME] [--out DIR] [--only LIST] [--seeds N] [--jobs N]
+#                        [--teacher FILE] [--hybrid-k K] [--quick] [-- KEY=VALUE...]
 #
 #   --bindir DIR   where sparge-train is (default: ./experiments/trainer if built here, else build it in
 #                  build-repro/, configured --without-cuda --without-hip)
@@ -12,12 +13,16 @@
 #                  the checkpoints found in DIR/runs (delete them to train again; table2 needs table6's students)
 #   --seeds N      fine-tuning seeds per arm (default 3)
 #   --jobs N       runs at a time (default: the number of cores; each gets cores/N OpenMP threads)
+#   --teacher FILE use this checkpoint as the teacher instead of training one (copied to DIR/runs)
+#   --hybrid-k K   Top-k fraction of the Table 6 hybrid (default 0.035: 2 of repro.cfg's 64 key blocks)
 #   --quick        tiny config and a few steps: a smoke test in about a minute, not the committed results
+#   -- KEY=VALUE   sparge-train keys applied to every run after the config (e.g. block_k=8)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/.." && pwd)
 bindir= device=cpu out= only=teacher,table3,table6,table2 seeds=3 jobs=$(nproc 2>/dev/null || echo 1) quick=0
+teacher_file= hybrid_k=0.035
 while [ $# -gt 0 ]; do
     case $1 in
     --bindir) bindir=$2; shift 2 ;;
@@ -26,11 +31,19 @@ while [ $# -gt 0 ]; do
     --only) only=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
+    --teacher) teacher_file=$2; shift 2 ;;
+    --hybrid-k) hybrid_k=$2; shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+overrides=("$@")
+for kv in "${overrides[@]}"; do
+    case $kv in *=*) ;; *) echo "train.sh: '$kv' after -- is not KEY=VALUE" >&2; exit 2 ;; esac
+done
+[ -z "$teacher_file" ] || [ -f "$teacher_file" ] || { echo "train.sh: --teacher $teacher_file: no such file" >&2; exit 2; }
 case $seeds$jobs in *[!0-9]*) echo "train.sh: --seeds and --jobs take positive integers" >&2; exit 2 ;; esac
 [ "$seeds" -ge 1 ] && [ "$jobs" -ge 1 ] || { echo "train.sh: --seeds and --jobs must be >= 1" >&2; exit 2; }
 
@@ -61,10 +74,9 @@ else
     out=${out:-$here/results/train}
 fi
 target_sparsity=0.95 # Table 6: every sparse arm at this block sparsity (paper: ≈95 %)
-# Table 6 hybrid: Top-k keeps 2 of repro.cfg's 64 key blocks (floor(0.035·64) = 2; the paper's k = 0.03 keeps
-# 15 of Wan2.1's 512): with 1 block it would add nothing to the block Top-p always keeps, and the hybrid
-# would be Top-p only. p is calibrated so that the union reaches the target.
-hybrid_k=0.035
+# Table 6 hybrid (--hybrid-k): Top-k keeps 2 of repro.cfg's 64 key blocks (floor(0.035·64) = 2; the paper's
+# k = 0.03 keeps 15 of Wan2.1's 512): with 1 block it would add nothing to the block Top-p always keeps, and
+# the hybrid would be Top-p only. p is calibrated so that the union reaches the target.
 table2_p=0.6         # Table 2: the paper's fixed Top-p
 ft_keys="data=B lr=3e-4 warmup=20 steps=$ft_steps log_every=50"
 runs=$out/runs
@@ -85,7 +97,7 @@ evaluate() {
     local file=$1 table=$2 arm=$3 seed=$4
     shift 4
     # shellcheck disable=SC2086
-    "$train" "$cfg" mode=eval device="$device" seed=0 teacher="$runs/teacher.safetensors" $eval_keys "$@" \
+    "$train" "$cfg" "${overrides[@]}" mode=eval device="$device" seed=0 teacher="$runs/teacher.safetensors" $eval_keys "$@" \
         >"$file.tmp" 2>"$file.err" || { echo "train.sh: evaluation failed ($file.err):" >&2; cat "$file.err" >&2; return 1; }
     { echo "table,arm,seed,$(sed -n 1p "$file.tmp")"; echo "$table,$arm,$seed,$(sed -n 2p "$file.tmp")"; } >"$file"
     rm -f "$file.tmp" "$file.err"
@@ -98,7 +110,7 @@ finetune() {
     shift 4
     if [ ! -f "$runs/$name.safetensors" ]; then
         # shellcheck disable=SC2086
-        "$train" "$cfg" device="$device" init="$runs/teacher.safetensors" teacher="$runs/teacher.safetensors" \
+        "$train" "$cfg" "${overrides[@]}" device="$device" init="$runs/teacher.safetensors" teacher="$runs/teacher.safetensors" \
             $ft_keys seed="$seed" data_seed=$((100 + seed)) "$@" out="$runs/$name.part.safetensors" \
             log="$runs/$name.csv" 2>"$runs/$name.log" || { echo "train.sh: $name failed:" >&2; tail -n 5 "$runs/$name.log" >&2; return 1; }
         mv "$runs/$name.part.safetensors" "$runs/$name.safetensors"
@@ -131,7 +143,7 @@ calibrate_p() {
     local mode=$1 k=$2 lo=0 hi=1 p s i
     for ((i = 0; i < calib_iters; i++)); do
         p=$(awk -v a="$lo" -v b="$hi" 'BEGIN { printf "%.6f", (a + b) / 2 }')
-        "$train" "$cfg" mode=eval device="$device" seed=0 init="$runs/teacher.safetensors" eval_batches=2 \
+        "$train" "$cfg" "${overrides[@]}" mode=eval device="$device" seed=0 init="$runs/teacher.safetensors" eval_batches=2 \
             sample_steps=1 attn="$mode" topk="$k" topp="$p" >"$runs/calibrate.csv" 2>/dev/null
         s=$(column_of "$runs/calibrate.csv" sparsity | tail -n 1)
         if awk -v s="$s" -v t="$target_sparsity" 'BEGIN { exit !(s > t) }'; then lo=$p; else hi=$p; fi
@@ -178,7 +190,7 @@ header() { # file title claim
         echo "$3"
         echo
         echo "Generated by \`paper-repro/train.sh\` on $(date -u +%Y-%m-%d) — device \`$device\`, commit \`$commit\`, $machine;"
-        echo "config \`${cfg#"$top"/}\`, teacher $teacher_steps steps on A, fine-tuning $ft_steps steps, $seeds seed(s) per"
+        echo "config \`${cfg#"$top"/}\`${overrides[*]:+ with \`${overrides[*]}\`}, teacher $teacher_steps steps on A, fine-tuning $ft_steps steps, $seeds seed(s) per"
         echo "fine-tuned arm, every model evaluated on the same held-out A inputs ($eval_keys). Columns: paper-repro/README.md."
         echo
     } >"$1"
@@ -228,16 +240,17 @@ for entry in teacher table3 table6 table2; do
     t0=$(date +%s)
     case $entry in
     teacher)
+        [ -z "$teacher_file" ] || [ -f "$runs/teacher.safetensors" ] || cp "$teacher_file" "$runs/teacher.safetensors"
         if [ -f "$runs/teacher.safetensors" ]; then
             echo "== teacher: reusing $runs/teacher.safetensors (delete it to train again)"
         else
             echo "== teacher: dense attention, diffusion loss on A, $teacher_steps steps (progress in $runs/teacher.log)"
-            "$train" "$cfg" device="$device" steps="$teacher_steps" out="$runs/teacher.part.safetensors" \
+            "$train" "$cfg" "${overrides[@]}" device="$device" steps="$teacher_steps" out="$runs/teacher.part.safetensors" \
                 log="$runs/teacher.csv" 2> >(tee "$runs/teacher.log" >&2)
             mv "$runs/teacher.part.safetensors" "$runs/teacher.safetensors"
         fi
         evaluate "$runs/teacher.eval.csv" teacher full 0 init="$runs/teacher.safetensors" attn=dense
-        cp "$runs/teacher.csv" "$out/logs/"
+        [ ! -f "$runs/teacher.csv" ] || cp "$runs/teacher.csv" "$out/logs/" # none when --teacher gave the checkpoint
         ;;
     table3)
         need_teacher
