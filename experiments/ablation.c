@@ -26,7 +26,6 @@ int main(int argc, char **argv)
 {
     exp_opts o;
     exp_opts_init(&o);
-    int fam[3] = {EXP_UNIFORM, EXP_SINK, EXP_VIDEO}, nfam = 3;
     double targets[32] = {0.80, 0.83, 0.86, 0.89, 0.92, 0.95, 0.97, 0.98}, ratio = 0.6;
     int ntargets = 8;
     for (int i = 1; i < argc; i++) {
@@ -35,10 +34,7 @@ int main(int argc, char **argv)
             return 2;
         if (r)
             continue;
-        if (!strcmp(argv[i], "--families") && i + 1 < argc) {
-            if ((nfam = exp_parse_families(argv[++i], fam, 3)) < 0)
-                return 2;
-        } else if (!strcmp(argv[i], "--sparsities") && i + 1 < argc)
+        if (!strcmp(argv[i], "--sparsities") && i + 1 < argc)
             ntargets = exp_parse_numbers(argv[++i], targets, 32);
         else if (!strcmp(argv[i], "--hybrid-ratio") && i + 1 < argc)
             ratio = atof(argv[++i]);
@@ -46,10 +42,6 @@ int main(int argc, char **argv)
             usage();
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
-    }
-    if (o.input) {
-        fam[0] = EXP_FILE;
-        nfam = 1;
     }
     FILE *csv = exp_open_out(o.csv), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || !md)
@@ -61,8 +53,8 @@ int main(int argc, char **argv)
                 "|---|---|---|---|---|---|---|---|\n");
     char sweep_md[64][256];
     int nsweep = 0;
-    for (int fi = 0; fi < nfam; fi++) {
-        exp_family f = (exp_family)fam[fi];
+    for (int fi = 0; fi < o.nfamilies; fi++) {
+        exp_family f = (exp_family)o.families[fi];
         exp_qkv x;
         exp_gen_params g;
         if (exp_family_input(&o, f, 0, &g, &x))

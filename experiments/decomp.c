@@ -54,7 +54,6 @@ int main(int argc, char **argv)
 {
     exp_opts o;
     exp_opts_init(&o);
-    int fam[3] = {EXP_UNIFORM, EXP_SINK, EXP_VIDEO}, nfam = 3;
     int64_t stride = 64;
     const char *tok_path = NULL;
     for (int i = 1; i < argc; i++) {
@@ -63,10 +62,7 @@ int main(int argc, char **argv)
             return 2;
         if (r)
             continue;
-        if (!strcmp(argv[i], "--families") && i + 1 < argc) {
-            if ((nfam = exp_parse_families(argv[++i], fam, 3)) < 0)
-                return 2;
-        } else if (!strcmp(argv[i], "--stride") && i + 1 < argc)
+        if (!strcmp(argv[i], "--stride") && i + 1 < argc)
             stride = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--tokens-csv") && i + 1 < argc)
             tok_path = argv[++i];
@@ -77,10 +73,6 @@ int main(int argc, char **argv)
     }
     if (stride < 1)
         stride = 1;
-    if (o.input) {
-        fam[0] = EXP_FILE;
-        nfam = 1;
-    }
     FILE *csv = exp_open_out(o.csv), *tcsv = exp_open_out(tok_path), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || (tok_path && !tcsv) || !md)
         return 1;
@@ -94,8 +86,8 @@ int main(int argc, char **argv)
                 "| ‖O−O_s‖₁/‖O‖₁ measured | (1−α)(μ_d−μ_k) predicted | identity residual (max) "
                 "| dropped term ‖(1−α)μ_d‖₁/‖O‖₁ | renorm. term ‖(1−α)μ_k‖₁/‖O‖₁ |\n"
                 "|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int fi = 0; fi < nfam; fi++) {
-        exp_family f = (exp_family)fam[fi];
+    for (int fi = 0; fi < o.nfamilies; fi++) {
+        exp_family f = (exp_family)o.families[fi];
         exp_qkv x;
         exp_gen_params g;
         if (exp_family_input(&o, f, 0, &g, &x))

@@ -215,6 +215,8 @@ typedef struct {
     int quiet;               /* --quiet */
     int seeds;               /* --seeds N (repetitions with seed, seed+1, ...) */
     exp_gen_params gen[3];   /* per family, defaults + overrides */
+    int families[3];         /* --families (default uniform,sink,video); --input replaces them by EXP_FILE */
+    int nfamilies;
 } exp_opts;
 
 void exp_opts_init(exp_opts *o);

@@ -16,8 +16,11 @@ void exp_opts_init(exp_opts *o)
     o->names[1] = "k";
     o->names[2] = "v";
     o->seeds = 1;
-    for (int f = 0; f < 3; f++)
+    for (int f = 0; f < 3; f++) {
         exp_gen_defaults((exp_family)f, &o->gen[f]);
+        o->families[f] = f;
+    }
+    o->nfamilies = 3;
 }
 
 void exp_opts_usage(FILE *out)
@@ -76,7 +79,7 @@ int exp_opts_parse(exp_opts *o, int argc, char **argv, int *i)
         "--backend", "--ref",     "--dtype",   "--csv",         "--md",         "--seed",        "--seeds",
         "--heads",   "--dim",     "--tokens",  "--grid",        "--block-q",    "--block-k",     "--tau",  "--focus",
         "--sink-mass", "--sink-blocks", "--sink-value", "--video-sinks", "--sharpness", "--len-seq", "--len-t",
-        "--len-s",   "--jitter",  "--value",   "--input",       "--names",      "--layout"};
+        "--len-s",   "--jitter",  "--value",   "--input",       "--names",      "--layout",  "--families"};
     if (strcmp(a, "--quiet") == 0) {
         o->quiet = 1;
         return 1;
@@ -108,9 +111,15 @@ int exp_opts_parse(exp_opts *o, int argc, char **argv, int *i)
         o->csv = v;
     else if (!strcmp(a, "--md"))
         o->md = v;
-    else if (!strcmp(a, "--input"))
+    else if (!strcmp(a, "--input")) {
         o->input = v;
-    else if (!strcmp(a, "--layout")) {
+        o->families[0] = EXP_FILE, o->nfamilies = 1;
+    } else if (!strcmp(a, "--families")) {
+        int fam[3], n = exp_parse_families(v, fam, 3);
+        bad = n < 1;
+        if (!bad && !o->input) /* --input wins, whatever the order */
+            memcpy(o->families, fam, sizeof fam), o->nfamilies = n;
+    } else if (!strcmp(a, "--layout")) {
         if (!strcmp(v, "bhnd")) o->bnhd = 0;
         else if (!strcmp(v, "bnhd")) o->bnhd = 1;
         else bad = 1;

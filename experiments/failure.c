@@ -86,7 +86,6 @@ int main(int argc, char **argv)
 {
     exp_opts o;
     exp_opts_init(&o);
-    int fam[3] = {EXP_UNIFORM, EXP_SINK, EXP_VIDEO}, nfam = 3;
     const char *rows_csv_path = NULL;
     double topk = 0.05, hybrid_k = 0.03;
     for (int i = 1; i < argc; i++) {
@@ -95,19 +94,12 @@ int main(int argc, char **argv)
             return 2;
         if (r)
             continue;
-        if (!strcmp(argv[i], "--families") && i + 1 < argc) {
-            if ((nfam = exp_parse_families(argv[++i], fam, 3)) < 0)
-                return 2;
-        } else if (!strcmp(argv[i], "--rows-csv") && i + 1 < argc)
+        if (!strcmp(argv[i], "--rows-csv") && i + 1 < argc)
             rows_csv_path = argv[++i];
         else {
             usage();
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
-    }
-    if (o.input) {
-        fam[0] = EXP_FILE;
-        nfam = 1;
     }
     FILE *csv = exp_open_out(o.csv), *rows_csv = exp_open_out(rows_csv_path), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || (rows_csv_path && !rows_csv) || !md)
@@ -123,8 +115,8 @@ int main(int argc, char **argv)
                 "| input | setting | rule | k | p | sparsity | kept blocks mean [min, max] | kept mass mean (min) "
                 "| rows with 1 block | rel. L1 | rel. L1 by row kind |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int fi = 0; fi < nfam; fi++) {
-        exp_family f = (exp_family)fam[fi];
+    for (int fi = 0; fi < o.nfamilies; fi++) {
+        exp_family f = (exp_family)o.families[fi];
         exp_qkv x;
         exp_gen_params g;
         if (exp_family_input(&o, f, 0, &g, &x))

@@ -57,7 +57,7 @@ int main(int argc, char **argv)
 {
     exp_opts o;
     exp_opts_init(&o);
-    int fam[4] = {EXP_UNIFORM, EXP_SINK}, nfam = 2;
+    o.nfamilies = 2; /* the paper's two cases, uniform and sink, unless --families says otherwise */
     double topk = 0.05, hybrid_k = 0.03;
     const char *row_label = NULL;
     for (int i = 1; i < argc; i++) {
@@ -66,10 +66,7 @@ int main(int argc, char **argv)
             return 2;
         if (r)
             continue;
-        if (!strcmp(argv[i], "--families") && i + 1 < argc) {
-            if ((nfam = exp_parse_families(argv[++i], fam, 4)) < 1)
-                return 2;
-        } else if (!strcmp(argv[i], "--topk") && i + 1 < argc)
+        if (!strcmp(argv[i], "--topk") && i + 1 < argc)
             topk = atof(argv[++i]);
         else if (!strcmp(argv[i], "--hybrid-k") && i + 1 < argc)
             hybrid_k = atof(argv[++i]);
@@ -80,24 +77,20 @@ int main(int argc, char **argv)
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
-    if (o.input) {
-        fam[0] = EXP_FILE;
-        nfam = 1;
-    }
     FILE *csv = exp_open_out(o.csv), *md = exp_open_md(o.md);
     if ((o.csv && !csv) || !md)
         return 1;
     if (csv)
         fprintf(csv, "family,seed,rule,k,p,kept_blocks,sparsity,token_density,mean_row_mass,rel_l1,rel_l2,"
                      "paper_rel_l1\n");
-    result *res = calloc((size_t)(nfam * o.seeds), sizeof *res);
+    result *res = calloc((size_t)(o.nfamilies * o.seeds), sizeof *res);
     char label[4][96];
     double sparsity_target[4] = {0};
     if (!res)
         return 1;
-    for (int fi = 0; fi < nfam; fi++)
+    for (int fi = 0; fi < o.nfamilies; fi++)
         for (int si = 0; si < o.seeds; si++) {
-            exp_family f = (exp_family)fam[fi];
+            exp_family f = (exp_family)o.families[fi];
             exp_qkv x;
             exp_gen_params g;
             double t0 = exp_now();
@@ -131,7 +124,7 @@ int main(int argc, char **argv)
             exp_qkv_free(&x);
         }
     if (row_label) {
-        for (int fi = 0; fi < nfam; fi++) {
+        for (int fi = 0; fi < o.nfamilies; fi++) {
             double mean[RULES] = {0};
             char a[64];
             for (int rule = 0; rule < RULES; rule++)
@@ -149,7 +142,7 @@ int main(int argc, char **argv)
     fprintf(md, "| input | rule | k | p | sparsity | kept pooled mass | rel. L1 (ours) | rel. L2 (ours) "
                 "| rel. L1 (paper) | ÷ Top-k (ours) | ÷ Top-k (paper) |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int fi = 0; fi < nfam; fi++)
+    for (int fi = 0; fi < o.nfamilies; fi++)
         for (int rule = 0; rule < RULES; rule++) {
             double l1 = 0.0, l2 = 0.0, lo = INFINITY, hi = -INFINITY, sp = 0.0, mass = 0.0, k = 0.0, p = 0.0;
             double l1_topk = 0.0;
@@ -165,11 +158,11 @@ int main(int argc, char **argv)
                 hi = pt->rel_l1 > hi ? pt->rel_l1 : hi;
                 l1_topk += res[fi * o.seeds + si].pt[EXP_TOPK].rel_l1 / o.seeds;
             }
-            double paper = paper_value((exp_family)fam[fi], rule);
+            double paper = paper_value((exp_family)o.families[fi], rule);
             char pbuf[16] = "—", pratio[16] = "—", spread[48] = "";
             if (!isnan(paper)) {
                 snprintf(pbuf, sizeof pbuf, "%.4f", paper);
-                snprintf(pratio, sizeof pratio, "%.3f", paper / paper_value((exp_family)fam[fi], EXP_TOPK));
+                snprintf(pratio, sizeof pratio, "%.3f", paper / paper_value((exp_family)o.families[fi], EXP_TOPK));
             }
             if (o.seeds > 1)
                 snprintf(spread, sizeof spread, " (%.4f–%.4f)", lo, hi);
@@ -177,13 +170,13 @@ int main(int argc, char **argv)
                     rule_name[rule], k, p, 100.0 * sp, mass, l1, spread, l2, pbuf, l1 / l1_topk, pratio);
         }
     fprintf(md, "\nOrderings by mean rel. L1 (lower is better):\n\n");
-    for (int fi = 0; fi < nfam; fi++) {
+    for (int fi = 0; fi < o.nfamilies; fi++) {
         double ours[RULES] = {0}, paper[RULES];
         int wins[RULES] = {0};
         for (int rule = 0; rule < RULES; rule++) {
             for (int si = 0; si < o.seeds; si++)
                 ours[rule] += res[fi * o.seeds + si].pt[rule].rel_l1 / o.seeds;
-            paper[rule] = paper_value((exp_family)fam[fi], rule);
+            paper[rule] = paper_value((exp_family)o.families[fi], rule);
         }
         for (int si = 0; si < o.seeds; si++) {
             const result *r = &res[fi * o.seeds + si];
