@@ -19,6 +19,10 @@
 #include "trainer.h"
 
 enum { STEPS = 3 };
+/* bf16 attention: both runs round Q/K/V, O and dO to bf16, but not at the same points (the tuned cuda
+ * kernels also multiply P·V in bf16); measured on the CPU tier: losses 1.9e-6, updates 5.0e-3 */
+#define BF16_LOSS_TOL 2e-3
+#define BF16_UPDATE_TOL 0.1
 
 
 /* 4 frames of 8x8x3 -> 64 tokens; 2 heads of dim 16; query blocks of 16 tokens, key blocks of 8. */
@@ -31,6 +35,18 @@ static tr_config small_config(tr_attn_mode mode)
     c.block_q = 16, c.block_k = 8;
     c.attn = mode, c.topk = 0.25, c.topp = 0.5;
     c.batch = 2, c.lr = 1e-3;
+    return c;
+}
+
+/* attn_dtype=bf16 at a size sparge's tuned cuda kernels take: 4 frames of 16x16x3 -> 256 tokens, 2 heads
+ * of dim 64, query blocks of 128 tokens and key blocks of 64; one video per batch. */
+static tr_config bf16_config(tr_attn_mode mode)
+{
+    tr_config c = small_config(mode);
+    c.height = c.width = 16, c.batch = 1;
+    c.dim = 128, c.heads = 2;
+    c.block_q = 128, c.block_k = 64;
+    snprintf(c.attn_dtype, sizeof c.attn_dtype, "bf16");
     return c;
 }
 
@@ -107,14 +123,20 @@ static void free_result(run_result *r) { free(r->params), free(r->initial), free
 
 typedef struct {
     const char *device;
-    int device_ops;
+    int device_ops, bf16;
 } target;
 
 /* cpu-ref with host ops vs the target: the same losses, masks and parameter update. */
 static void steps_agree(tr_attn_mode mode, const target *dut_target)
 {
     const char *device = dut_target->device;
-    tr_config c = small_config(mode);
+    sparge_device *probe = NULL;
+    if (sparge_device_open(device, &probe) != SPARGE_OK) {
+        print_message("# %s does not open here: skipped\n", device);
+        skip();
+    }
+    sparge_device_close(probe);
+    tr_config c = dut_target->bf16 ? bf16_config(mode) : small_config(mode);
     run_result ref, dut;
     train_steps(&c, "cpu-ref", &ref);
     c.device_ops = dut_target->device_ops;
@@ -126,7 +148,9 @@ static void steps_agree(tr_attn_mode mode, const target *dut_target)
                       dut.ops);
         skip();
     }
-    const char *what = dut_target->device_ops ? "device ops" : "host ops";
+    const char *what = dut_target->device_ops ? (dut_target->bf16 ? "device ops, bf16 attention" : "device ops")
+                                              : (dut_target->bf16 ? "host ops, bf16 attention" : "host ops");
+    const double loss_tol = dut_target->bf16 ? BF16_LOSS_TOL : 1e-4, update_tol = dut_target->bf16 ? BF16_UPDATE_TOL : 1e-2;
     /* Device GEMMs sum in another order: a block at the Top-p threshold may flip, and then the runs
      * differ by design. Compare only identical masks. */
     if (mode != TR_ATTN_DENSE && memcmp(ref.masks, dut.masks, STEPS * (size_t)c.depth * ref.mask_bytes)) {
@@ -145,7 +169,7 @@ static void steps_agree(tr_attn_mode mode, const target *dut_target)
         printf("# %s on %s (%s), step %d: loss cpu-ref %.7f, device %.7f (rel %.2e), sparsity %.4f / %.4f\n",
                tr_attn_mode_name(mode), device, what, s, ref.loss[s], dut.loss[s], rel, ref.sparsity[s],
                dut.sparsity[s]);
-        assert_true(rel < 1e-4);
+        assert_true(rel < loss_tol);
         assert_true(fabs(dut.sparsity[s] - ref.sparsity[s]) < 1e-12); /* the same blocks kept */
         if (mode != TR_ATTN_DENSE)
             assert_true(ref.sparsity[s] > 0.2);
@@ -159,7 +183,7 @@ static void steps_agree(tr_attn_mode mode, const target *dut_target)
     printf("# %s on %s (%s): relative L2 difference of the %d-step parameter update %.2e\n", tr_attn_mode_name(mode),
            device, what, STEPS, sqrt(diff / norm));
     assert_true(norm > 0);
-    assert_true(sqrt(diff / norm) < 1e-2);
+    assert_true(sqrt(diff / norm) < update_tol);
     free_result(&ref), free_result(&dut);
 }
 
@@ -184,17 +208,22 @@ int main(void)
             sparge_device_close(dev);
         }
     }
-    static target cpu = {"cpu", 0}, staged = {NULL, 0}, device_ops = {NULL, 1};
+    static target cpu = {"cpu", 0, 0}, cpu_bf16 = {"cpu", 0, 1}, staged = {NULL, 0, 0}, device_ops = {NULL, 1, 0};
+    static target tuned_bf16 = {"cuda:0", 1, 1};
     staged.device = device_ops.device = gpu;
     const struct CMUnitTest cpu_tests[] = {
         cmocka_unit_test_prestate(dense_steps_agree, &cpu),
         cmocka_unit_test_prestate(hybrid_steps_agree, &cpu),
+        cmocka_unit_test_prestate(dense_steps_agree, &cpu_bf16),
+        cmocka_unit_test_prestate(hybrid_steps_agree, &cpu_bf16),
     };
     const struct CMUnitTest gpu_tests[] = {
         cmocka_unit_test_prestate(dense_steps_agree, &staged),
         cmocka_unit_test_prestate(hybrid_steps_agree, &staged),
         cmocka_unit_test_prestate(dense_steps_agree, &device_ops),
         cmocka_unit_test_prestate(hybrid_steps_agree, &device_ops),
+        cmocka_unit_test_prestate(dense_steps_agree, &tuned_bf16),
+        cmocka_unit_test_prestate(hybrid_steps_agree, &tuned_bf16),
     };
     int failed = cmocka_run_group_tests_name("cpu", cpu_tests, NULL, NULL);
     if (!gpu) {

@@ -22,6 +22,7 @@ typedef struct {
 
 typedef struct {
     float *x_in, *mod, *xhat1, *rstd1, *h1, *qkv, *att, *lse, *proj, *x_mid, *xhat2, *rstd2, *h2, *fc1, *gelu, *fc2;
+    uint16_t *qkv16, *att16; /* attn_dtype=bf16: what the attention reads and writes */
 } block_acts;
 
 struct tr_model {
@@ -43,6 +44,8 @@ struct tr_model {
     block_acts ba[TR_MAX_DEPTH];
     /* backward scratch */
     float *dres, *dbuf, *dbuf2, *dqkv, *datt, *dfc, *dfc2, *dmod, *dcs, *dtmp, *dout;
+    uint16_t *dqkv16, *datt16;
+    int bf16; /* attention in bf16 (attn_dtype) */
     /* attention on a sparge device */
     sparge_device *dev;
     int staged; /* host ops with attention on another device (or stage_attention): copies through buffers */
@@ -138,6 +141,12 @@ static size_t carve(tr_model *m, float *base)
             (ptr) = base + off;                                                                                \
         off += ((size_t)(n) + 15) & ~(size_t)15;                                                               \
     } while (0)
+#define TAKE16(ptr, n) /* n bf16 values in float slots, only for attn_dtype=bf16 */                             \
+    do {                                                                                                       \
+        float *f_ = NULL;                                                                                      \
+        TAKE(f_, m->bf16 ? ((size_t)(n) + 1) / 2 : 0);                                                         \
+        (ptr) = (uint16_t *)f_;                                                                                \
+    } while (0)
     size_t video = (size_t)d->B * d->T * d->H * d->W * d->C;
     TAKE(m->video, video);
     TAKE(m->velocity, video);
@@ -172,6 +181,8 @@ static size_t carve(tr_model *m, float *base)
         TAKE(a->fc1, BN * d->M);
         TAKE(a->gelu, BN * d->M);
         TAKE(a->fc2, BN * d->d);
+        TAKE16(a->qkv16, BN * 3 * d->d);
+        TAKE16(a->att16, BN * d->d);
     }
     TAKE(m->x_final, BN * d->d);
     TAKE(m->fmod, (size_t)d->B * 2 * d->d);
@@ -190,6 +201,9 @@ static size_t carve(tr_model *m, float *base)
     TAKE(m->dcs, (size_t)d->B * d->d);
     TAKE(m->dtmp, (size_t)d->B * d->d);
     TAKE(m->dout, BN * d->P);
+    TAKE16(m->dqkv16, BN * 3 * d->d);
+    TAKE16(m->datt16, BN * d->d);
+#undef TAKE16
 #undef TAKE
     return off;
 }
@@ -255,6 +269,7 @@ tr_model *tr_model_create(const tr_config *c, int B, sparge_device *dev, char *e
     d->d = c->dim, d->nh = c->heads, d->hd = c->dim / c->heads, d->M = c->mlp_ratio * c->dim, d->F = c->dim;
     d->L = c->depth, d->K = c->classes;
     m->block_q = c->block_q, m->block_k = c->block_k;
+    m->bf16 = !strcmp(c->attn_dtype, "bf16");
     m->dev = dev;
     if (!(m->ops = create_ops(c, dev, err, err_len))) {
         free(m);
@@ -423,13 +438,14 @@ static int finish(tr_model *m, char *err, size_t err_len)
 
 /* ---------------------------------------------------------------- attention through sparge */
 
-/* Q, K, V as BNHD views inside a [B, N, 3, heads, hd] buffer. */
-static void qkv_views(const tr_dims *d, float *qkv, sparge_tensor *q, sparge_tensor *k, sparge_tensor *v)
+/* Q, K, V as BNHD views inside a [B, N, 3, heads, hd] buffer of the attention's dtype. */
+static void qkv_views(const tr_model *m, void *qkv, sparge_tensor *q, sparge_tensor *k, sparge_tensor *v)
 {
+    const tr_dims *d = &m->dm;
     sparge_tensor *t[3] = {q, k, v};
     for (int i = 0; i < 3; i++) {
-        t[i]->data = qkv + (size_t)i * d->d;
-        t[i]->dtype = SPARGE_F32;
+        t[i]->data = (char *)qkv + (size_t)i * d->d * (m->bf16 ? 2 : 4);
+        t[i]->dtype = m->bf16 ? SPARGE_BF16 : SPARGE_F32;
         t[i]->shape[0] = d->B, t[i]->shape[1] = d->nh, t[i]->shape[2] = d->N, t[i]->shape[3] = d->hd;
         t[i]->stride[0] = (int64_t)d->N * 3 * d->d, t[i]->stride[1] = d->hd, t[i]->stride[2] = 3 * d->d;
         t[i]->stride[3] = 1;
@@ -440,18 +456,26 @@ static int attention_forward(tr_model *m, int l, char *err, size_t err_len)
 {
     const tr_dims *d = &m->dm;
     block_acts *a = &m->ba[l];
-    size_t BN = (size_t)d->B * d->N;
-    float *qkv = a->qkv, *att = a->att, *lse = a->lse;
+    tr_ops *o = m->ops;
+    const size_t BN = (size_t)d->B * d->N, es = m->bf16 ? 2 : 4;
+    const sparge_dtype dt = m->bf16 ? SPARGE_BF16 : SPARGE_F32;
+    void *qkv = a->qkv, *att = a->att;
+    float *lse = a->lse;
     sparge_status s;
-    m->ops->mark(m->ops, TR_PART_ATTENTION);
+    if (m->bf16) {
+        o->to_bf16(o, a->qkv16, a->qkv, BN * 3 * d->d);
+        qkv = a->qkv16, att = a->att16;
+    }
+    o->mark(o, TR_PART_ATTENTION);
+    void *host_att = att;
     if (m->staged) {
-        qkv = m->dev_qkv, att = m->dev_att, lse = m->dev_lse;
-        if ((s = sparge_memcpy_to_device(m->dev, qkv, a->qkv, BN * 3 * d->d * sizeof(float))))
+        if ((s = sparge_memcpy_to_device(m->dev, m->dev_qkv, qkv, BN * 3 * d->d * es)))
             return sparge_failed(s, err, err_len, "attention: upload");
+        qkv = m->dev_qkv, att = m->dev_att, lse = m->dev_lse;
     }
     sparge_tensor q, k, v;
-    qkv_views(d, qkv, &q, &k, &v);
-    sparge_tensor o = sparge_tensor_bnhd(att, SPARGE_F32, d->B, d->nh, d->N, d->hd);
+    qkv_views(m, qkv, &q, &k, &v);
+    sparge_tensor out = sparge_tensor_bnhd(att, dt, d->B, d->nh, d->N, d->hd);
     sparge_mask *mask = NULL;
     if (m->mode != TR_ATTN_DENSE) {
         mask = m->masks[l];
@@ -460,28 +484,28 @@ static int attention_forward(tr_model *m, int l, char *err, size_t err_len)
             if ((s = sparge_mask_predict(m->dev, &q, &k, &mp, mask)))
                 return sparge_failed(s, err, err_len, "attention: mask prediction");
         }
-        sparge_mask_stats st;
-        if ((s = sparge_mask_get_stats(mask, &st, NULL, NULL)))
-            return sparge_failed(s, err, err_len, "attention: mask statistics");
-        m->last_sparsity += st.sparsity / d->L;
     }
     sparge_attn_params ap = {0.0f, 1};
-    if ((s = sparge_attention_forward(m->dev, &q, &k, &v, mask, &ap, &o, lse)))
+    if ((s = sparge_attention_forward(m->dev, &q, &k, &v, mask, &ap, &out, lse)))
         return sparge_failed(s, err, err_len, "attention: forward");
     if (m->staged) {
-        if ((s = sparge_memcpy_to_host(m->dev, a->att, att, BN * d->d * sizeof(float))) ||
+        if ((s = sparge_memcpy_to_host(m->dev, host_att, att, BN * d->d * es)) ||
             (s = sparge_memcpy_to_host(m->dev, a->lse, lse, (size_t)d->B * d->nh * d->N * sizeof(float))))
             return sparge_failed(s, err, err_len, "attention: download");
     }
+    if (m->bf16)
+        o->from_bf16(o, a->att, a->att16, BN * d->d);
     if (mask && m->measure_error) { /* dense output into the backward's dO scratch, unused until then */
-        float *dense = m->staged ? m->dev_datt : m->datt;
-        sparge_tensor od = sparge_tensor_bnhd(dense, SPARGE_F32, d->B, d->nh, d->N, d->hd);
+        void *host_dense = m->bf16 ? (void *)m->datt16 : m->datt, *dense = m->staged ? m->dev_datt : host_dense;
+        sparge_tensor od = sparge_tensor_bnhd(dense, dt, d->B, d->nh, d->N, d->hd);
         if ((s = sparge_attention_forward(m->dev, &q, &k, &v, NULL, &ap, &od, NULL)))
             return sparge_failed(s, err, err_len, "attention: dense reference");
-        if (m->staged && (s = sparge_memcpy_to_host(m->dev, m->datt, dense, BN * d->d * sizeof(float))))
+        if (m->staged && (s = sparge_memcpy_to_host(m->dev, host_dense, dense, BN * d->d * es)))
             return sparge_failed(s, err, err_len, "attention: download");
+        if (m->bf16)
+            o->from_bf16(o, m->datt, m->datt16, BN * d->d);
         double diff, ref;
-        m->ops->abs_diff_sums(m->ops, a->att, m->datt, BN * d->d, &diff, &ref);
+        o->abs_diff_sums(o, a->att, m->datt, BN * d->d, &diff, &ref);
         m->last_l1 += (ref > 0 ? diff / ref : 0) / d->L;
     }
     return 0;
@@ -492,29 +516,39 @@ static int attention_backward(tr_model *m, int l, char *err, size_t err_len)
 {
     const tr_dims *d = &m->dm;
     block_acts *a = &m->ba[l];
-    size_t BN = (size_t)d->B * d->N;
-    float *qkv = a->qkv, *att = a->att, *lse = a->lse, *datt = m->datt, *dqkv = m->dqkv;
+    tr_ops *o = m->ops;
+    const size_t BN = (size_t)d->B * d->N, es = m->bf16 ? 2 : 4;
+    const sparge_dtype dt = m->bf16 ? SPARGE_BF16 : SPARGE_F32;
+    void *qkv = a->qkv, *att = a->att, *datt = m->datt, *dqkv = m->dqkv;
+    float *lse = a->lse;
     sparge_status s;
-    m->ops->mark(m->ops, TR_PART_ATTENTION);
+    if (m->bf16) {
+        o->to_bf16(o, m->datt16, m->datt, BN * d->d);
+        qkv = a->qkv16, att = a->att16, datt = m->datt16, dqkv = m->dqkv16;
+    }
+    o->mark(o, TR_PART_ATTENTION);
+    void *host_dqkv = dqkv;
     if (m->staged) {
-        qkv = m->dev_qkv, att = m->dev_att, lse = m->dev_lse, datt = m->dev_datt, dqkv = m->dev_dqkv;
-        if ((s = sparge_memcpy_to_device(m->dev, qkv, a->qkv, BN * 3 * d->d * sizeof(float))) ||
-            (s = sparge_memcpy_to_device(m->dev, att, a->att, BN * d->d * sizeof(float))) ||
-            (s = sparge_memcpy_to_device(m->dev, lse, a->lse, (size_t)d->B * d->nh * d->N * sizeof(float))) ||
-            (s = sparge_memcpy_to_device(m->dev, datt, m->datt, BN * d->d * sizeof(float))))
+        if ((s = sparge_memcpy_to_device(m->dev, m->dev_qkv, qkv, BN * 3 * d->d * es)) ||
+            (s = sparge_memcpy_to_device(m->dev, m->dev_att, att, BN * d->d * es)) ||
+            (s = sparge_memcpy_to_device(m->dev, m->dev_lse, lse, (size_t)d->B * d->nh * d->N * sizeof(float))) ||
+            (s = sparge_memcpy_to_device(m->dev, m->dev_datt, datt, BN * d->d * es)))
             return sparge_failed(s, err, err_len, "attention backward: upload");
+        qkv = m->dev_qkv, att = m->dev_att, lse = m->dev_lse, datt = m->dev_datt, dqkv = m->dev_dqkv;
     }
     sparge_tensor q, k, v, dq, dk, dv;
-    qkv_views(d, qkv, &q, &k, &v);
-    qkv_views(d, dqkv, &dq, &dk, &dv);
-    sparge_tensor o = sparge_tensor_bnhd(att, SPARGE_F32, d->B, d->nh, d->N, d->hd);
-    sparge_tensor d_o = sparge_tensor_bnhd(datt, SPARGE_F32, d->B, d->nh, d->N, d->hd);
+    qkv_views(m, qkv, &q, &k, &v);
+    qkv_views(m, dqkv, &dq, &dk, &dv);
+    sparge_tensor out = sparge_tensor_bnhd(att, dt, d->B, d->nh, d->N, d->hd);
+    sparge_tensor d_out = sparge_tensor_bnhd(datt, dt, d->B, d->nh, d->N, d->hd);
     sparge_attn_params ap = {0.0f, 1};
     const sparge_mask *mask = m->mode == TR_ATTN_DENSE ? NULL : m->masks[l];
-    if ((s = sparge_attention_backward(m->dev, &q, &k, &v, &o, &d_o, lse, mask, &ap, &dq, &dk, &dv)))
+    if ((s = sparge_attention_backward(m->dev, &q, &k, &v, &out, &d_out, lse, mask, &ap, &dq, &dk, &dv)))
         return sparge_failed(s, err, err_len, "attention: backward");
-    if (m->staged && (s = sparge_memcpy_to_host(m->dev, m->dqkv, dqkv, BN * 3 * d->d * sizeof(float))))
+    if (m->staged && (s = sparge_memcpy_to_host(m->dev, host_dqkv, dqkv, BN * 3 * d->d * es)))
         return sparge_failed(s, err, err_len, "attention backward: download");
+    if (m->bf16)
+        o->from_bf16(o, m->dqkv, m->dqkv16, BN * 3 * d->d);
     return 0;
 }
 
@@ -564,8 +598,18 @@ int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, 
         o->linear_forward(o, a->fc2, a->gelu, p->fc2_w, p->fc2_b, BN, d->M, D);
         o->gated_add(o, x_out, a->x_mid, a->mod + 5 * D, a->fc2, ms, B, N, D);
     }
-    if (m->mode != TR_ATTN_DENSE)
+    if (m->mode != TR_ATTN_DENSE) {
         m->masks_valid = 1;
+        /* after the blocks: reading the statistics waits for the device, once per forward */
+        o->mark(o, TR_PART_ATTENTION);
+        for (int l = 0; l < d->L; l++) {
+            sparge_mask_stats st;
+            sparge_status s = sparge_mask_get_stats(m->masks[l], &st, NULL, NULL);
+            if (s)
+                return sparge_failed(s, err, err_len, "attention: mask statistics");
+            m->last_sparsity += st.sparsity / d->L;
+        }
+    }
     o->linear_forward(o, m->fmod, m->cs, m->f_ada_w, m->f_ada_b, B, D, 2 * D);
     o->layernorm_forward(o, m->xhatf, m->rstdf, m->x_final, BN, D);
     o->modulate_forward(o, m->hf, m->xhatf, m->fmod, m->fmod + D, 2 * D, B, N, D);

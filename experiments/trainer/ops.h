@@ -11,6 +11,7 @@
 #define SPARGE_TRAINER_OPS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* Parts of a training step, timed separately: the sparge calls, the GEMMs (Linear layers with their
  * bias), and everything else the model and the optimizer do. Idle: not counted (the work in between
@@ -88,6 +89,9 @@ struct tr_ops {
     /* Σ x² in double; x *= s */
     void (*sum_squares)(tr_ops *ops, const float *x, size_t n, double *out);
     void (*scale)(tr_ops *ops, float *x, size_t n, float s);
+    /* bf16 (round to nearest even, as sparge_f32_to_bf16) and back */
+    void (*to_bf16)(tr_ops *ops, uint16_t *dst, const float *src, size_t n);
+    void (*from_bf16)(tr_ops *ops, float *dst, const uint16_t *src, size_t n);
     /* AdamW on one tensor of n values, in double: m = β1·m + (1−β1)·g, v = β2·v + (1−β2)·g²,
      * p −= lr·((m/c1) / (√(v/c2) + eps) + decay·p), c1/c2 the bias corrections */
     void (*adamw)(tr_ops *ops, float *p, const float *g, float *m, float *v, size_t n, double lr, double beta1,

@@ -8,6 +8,7 @@
 
 #include "exp.h"
 #include "ops.h"
+#include "sparge.h"
 
 typedef struct {
     tr_ops ops;
@@ -330,6 +331,20 @@ static void scale(tr_ops *o, float *x, size_t n, float s)
         x[i] *= s;
 }
 
+static void to_bf16(tr_ops *o, uint16_t *dst, const float *src, size_t n)
+{
+    mark(o, TR_PART_OTHER);
+    for (size_t i = 0; i < n; i++)
+        dst[i] = sparge_f32_to_bf16(src[i]);
+}
+
+static void from_bf16(tr_ops *o, float *dst, const uint16_t *src, size_t n)
+{
+    mark(o, TR_PART_OTHER);
+    for (size_t i = 0; i < n; i++)
+        dst[i] = sparge_bf16_to_f32(src[i]);
+}
+
 static void adamw(tr_ops *o, float *p, const float *g, float *m, float *v, size_t n, double lr, double beta1,
                   double beta2, double c1, double c2, double eps, double decay)
 {
@@ -352,7 +367,7 @@ tr_ops *tr_ops_cpu_create(void)
         linear_backward, layernorm_forward, layernorm_backward, modulate_forward, modulate_backward, gated_add,
         gated_add_backward, gelu_forward, gelu_backward, silu_forward, silu_backward, patchify, unpatchify,
         add_positional, timestep_embedding, class_embedding_forward, class_embedding_backward, mse, abs_diff_sums,
-        sum_squares, scale, adamw,
+        sum_squares, scale, to_bf16, from_bf16, adamw,
     };
     c->part = TR_PART_IDLE;
     c->since = exp_now();

@@ -317,6 +317,24 @@ __global__ void scale_kernel(float *x, size_t n, float s)
         x[i] *= s;
 }
 
+/* sparge_f32_to_bf16's rounding: to nearest even, NaN kept quiet */
+__global__ void to_bf16_kernel(uint16_t *dst, const float *src, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t u = __float_as_uint(src[i]);
+        if ((u & 0x7fffffffu) > 0x7f800000u)
+            dst[i] = (uint16_t)((u >> 16) | 0x40);
+        else
+            dst[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+__global__ void from_bf16_kernel(float *dst, const uint16_t *src, size_t n)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = __uint_as_float((uint32_t)src[i] << 16);
+}
+
 __global__ void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n, double lr, double beta1,
                              double beta2, double c1, double c2, double eps, double decay)
 {
@@ -664,6 +682,24 @@ void scale(tr_ops *o, float *x, size_t n, float s)
     LAUNCHED(self(o));
 }
 
+void to_bf16(tr_ops *o, uint16_t *dst, const float *src, size_t n)
+{
+    mark(o, TR_PART_OTHER);
+    if (self(o)->failed)
+        return;
+    to_bf16_kernel<<<blocks_for(n), THREADS>>>(dst, src, n);
+    LAUNCHED(self(o));
+}
+
+void from_bf16(tr_ops *o, float *dst, const uint16_t *src, size_t n)
+{
+    mark(o, TR_PART_OTHER);
+    if (self(o)->failed)
+        return;
+    from_bf16_kernel<<<blocks_for(n), THREADS>>>(dst, src, n);
+    LAUNCHED(self(o));
+}
+
 void adamw(tr_ops *o, float *p, const float *g, float *m, float *v, size_t n, double lr, double beta1, double beta2,
            double c1, double c2, double eps, double decay)
 {
@@ -688,7 +724,7 @@ extern "C" tr_ops *tr_ops_cuda_create(int index, int tf32, char *err, size_t err
         linear_backward, layernorm_forward, layernorm_backward, modulate_forward, modulate_backward, gated_add,
         gated_add_backward, gelu_forward, gelu_backward, silu_forward, silu_backward, patchify, unpatchify,
         add_positional, timestep_embedding, class_embedding_forward, class_embedding_backward, mse, abs_diff_sums,
-        sum_squares, scale, adamw,
+        sum_squares, scale, to_bf16, from_bf16, adamw,
     };
     c->device = index;
     /* the default math mode computes sgemm in fp32; TF32 only when asked for */

@@ -20,6 +20,7 @@ void tr_config_defaults(tr_config *c)
     c->attn = TR_ATTN_DENSE, c->topk = 0.03, c->topp = 0.2, c->block_q = 64, c->block_k = 32;
     snprintf(c->device, sizeof c->device, "cpu");
     c->device_ops = 1;
+    snprintf(c->attn_dtype, sizeof c->attn_dtype, "f32");
     c->loss = TR_LOSS_DIFFUSION;
     snprintf(c->data, sizeof c->data, "A");
     c->steps = 100, c->batch = 4, c->log_every = 10, c->ckpt_every = 0, c->warmup = 0;
@@ -53,7 +54,7 @@ static const key_def KEYS[] = {
     KEY(seed, K_U64),         KEY(data_seed, K_U64),   KEY(init, K_STRING),       KEY(teacher, K_STRING),
     KEY(resume, K_STRING),    KEY(out, K_STRING),      KEY(log, K_STRING),        KEY(sample_steps, K_INT),
     KEY(eval_batches, K_INT), KEY(stage_attention, K_INT), KEY(device_ops, K_INT),
-    KEY(tf32, K_INT),         {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
+    KEY(tf32, K_INT),         KEY(attn_dtype, K_STRING), {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
 };
 #undef KEY
 
@@ -182,6 +183,8 @@ int tr_config_check(const tr_config *c, char *err, size_t err_len)
         return exp_fail(err, err_len, "depth=%d: must be in [0, %d]", c->depth, TR_MAX_DEPTH);
     if (c->classes < 1 || c->mlp_ratio < 1)
         return exp_fail(err, err_len, "classes=%d mlp_ratio=%d: both must be >= 1", c->classes, c->mlp_ratio);
+    if (strcmp(c->attn_dtype, "f32") && strcmp(c->attn_dtype, "bf16"))
+        return exp_fail(err, err_len, "attn_dtype=%s: expected f32 or bf16", c->attn_dtype);
     if (c->block_q < 1 || c->block_k < 1)
         return exp_fail(err, err_len, "block_q=%d block_k=%d: must be >= 1", c->block_q, c->block_k);
     if (c->topk < 0 || c->topk > 1 || c->topp < 0 || c->topp > 1)
@@ -468,6 +471,16 @@ int tr_sample_euler(tr_model *m, float *x, const int *y, int steps, float *scrat
 
 /* ---------------------------------------------------------------- training loop */
 
+typedef struct {
+    float *x0, *eps, *xt, *target, *t;
+    int *y;
+} train_batch;
+
+static void make_train_batch(const tr_config *cfg, const tr_dims *d, int64_t step, train_batch *b)
+{
+    tr_make_batch(cfg, d, step, b->x0, b->y, b->t, b->eps, b->xt);
+}
+
 int tr_train(const tr_config *cfg, char *err, size_t err_len)
 {
     if (tr_config_check(cfg, err, err_len))
@@ -505,13 +518,22 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
         goto out;
     const tr_dims *d = tr_model_dims(student);
     size_t n = (size_t)cfg->batch * d->T * d->H * d->W * d->C;
-    buf = malloc(n * 4 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
+    /* two batches (x0, eps, xt, target, t, y): the next is made on the host while the device runs the
+     * backward of this one (a batch is a pure function of its step, so nothing else changes) */
+    size_t slot = 4 * n + 2 * (size_t)cfg->batch;
+    buf = malloc(2 * slot * sizeof(float));
     if (!buf) {
         exp_fail(err, err_len, "batch buffers: out of memory");
         goto out;
     }
-    float *x0 = buf, *eps = buf + n, *xt = buf + 2 * n, *target = buf + 3 * n, *t = buf + 4 * n;
-    int *y = (int *)(t + cfg->batch);
+    train_batch batch[2];
+    for (int i = 0; i < 2; i++) {
+        float *b = buf + i * slot;
+        batch[i].x0 = b, batch[i].eps = b + n, batch[i].xt = b + 2 * n, batch[i].target = b + 3 * n;
+        batch[i].t = b + 4 * n, batch[i].y = (int *)(b + 4 * n + cfg->batch);
+    }
+    if (opt.step < cfg->steps)
+        make_train_batch(cfg, d, opt.step, &batch[opt.step & 1]);
     if (cfg->log[0]) {
         log = fopen(cfg->log, opt.step ? "a" : "w");
         if (!log) {
@@ -521,8 +543,8 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
         if (!opt.step)
             fprintf(log, "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s,gemm_ms,other_ms\n");
     }
-    fprintf(stderr, "sparge-train: %zu parameters, %d tokens, attn=%s loss=%s data=%s device=%s (%s), ops=%s%s\n",
-            tr_model_num_params(student), d->N, tr_attn_mode_name(cfg->attn),
+    fprintf(stderr, "sparge-train: %zu parameters, %d tokens, attn=%s (%s) loss=%s data=%s device=%s (%s), ops=%s%s\n",
+            tr_model_num_params(student), d->N, tr_attn_mode_name(cfg->attn), cfg->attn_dtype,
             cfg->loss == TR_LOSS_VD ? "vd" : "diffusion", cfg->data, sparge_device_name(dev),
             sparge_device_description(dev), tr_model_ops(student)->name,
             strcmp(tr_model_ops(student)->name, "cuda") ? "" : cfg->tf32 ? " (TF32 GEMMs)" : " (fp32 GEMMs)");
@@ -533,18 +555,18 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
         tr_model_times(student, part); /* start both models' timers here */
         if (teacher)
             tr_model_times(teacher, teacher_part);
-        tr_make_batch(cfg, d, step, x0, y, t, eps, xt);
-        if (tr_model_forward(student, xt, t, y, NULL, err, err_len))
+        train_batch *b = &batch[step & 1];
+        if (tr_model_forward(student, b->xt, b->t, b->y, NULL, err, err_len))
             goto out;
         double loss;
         if (teacher) {
-            if (tr_model_forward(teacher, xt, t, y, NULL, err, err_len) ||
+            if (tr_model_forward(teacher, b->xt, b->t, b->y, NULL, err, err_len) ||
                 tr_model_loss(student, NULL, teacher, &loss, err, err_len))
                 goto out;
         } else {
             for (size_t i = 0; i < n; i++)
-                target[i] = eps[i] - x0[i];
-            if (tr_model_loss(student, target, NULL, &loss, err, err_len))
+                b->target[i] = b->eps[i] - b->x0[i];
+            if (tr_model_loss(student, b->target, NULL, &loss, err, err_len))
                 goto out;
         }
         if (!isfinite(loss)) {
@@ -553,8 +575,11 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
         }
         tr_model_zero_grad(student);
         double gnorm, lr = cfg->warmup && step < cfg->warmup ? cfg->lr * (step + 1) / cfg->warmup : cfg->lr;
-        if (tr_model_backward(student, NULL, err, err_len) ||
-            tr_clip_grad_norm(student, cfg->grad_clip, &gnorm, err, err_len) ||
+        if (tr_model_backward(student, NULL, err, err_len))
+            goto out;
+        if (step + 1 < cfg->steps) /* on the host while the device runs the backward */
+            make_train_batch(cfg, d, step + 1, &batch[(step + 1) & 1]);
+        if (tr_clip_grad_norm(student, cfg->grad_clip, &gnorm, err, err_len) ||
             tr_adamw_step(&opt, student, lr, cfg->beta1, cfg->beta2, cfg->adam_eps, cfg->weight_decay, err, err_len))
             goto out;
         tr_model_times(student, part);

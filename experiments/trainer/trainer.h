@@ -33,6 +33,8 @@ typedef struct {
     int device_ops;      /* on a CUDA device: run the whole model there (ops_cuda.cu); 0: on the host, with the
                           * attention staged through device buffers */
     int tf32;            /* device ops: cuBLAS may use TF32 tensor cores (default 0: strict fp32) */
+    char attn_dtype[8];  /* "f32", or "bf16": Q/K/V, O and dO cast to bf16 for the attention calls (sparge's
+                          * tuned cuda kernels need it); the rest of the model stays f32 */
     /* training */
     tr_loss_kind loss;
     char data[8]; /* "A" or "B" */
