@@ -23,7 +23,6 @@ enum { REDUCE_BLOCKS = 256, THREADS = 256 };
 
 struct cuda_ops {
     tr_ops ops;
-    int device;
     cublasHandle_t blas;
     int failed;
     char message[512];
@@ -726,7 +725,6 @@ extern "C" tr_ops *tr_ops_cuda_create(int index, int tf32, char *err, size_t err
         add_positional, timestep_embedding, class_embedding_forward, class_embedding_backward, mse, abs_diff_sums,
         sum_squares, scale, to_bf16, from_bf16, adamw,
     };
-    c->device = index;
     /* the default math mode computes sgemm in fp32; TF32 only when asked for */
     if (CHECK(c, cudaSetDevice(index)) && CHECK_BLAS(c, cublasCreate(&c->blas)) &&
         CHECK_BLAS(c, cublasSetMathMode(c->blas, tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH)) &&
