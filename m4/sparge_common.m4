@@ -16,6 +16,7 @@ sparge $PACKAGE_VERSION configuration
   hwloc           : $sparge_hwloc_summary
   CPU SIMD tiers  : $sparge_simd_summary (chosen at run time)
   CUDA            : $sparge_cuda_summary
+  cuBLAS          : $sparge_cublas_summary
   HIP             : $sparge_hip_summary
   BLAS (trainer)  : $sparge_blas_summary
   tests (cmocka)  : $have_cmocka

@@ -2,12 +2,15 @@
 # Reproduce SpargeAttention2's training claims (Tables 2, 3 and 6) with sparge-train, the tiny video
 # DiT of experiments/trainer (see paper-repro/README.md, "Training tables"). `make repro-train` calls it.
 #
-#   paper-repro/train.sh [--bindir DIR] [--device NAME] [--out DIR] [--only LIST] [--seeds N] [--jobs N]
-#                        [--teacher FILE] [--hybrid-k K] [--quick] [-- KEY=VALUE...]
+#   paper-repro/train.sh [--bindir DIR] [--device NAME] [--device-ops 0|1] [--out DIR] [--only LIST] [--seeds N]
+#                        [--jobs N] [--teacher FILE] [--hybrid-k K] [--quick] [-- KEY=VALUE...]
 #
 #   --bindir DIR   where sparge-train is (default: ./experiments/trainer if built here, else build it in
-#                  build-repro/, configured --without-cuda --without-hip)
-#   --device NAME  sparge device for every run (default cpu)
+#                  build-repro/, configured ${CONFIGURE_FLAGS:---without-hip}: CUDA when configure finds it)
+#   --device NAME  sparge device for every run (default: cuda-generic:0 when `sparge info` of that build shows
+#                  a CUDA device, else cpu; --quick: cpu)
+#   --device-ops B device_ops= for every run (default 1: on a CUDA device the whole model runs there; 0: the
+#                  model on the host, only the attention on the device)
 #   --out DIR      results directory (default paper-repro/results/train; checkpoints go to DIR/runs, not committed)
 #   --only LIST    comma-separated subset of teacher,table3,table6,table2, run in that order; every entry reuses
 #                  the checkpoints found in DIR/runs (delete them to train again; table2 needs table6's students)
@@ -21,12 +24,13 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/.." && pwd)
-bindir= device=cpu out= only=teacher,table3,table6,table2 seeds=3 jobs=$(nproc 2>/dev/null || echo 1) quick=0
+bindir= device= device_ops=1 out= only=teacher,table3,table6,table2 seeds=3 jobs=$(nproc 2>/dev/null || echo 1) quick=0
 teacher_file= hybrid_k=0.035
 while [ $# -gt 0 ]; do
     case $1 in
     --bindir) bindir=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
+    --device-ops) device_ops=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
@@ -45,6 +49,7 @@ for kv in "${overrides[@]}"; do
 done
 [ -z "$teacher_file" ] || [ -f "$teacher_file" ] || { echo "train.sh: --teacher $teacher_file: no such file" >&2; exit 2; }
 case $seeds$jobs in *[!0-9]*) echo "train.sh: --seeds and --jobs take positive integers" >&2; exit 2 ;; esac
+case $device_ops in 0|1) ;; *) echo "train.sh: --device-ops takes 0 or 1" >&2; exit 2 ;; esac
 [ "$seeds" -ge 1 ] && [ "$jobs" -ge 1 ] || { echo "train.sh: --seeds and --jobs must be >= 1" >&2; exit 2; }
 
 if [ -z "$bindir" ]; then
@@ -55,13 +60,20 @@ if [ -z "$bindir" ]; then
         echo "== building sparge-train in $build"
         [ -x "$top/configure" ] || (cd "$top" && autoreconf -fi)
         mkdir -p "$build"
-        (cd "$build" && { [ -f Makefile ] || "$top/configure" --quiet ${CONFIGURE_FLAGS:---without-cuda --without-hip}; } &&
-            make -j"$jobs" --no-print-directory experiments/trainer/sparge-train)
+        (cd "$build" && { [ -f Makefile ] || "$top/configure" --quiet ${CONFIGURE_FLAGS:---without-hip}; } &&
+            make -j"$jobs" --no-print-directory experiments/trainer/sparge-train src/sparge)
         bindir=$build/experiments/trainer
     fi
 fi
 train=$bindir/sparge-train
 [ -x "$train" ] || { echo "train.sh: $train not found (configure found no CBLAS? see experiments/trainer/README.md)" >&2; exit 1; }
+if [ -z "$device" ]; then # CUDA by default; the quick smoke test on the CPU
+    device=cpu
+    sparge_cli=$bindir/../../src/sparge
+    if [ "$quick" = 0 ] && [ -x "$sparge_cli" ] && "$sparge_cli" info 2>/dev/null | grep -q '^  cuda-generic:0 '; then
+        device=cuda-generic:0
+    fi
+fi
 
 # The experiment. Every number below is a choice of this reproduction, documented in paper-repro/README.md.
 if [ "$quick" = 1 ]; then
@@ -97,7 +109,7 @@ evaluate() {
     local file=$1 table=$2 arm=$3 seed=$4
     shift 4
     # shellcheck disable=SC2086
-    "$train" "$cfg" "${overrides[@]}" mode=eval device="$device" seed=0 teacher="$runs/teacher.safetensors" $eval_keys "$@" \
+    "$train" "$cfg" "${overrides[@]}" mode=eval device="$device" device_ops="$device_ops" seed=0 teacher="$runs/teacher.safetensors" $eval_keys "$@" \
         >"$file.tmp" 2>"$file.err" || { echo "train.sh: evaluation failed ($file.err):" >&2; cat "$file.err" >&2; return 1; }
     { echo "table,arm,seed,$(sed -n 1p "$file.tmp")"; echo "$table,$arm,$seed,$(sed -n 2p "$file.tmp")"; } >"$file"
     rm -f "$file.tmp" "$file.err"
@@ -110,7 +122,7 @@ finetune() {
     shift 4
     if [ ! -f "$runs/$name.safetensors" ]; then
         # shellcheck disable=SC2086
-        "$train" "$cfg" "${overrides[@]}" device="$device" init="$runs/teacher.safetensors" teacher="$runs/teacher.safetensors" \
+        "$train" "$cfg" "${overrides[@]}" device="$device" device_ops="$device_ops" init="$runs/teacher.safetensors" teacher="$runs/teacher.safetensors" \
             $ft_keys seed="$seed" data_seed=$((100 + seed)) "$@" out="$runs/$name.part.safetensors" \
             log="$runs/$name.csv" 2>"$runs/$name.log" || { echo "train.sh: $name failed:" >&2; tail -n 5 "$runs/$name.log" >&2; return 1; }
         mv "$runs/$name.part.safetensors" "$runs/$name.safetensors"
@@ -143,7 +155,7 @@ calibrate_p() {
     local mode=$1 k=$2 lo=0 hi=1 p s i
     for ((i = 0; i < calib_iters; i++)); do
         p=$(awk -v a="$lo" -v b="$hi" 'BEGIN { printf "%.6f", (a + b) / 2 }')
-        "$train" "$cfg" "${overrides[@]}" mode=eval device="$device" seed=0 init="$runs/teacher.safetensors" eval_batches=2 \
+        "$train" "$cfg" "${overrides[@]}" mode=eval device="$device" device_ops="$device_ops" seed=0 init="$runs/teacher.safetensors" eval_batches=2 \
             sample_steps=1 attn="$mode" topk="$k" topp="$p" >"$runs/calibrate.csv" 2>/dev/null
         s=$(column_of "$runs/calibrate.csv" sparsity | tail -n 1)
         if awk -v s="$s" -v t="$target_sparsity" 'BEGIN { exit !(s > t) }'; then lo=$p; else hi=$p; fi
@@ -189,7 +201,7 @@ header() { # file title claim
         echo
         echo "$3"
         echo
-        echo "Generated by \`paper-repro/train.sh\` on $(date -u +%Y-%m-%d) — device \`$device\`, commit \`$commit\`, $machine;"
+        echo "Generated by \`paper-repro/train.sh\` on $(date -u +%Y-%m-%d) — device \`$device\` (device_ops=$device_ops), commit \`$commit\`, $machine;"
         echo "config \`${cfg#"$top"/}\`${overrides[*]:+ with \`${overrides[*]}\`}, teacher $teacher_steps steps of batch $teacher_batch on A, fine-tuning $ft_steps steps, $seeds seed(s) per"
         echo "fine-tuned arm, every model evaluated on the same held-out A inputs ($eval_keys). Columns: paper-repro/README.md."
         echo
@@ -246,7 +258,7 @@ for entry in teacher table3 table6 table2; do
         else
             echo "== teacher: dense attention, diffusion loss on A, $teacher_steps steps of batch $teacher_batch (progress in $runs/teacher.log)"
             # the teacher trains alone: every core goes to it
-            OMP_NUM_THREADS=$cores "$train" "$cfg" "${overrides[@]}" device="$device" steps="$teacher_steps" \
+            OMP_NUM_THREADS=$cores "$train" "$cfg" "${overrides[@]}" device="$device" device_ops="$device_ops" steps="$teacher_steps" \
                 batch="$teacher_batch" out="$runs/teacher.part.safetensors" log="$runs/teacher.csv" \
                 2> >(tee "$runs/teacher.log" >&2)
             mv "$runs/teacher.part.safetensors" "$runs/teacher.safetensors"

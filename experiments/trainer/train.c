@@ -19,6 +19,8 @@ void tr_config_defaults(tr_config *c)
     c->dim = 64, c->heads = 4, c->depth = 4, c->classes = 4, c->mlp_ratio = 4;
     c->attn = TR_ATTN_DENSE, c->topk = 0.03, c->topp = 0.2, c->block_q = 64, c->block_k = 32;
     snprintf(c->device, sizeof c->device, "cpu");
+    c->device_ops = 1;
+    snprintf(c->attn_dtype, sizeof c->attn_dtype, "f32");
     c->loss = TR_LOSS_DIFFUSION;
     snprintf(c->data, sizeof c->data, "A");
     c->steps = 100, c->batch = 4, c->log_every = 10, c->ckpt_every = 0, c->warmup = 0;
@@ -51,7 +53,8 @@ static const key_def KEYS[] = {
     KEY(beta2, K_DOUBLE),     KEY(adam_eps, K_DOUBLE), KEY(weight_decay, K_DOUBLE), KEY(grad_clip, K_DOUBLE),
     KEY(seed, K_U64),         KEY(data_seed, K_U64),   KEY(init, K_STRING),       KEY(teacher, K_STRING),
     KEY(resume, K_STRING),    KEY(out, K_STRING),      KEY(log, K_STRING),        KEY(sample_steps, K_INT),
-    KEY(eval_batches, K_INT), KEY(stage_attention, K_INT), {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
+    KEY(eval_batches, K_INT), KEY(stage_attention, K_INT), KEY(device_ops, K_INT),
+    KEY(tf32, K_INT),         KEY(attn_dtype, K_STRING), {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
 };
 #undef KEY
 
@@ -180,6 +183,8 @@ int tr_config_check(const tr_config *c, char *err, size_t err_len)
         return exp_fail(err, err_len, "depth=%d: must be in [0, %d]", c->depth, TR_MAX_DEPTH);
     if (c->classes < 1 || c->mlp_ratio < 1)
         return exp_fail(err, err_len, "classes=%d mlp_ratio=%d: both must be >= 1", c->classes, c->mlp_ratio);
+    if (strcmp(c->attn_dtype, "f32") && strcmp(c->attn_dtype, "bf16"))
+        return exp_fail(err, err_len, "attn_dtype=%s: expected f32 or bf16", c->attn_dtype);
     if (c->block_q < 1 || c->block_k < 1)
         return exp_fail(err, err_len, "block_q=%d block_k=%d: must be >= 1", c->block_q, c->block_k);
     if (c->topk < 0 || c->topk > 1 || c->topp < 0 || c->topp > 1)
@@ -226,13 +231,17 @@ double tr_normal(uint64_t *state)
 
 /* ---------------------------------------------------------------- optimizer */
 
-int tr_adamw_init(tr_adamw *opt, size_t n)
+int tr_adamw_init(tr_adamw *opt, tr_model *m, char *err, size_t err_len)
 {
-    opt->m = calloc(n, sizeof(float));
-    opt->v = calloc(n, sizeof(float));
-    opt->n = n;
+    tr_ops *o = tr_model_ops(m);
+    opt->ops = o;
+    opt->n = tr_model_num_params(m);
     opt->step = 0;
+    opt->m = o->alloc(o, opt->n * sizeof(float));
+    opt->v = o->alloc(o, opt->n * sizeof(float));
     if (!opt->m || !opt->v) {
+        if (!o->error(o, err, err_len))
+            exp_fail(err, err_len, "optimizer: out of memory");
         tr_adamw_free(opt);
         return -1;
     }
@@ -241,42 +250,42 @@ int tr_adamw_init(tr_adamw *opt, size_t n)
 
 void tr_adamw_free(tr_adamw *opt)
 {
-    free(opt->m);
-    free(opt->v);
+    if (opt->ops) {
+        if (opt->m)
+            opt->ops->release(opt->ops, opt->m);
+        if (opt->v)
+            opt->ops->release(opt->ops, opt->v);
+    }
     opt->m = opt->v = NULL;
 }
 
-void tr_adamw_step(tr_adamw *opt, tr_model *m, double lr, double beta1, double beta2, double eps, double wd)
+int tr_adamw_step(tr_adamw *opt, tr_model *m, double lr, double beta1, double beta2, double eps, double wd,
+                  char *err, size_t err_len)
 {
+    tr_ops *o = tr_model_ops(m);
     opt->step++;
     double c1 = 1.0 - pow(beta1, (double)opt->step), c2 = 1.0 - pow(beta2, (double)opt->step);
     float *p = tr_model_params(m), *g = tr_model_grads(m);
     for (int i = 0; i < tr_model_num_tensors(m); i++) {
         const tr_param *t = tr_model_tensor(m, i);
-        double decay = t->decay ? wd : 0.0;
-        for (size_t j = t->offset; j < t->offset + t->size; j++) {
-            opt->m[j] = (float)(beta1 * opt->m[j] + (1 - beta1) * g[j]);
-            opt->v[j] = (float)(beta2 * opt->v[j] + (1 - beta2) * (double)g[j] * g[j]);
-            double update = (opt->m[j] / c1) / (sqrt(opt->v[j] / c2) + eps);
-            p[j] = (float)(p[j] - lr * (update + decay * p[j]));
-        }
+        o->adamw(o, p + t->offset, g + t->offset, opt->m + t->offset, opt->v + t->offset, t->size, lr, beta1, beta2,
+                 c1, c2, eps, t->decay ? wd : 0.0);
     }
+    o->mark(o, TR_PART_IDLE);
+    return o->error(o, err, err_len);
 }
 
-double tr_clip_grad_norm(tr_model *m, double max_norm)
+int tr_clip_grad_norm(tr_model *m, double max_norm, double *norm, char *err, size_t err_len)
 {
-    float *g = tr_model_grads(m);
+    tr_ops *o = tr_model_ops(m);
     size_t n = tr_model_num_params(m);
-    double ss = 0.0;
-    for (size_t i = 0; i < n; i++)
-        ss += (double)g[i] * g[i];
-    double norm = sqrt(ss);
-    if (max_norm > 0 && norm > max_norm) {
-        float s = (float)(max_norm / norm);
-        for (size_t i = 0; i < n; i++)
-            g[i] *= s;
-    }
-    return norm;
+    double ss;
+    o->sum_squares(o, tr_model_grads(m), n, &ss);
+    *norm = sqrt(ss);
+    if (max_norm > 0 && *norm > max_norm)
+        o->scale(o, tr_model_grads(m), n, (float)(max_norm / *norm));
+    o->mark(o, TR_PART_IDLE);
+    return o->error(o, err, err_len);
 }
 
 /* ---------------------------------------------------------------- batches and losses */
@@ -321,17 +330,27 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
     int *ndims = calloc((size_t)n, sizeof *ndims);
     int64_t(*shapes)[8] = calloc((size_t)n, sizeof *shapes);
     char(*owned)[80] = calloc((size_t)n, sizeof *owned);
+    size_t np = tr_model_num_params(m);
+    float *host = malloc(np * sizeof(float) * (opt ? 3 : 1)); /* parameters, then the moments */
     float step = opt ? (float)opt->step : 0.0f;
     int rc = -1;
-    if (!names || !data || !ndims || !shapes || !owned) {
+    if (!names || !data || !ndims || !shapes || !owned || !host) {
         exp_fail(err, err_len, "%s: out of memory", path);
         goto out;
+    }
+    if (tr_model_get_params(m, host, err, err_len))
+        goto out;
+    if (opt) {
+        opt->ops->download(opt->ops, host + np, opt->m, np * sizeof(float));
+        opt->ops->download(opt->ops, host + 2 * np, opt->v, np * sizeof(float));
+        if (opt->ops->error(opt->ops, err, err_len))
+            goto out;
     }
     for (int i = 0; i < nt; i++) {
         const tr_param *p = tr_model_tensor(m, i);
         for (int copy = 0; copy < (opt ? 3 : 1); copy++) {
             int k = copy * nt + i;
-            const float *base = copy == 0 ? tr_model_params(m) : copy == 1 ? opt->m : opt->v;
+            const float *base = host + copy * np;
             snprintf(owned[k], sizeof owned[k], "%s%s", copy == 0 ? "" : copy == 1 ? "adamw.m." : "adamw.v.",
                      p->name);
             names[k] = owned[k];
@@ -352,6 +371,7 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
     snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\"}", model);
     rc = exp_st_write(path, n, names, data, ndims, (const int64_t(*)[8])shapes, SPARGE_F32, meta, err, err_len);
 out:
+    free(host);
     free(names);
     free(data);
     free(ndims);
@@ -409,10 +429,13 @@ int tr_checkpoint_load(const char *path, tr_model *m, tr_adamw *opt, char *err, 
         if (read_tensor(&f, "train.step", &step_shape, &step, err, err_len))
             goto out;
     }
-    memcpy(tr_model_params(m), staged, n * sizeof(float));
+    if (tr_model_set_params(m, staged, err, err_len))
+        goto out;
     if (opt) {
-        memcpy(opt->m, staged + n, n * sizeof(float));
-        memcpy(opt->v, staged + 2 * n, n * sizeof(float));
+        opt->ops->upload(opt->ops, opt->m, staged + n, n * sizeof(float));
+        opt->ops->upload(opt->ops, opt->v, staged + 2 * n, n * sizeof(float));
+        if (opt->ops->error(opt->ops, err, err_len))
+            goto out;
         opt->step = (int64_t)step;
     }
     rc = 0;
@@ -448,6 +471,16 @@ int tr_sample_euler(tr_model *m, float *x, const int *y, int steps, float *scrat
 
 /* ---------------------------------------------------------------- training loop */
 
+typedef struct {
+    float *x0, *eps, *xt, *target, *t;
+    int *y;
+} train_batch;
+
+static void make_train_batch(const tr_config *cfg, const tr_dims *d, int64_t step, train_batch *b)
+{
+    tr_make_batch(cfg, d, step, b->x0, b->y, b->t, b->eps, b->xt);
+}
+
 int tr_train(const tr_config *cfg, char *err, size_t err_len)
 {
     if (tr_config_check(cfg, err, err_len))
@@ -473,28 +506,34 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
             tr_checkpoint_load(cfg->teacher[0] ? cfg->teacher : cfg->init, teacher, NULL, err, err_len))
             goto out;
     }
-    if (tr_adamw_init(&opt, tr_model_num_params(student))) {
-        exp_fail(err, err_len, "optimizer: out of memory");
+    if (tr_adamw_init(&opt, student, err, err_len))
         goto out;
-    }
     if (cfg->resume[0]) {
         if (tr_checkpoint_load(cfg->resume, student, &opt, err, err_len))
             goto out;
     } else if (cfg->init[0]) {
         if (tr_checkpoint_load(cfg->init, student, NULL, err, err_len))
             goto out;
-    } else
-        tr_model_init(student, cfg->seed);
+    } else if (tr_model_init(student, cfg->seed, err, err_len))
+        goto out;
     const tr_dims *d = tr_model_dims(student);
     size_t n = (size_t)cfg->batch * d->T * d->H * d->W * d->C;
-    buf = malloc(n * 6 * sizeof(float) + (size_t)cfg->batch * (sizeof(float) + sizeof(int)));
+    /* two batches (x0, eps, xt, target, t, y): the next is made on the host while the device runs the
+     * backward of this one (a batch is a pure function of its step, so nothing else changes) */
+    size_t slot = 4 * n + 2 * (size_t)cfg->batch;
+    buf = malloc(2 * slot * sizeof(float));
     if (!buf) {
         exp_fail(err, err_len, "batch buffers: out of memory");
         goto out;
     }
-    float *x0 = buf, *eps = buf + n, *xt = buf + 2 * n, *u = buf + 3 * n, *target = buf + 4 * n, *du = buf + 5 * n;
-    float *t = buf + 6 * n;
-    int *y = (int *)(t + cfg->batch);
+    train_batch batch[2];
+    for (int i = 0; i < 2; i++) {
+        float *b = buf + i * slot;
+        batch[i].x0 = b, batch[i].eps = b + n, batch[i].xt = b + 2 * n, batch[i].target = b + 3 * n;
+        batch[i].t = b + 4 * n, batch[i].y = (int *)(b + 4 * n + cfg->batch);
+    }
+    if (opt.step < cfg->steps)
+        make_train_batch(cfg, d, opt.step, &batch[opt.step & 1]);
     if (cfg->log[0]) {
         log = fopen(cfg->log, opt.step ? "a" : "w");
         if (!log) {
@@ -502,50 +541,72 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
             goto out;
         }
         if (!opt.step)
-            fprintf(log, "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s\n");
+            fprintf(log, "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s,gemm_ms,other_ms\n");
     }
-    fprintf(stderr, "sparge-train: %zu parameters, %d tokens, attn=%s loss=%s data=%s device=%s (%s)\n",
-            tr_model_num_params(student), d->N, tr_attn_mode_name(cfg->attn),
+    fprintf(stderr, "sparge-train: %zu parameters, %d tokens, attn=%s (%s) loss=%s data=%s device=%s (%s), ops=%s%s\n",
+            tr_model_num_params(student), d->N, tr_attn_mode_name(cfg->attn), cfg->attn_dtype,
             cfg->loss == TR_LOSS_VD ? "vd" : "diffusion", cfg->data, sparge_device_name(dev),
-            sparge_device_description(dev));
-    double window_loss = 0, window_ms = 0, window_attn = 0;
+            sparge_device_description(dev), tr_model_ops(student)->name,
+            strcmp(tr_model_ops(student)->name, "cuda") ? "" : cfg->tf32 ? " (TF32 GEMMs)" : " (fp32 GEMMs)");
+    double window_loss = 0, window_ms = 0, window_part[TR_PARTS] = {0};
     int window = 0;
     for (int64_t step = opt.step; step < cfg->steps; step++) {
-        double t0 = exp_now();
-        tr_model_reset_timers(student);
-        tr_make_batch(cfg, d, step, x0, y, t, eps, xt);
-        if (tr_model_forward(student, xt, t, y, u, err, err_len))
+        double t0 = exp_now(), part[TR_PARTS], teacher_part[TR_PARTS];
+        tr_model_times(student, part); /* start both models' timers here */
+        if (teacher)
+            tr_model_times(teacher, teacher_part);
+        train_batch *b = &batch[step & 1];
+        if (tr_model_forward(student, b->xt, b->t, b->y, NULL, err, err_len))
             goto out;
+        double loss;
         if (teacher) {
-            if (tr_model_forward(teacher, xt, t, y, target, err, err_len))
+            if (tr_model_forward(teacher, b->xt, b->t, b->y, NULL, err, err_len) ||
+                tr_model_loss(student, NULL, teacher, &loss, err, err_len))
                 goto out;
-        } else
+        } else {
             for (size_t i = 0; i < n; i++)
-                target[i] = eps[i] - x0[i];
-        double loss = tr_mse(u, target, n, du);
+                b->target[i] = b->eps[i] - b->x0[i];
+            if (tr_model_loss(student, b->target, NULL, &loss, err, err_len))
+                goto out;
+        }
         if (!isfinite(loss)) {
             exp_fail(err, err_len, "step %lld: the loss is not finite (%g)", (long long)step, loss);
             goto out;
         }
         tr_model_zero_grad(student);
-        if (tr_model_backward(student, du, err, err_len))
+        double gnorm, lr = cfg->warmup && step < cfg->warmup ? cfg->lr * (step + 1) / cfg->warmup : cfg->lr;
+        if (tr_model_backward(student, NULL, err, err_len))
             goto out;
-        double gnorm = tr_clip_grad_norm(student, cfg->grad_clip);
-        double lr = cfg->warmup && step < cfg->warmup ? cfg->lr * (step + 1) / cfg->warmup : cfg->lr;
-        tr_adamw_step(&opt, student, lr, cfg->beta1, cfg->beta2, cfg->adam_eps, cfg->weight_decay);
-        double ms = 1e3 * (exp_now() - t0), attn = tr_model_attention_ms(student);
+        if (step + 1 < cfg->steps) /* on the host while the device runs the backward */
+            make_train_batch(cfg, d, step + 1, &batch[(step + 1) & 1]);
+        if (tr_clip_grad_norm(student, cfg->grad_clip, &gnorm, err, err_len) ||
+            tr_adamw_step(&opt, student, lr, cfg->beta1, cfg->beta2, cfg->adam_eps, cfg->weight_decay, err, err_len))
+            goto out;
+        tr_model_times(student, part);
+        if (teacher) {
+            tr_model_times(teacher, teacher_part);
+            for (int i = 0; i < TR_PARTS; i++)
+                part[i] += teacher_part[i];
+        }
+        double ms = 1e3 * (exp_now() - t0);
         double sparsity = tr_model_last_sparsity(student);
         if (log)
-            fprintf(log, "%lld,%.8g,%.6g,%.6g,%.6f,%.4f,%.4f,%.3f\n", (long long)step + 1, loss, gnorm, lr, sparsity,
-                    ms, attn, cfg->batch * 1e3 / ms);
-        window_loss += loss, window_ms += ms, window_attn += attn, window++;
+            fprintf(log, "%lld,%.8g,%.6g,%.6g,%.6f,%.4f,%.4f,%.3f,%.4f,%.4f\n", (long long)step + 1, loss, gnorm, lr,
+                    sparsity, ms, part[TR_PART_ATTENTION], cfg->batch * 1e3 / ms, part[TR_PART_GEMM],
+                    part[TR_PART_OTHER]);
+        window_loss += loss, window_ms += ms, window++;
+        for (int i = 0; i < TR_PARTS; i++)
+            window_part[i] += part[i];
         if ((step + 1) % cfg->log_every == 0 || step + 1 == cfg->steps) {
             fprintf(stderr,
                     "step %6lld/%d | loss %.6f | grad norm %.3g | lr %.3g | sparsity %.3f | %.1f ms/step (attention "
-                    "%.1f) | %.1f samples/s\n",
+                    "%.1f, GEMMs %.1f, other %.1f) | %.1f samples/s\n",
                     (long long)step + 1, cfg->steps, window_loss / window, gnorm, lr, sparsity, window_ms / window,
-                    window_attn / window, cfg->batch * 1e3 * window / window_ms);
-            window_loss = window_ms = window_attn = 0, window = 0;
+                    window_part[TR_PART_ATTENTION] / window, window_part[TR_PART_GEMM] / window,
+                    window_part[TR_PART_OTHER] / window, cfg->batch * 1e3 * window / window_ms);
+            window_loss = window_ms = 0, window = 0;
+            for (int i = 0; i < TR_PARTS; i++)
+                window_part[i] = 0;
         }
         if (cfg->out[0] && cfg->ckpt_every && (step + 1) % cfg->ckpt_every == 0 &&
             tr_checkpoint_save(cfg->out, student, &opt, cfg, err, err_len))

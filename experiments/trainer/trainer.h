@@ -2,15 +2,16 @@
  *
  * llm.c-style plain C11: one float array holds every parameter (and its gradient and AdamW
  * moments in the same layout), one float array holds every activation the backward needs.
- * Forward and backward are written by hand; GEMMs go through CBLAS (cblas_sgemm), attention
- * through libsparge's public API on a sparge_device. README.md beside this file documents
- * the model, the losses, the data and the configuration keys. */
+ * Forward and backward are written by hand; GEMMs go through CBLAS on the host or cuBLAS on a
+ * CUDA device (ops.h), attention through libsparge's public API on a sparge_device. README.md
+ * beside this file documents the model, the losses, the data and the configuration keys. */
 #ifndef SPARGE_TRAINER_H
 #define SPARGE_TRAINER_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ops.h"
 #include "sparge.h"
 
 /* ---------------------------------------------------------------- configuration */
@@ -28,7 +29,12 @@ typedef struct {
     int block_q, block_k;
     char device[64];
     int stage_attention; /* copy Q/K/V, O, LSE, dO through separate sparge_malloc buffers even on a host
-                          * device, the path GPU devices take (lets CPU tests cover it) */
+                          * device, the path GPU devices take with device_ops=0 (lets CPU tests cover it) */
+    int device_ops;      /* on a CUDA device: run the whole model there (ops_cuda.cu); 0: on the host, with the
+                          * attention staged through device buffers */
+    int tf32;            /* device ops: cuBLAS may use TF32 tensor cores (default 0: strict fp32) */
+    char attn_dtype[8];  /* "f32", or "bf16": Q/K/V, O and dO cast to bf16 for the attention calls (sparge's
+                          * tuned cuda kernels need it); the rest of the model stays f32 */
     /* training */
     tr_loss_kind loss;
     char data[8]; /* "A" or "B" */
@@ -84,8 +90,10 @@ typedef struct {
 
 typedef struct tr_model tr_model;
 
-/* Creates a model for batch B with its attention on dev (not owned; kept open by the caller).
- * Parameters start at zero: call tr_model_init or load a checkpoint. Returns NULL with a message. */
+/* Creates a model for batch B with its attention on dev (not owned; kept open by the caller) and
+ * its other operations on the ops table the config asks for (device_ops: CUDA's on a CUDA device
+ * when built, else the host's). Parameters start at zero: call tr_model_init or load a
+ * checkpoint. Returns NULL with a message. */
 tr_model *tr_model_create(const tr_config *c, int B, sparge_device *dev, char *err, size_t err_len);
 void tr_model_free(tr_model *m);
 const tr_dims *tr_model_dims(const tr_model *m);
@@ -93,18 +101,26 @@ size_t tr_model_num_params(const tr_model *m);
 int tr_model_num_tensors(const tr_model *m);
 const tr_param *tr_model_tensor(const tr_model *m, int i);
 const tr_param *tr_model_find(const tr_model *m, const char *name);
+/* The model's ops table; its name ("host", "cuda") says where the arrays below live. */
+tr_ops *tr_model_ops(tr_model *m);
+/* Parameters and gradients (one flat array each, tr_param offsets), in the ops table's memory:
+ * host arrays only for host ops. tr_model_get_params/set_params copy them from/to the host. */
 float *tr_model_params(tr_model *m);
 float *tr_model_grads(tr_model *m);
+int tr_model_get_params(tr_model *m, float *host, char *err, size_t err_len);
+int tr_model_set_params(tr_model *m, const float *host, char *err, size_t err_len);
 
 /* DiT init: Xavier-uniform linears, N(0, 0.02) embeddings and timestep MLP, zero biases, and
  * adaLN-Zero (every adaLN modulation and the final linear start at zero). Seeded. */
-void tr_model_init(tr_model *m, uint64_t seed);
+int tr_model_init(tr_model *m, uint64_t seed, char *err, size_t err_len);
 
 /* Attention of every block: mode (dense: no mask), Top-k/Top-p parameters, block sizes from
  * the config at creation. The mask is predicted on every forward, unless frozen (then the
  * last predicted masks are reused: the gradient check needs a fixed mask). */
 void tr_model_set_attention(tr_model *m, tr_attn_mode mode, double topk, double topp);
 void tr_model_freeze_masks(tr_model *m, int frozen);
+/* The last predicted mask of block `layer` as a host dense uint8 [B, heads, Nqb, Nkb]. */
+int tr_model_mask_dense(const tr_model *m, int layer, uint8_t *host, char *err, size_t err_len);
 /* Mean block sparsity over the blocks of the last forward (0 for dense). */
 double tr_model_last_sparsity(const tr_model *m);
 /* When on, every sparse attention call also runs dense attention on the same Q/K/V (the paper's
@@ -112,36 +128,27 @@ double tr_model_last_sparsity(const tr_model *m);
  * error Σ|O_sparse − O_dense| / Σ|O_dense| of the last forward (0 for dense attention). */
 void tr_model_measure_attention_error(tr_model *m, int on);
 double tr_model_last_attention_l1(const tr_model *m);
-/* Milliseconds spent in sparge calls (mask prediction + attention) since the last reset. */
-double tr_model_attention_ms(const tr_model *m);
-void tr_model_reset_timers(tr_model *m);
+/* Milliseconds per part (tr_part: attention = the sparge calls, GEMMs, other) of the model's and
+ * its optimizer's work since the last call; clock on the host, CUDA events on the device. */
+void tr_model_times(tr_model *m, double ms[TR_PARTS]);
 
 /* u[B,T,H,W,C] = velocity at x[B,T,H,W,C], time t[B] in [0,1] and class y[B] (host arrays, B
- * = the batch of creation). Keeps the activations for tr_model_backward. Returns 0, or -1
- * with a message (a sparge failure). */
+ * = the batch of creation; u may be NULL: the velocity stays in the model, tr_model_velocity).
+ * Keeps the activations for tr_model_backward. Returns 0, or -1 with a message. */
 int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, float *u, char *err,
                      size_t err_len);
+/* The velocity of the last forward, in the ops table's memory. */
+const float *tr_model_velocity(const tr_model *m);
+/* Loss of the last forward against a host target[B,T,H,W,C], or (target NULL) against the
+ * velocity of teacher's last forward (same batch and ops): *loss = mean((u − target)²),
+ * accumulated in double, and dLoss/du kept for tr_model_backward(m, NULL, ...). */
+int tr_model_loss(tr_model *m, const float *target, const tr_model *teacher, double *loss, char *err,
+                  size_t err_len);
 /* Adds the gradient of the loss with respect to every parameter, given du = dLoss/du of the
- * last forward, to the gradient array (zero it with tr_model_zero_grad). */
+ * last forward (a host array, or NULL for the one tr_model_loss kept), to the gradient array
+ * (zero it with tr_model_zero_grad). */
 int tr_model_backward(tr_model *m, const float *du, char *err, size_t err_len);
 void tr_model_zero_grad(tr_model *m);
-
-/* ---------------------------------------------------------------- CPU ops (GEMMs via CBLAS) */
-
-/* Row-major, out[rows, OUT] = in[rows, IN] · wᵀ + b with w [OUT, IN]; b may be NULL. */
-void tr_linear_forward(float *out, const float *in, const float *w, const float *b, int rows, int IN, int OUT);
-/* din = dout · w (overwritten, or added when accumulate; may be NULL), dw += doutᵀ · in, db += Σ dout. */
-void tr_linear_backward(float *din, float *dw, float *db, const float *dout, const float *in, const float *w,
-                        int rows, int IN, int OUT, int accumulate);
-/* LayerNorm without affine (eps 1e-6): xhat, and the per-row rstd the backward needs. */
-void tr_layernorm_forward(float *xhat, float *rstd, const float *x, int rows, int d);
-/* dx += rstd · (dxhat − mean(dxhat) − xhat · mean(dxhat ∘ xhat)) per row. */
-void tr_layernorm_backward(float *dx, const float *dxhat, const float *xhat, const float *rstd, int rows, int d);
-/* GELU, tanh approximation (DiT's). */
-float tr_gelu(float x);
-float tr_gelu_grad(float x);
-float tr_silu(float x);
-float tr_silu_grad(float x);
 
 /* ---------------------------------------------------------------- data */
 
@@ -213,17 +220,20 @@ double tr_uniform(uint64_t *state);
 double tr_normal(uint64_t *state);
 
 typedef struct {
-    float *m, *v; /* AdamW moments, the parameters' layout */
+    float *m, *v; /* AdamW moments, the parameters' layout, in the model's ops memory */
     size_t n;
     int64_t step;  /* optimizer steps taken */
+    tr_ops *ops;   /* the model's, which allocated m and v */
 } tr_adamw;
 
-int tr_adamw_init(tr_adamw *opt, size_t n);
+/* Zero moments for model m, in its ops memory. Returns 0, or -1 with a message. */
+int tr_adamw_init(tr_adamw *opt, tr_model *m, char *err, size_t err_len);
 void tr_adamw_free(tr_adamw *opt);
 /* One AdamW step with bias correction; decoupled weight decay on tensors with decay set. */
-void tr_adamw_step(tr_adamw *opt, tr_model *m, double lr, double beta1, double beta2, double eps, double wd);
-/* Scales the gradients so that their global L2 norm is at most max_norm (if > 0). Returns the norm before. */
-double tr_clip_grad_norm(tr_model *m, double max_norm);
+int tr_adamw_step(tr_adamw *opt, tr_model *m, double lr, double beta1, double beta2, double eps, double wd,
+                  char *err, size_t err_len);
+/* Scales the gradients so that their global L2 norm is at most max_norm (if > 0); *norm = the norm before. */
+int tr_clip_grad_norm(tr_model *m, double max_norm, double *norm, char *err, size_t err_len);
 
 /* Builds one batch for `step`, a pure function of (cfg->seed, step): clean videos x0, classes y,
  * times t ~ U(0,1), noise eps and x_t = (1 − t)·x0 + t·eps. Arrays of batch cfg->batch. */
