@@ -60,4 +60,15 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
     return (fwd_tile){4, 3, 0};
 }
 
+/* 1: run forward_sm90.cu's wgmma kernel (when the build has its sm_90a image) instead of the
+ * mma.sync tile above. Only sm_90 (H100/H200) has wgmma; sm_100/sm_120 have none of it (sm_120
+ * keeps mma.sync, sm_100's tcgen05 is not written). Two 64-row warpgroups per CTA (bq = 128), 64-key
+ * tiles, 2 stages, two CTAs per SM: the mma.sync kernel spends its issue slots on ldmatrix and
+ * 16×8 MMAs (issue-bound, tensor pipe 47.5 % busy at 330 TFLOP/s); wgmma reads Q, K and V from
+ * shared memory itself. Measured: see experiments/BENCHMARKS.md (the wgmma section). */
+static inline int fwd_use_wgmma(int cc_major, int cc_minor, int D)
+{
+    return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128);
+}
+
 #endif
