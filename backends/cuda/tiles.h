@@ -60,15 +60,27 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
     return (fwd_tile){4, 3, 0};
 }
 
-/* 1: run forward_sm90.cu's wgmma kernel (when the build has its sm_90a image) instead of the
- * mma.sync tile above. Only sm_90 (H100/H200) has wgmma; sm_100/sm_120 have none of it (sm_120
- * keeps mma.sync, sm_100's tcgen05 is not written). Two 64-row warpgroups per CTA (bq = 128), 64-key
- * tiles, 2 stages, two CTAs per SM: the mma.sync kernel spends its issue slots on ldmatrix and
- * 16×8 MMAs (issue-bound, tensor pipe 47.5 % busy at 330 TFLOP/s); wgmma reads Q, K and V from
- * shared memory itself. Measured: see experiments/BENCHMARKS.md (the wgmma section). */
-static inline int fwd_use_wgmma(int cc_major, int cc_minor, int D)
+/* Which forward kernel a device runs: forward.cu's mma.sync tile (above) or one of forward_sm90.cu's
+ * wgmma variants, when the build has its sm_90a image. Only sm_90 (H100/H200) has wgmma; sm_100 and
+ * sm_120 have none (sm_120 keeps mma.sync, sm_100's tcgen05 is not written). Each wgmma variant runs
+ * two 64-row warpgroups per CTA (bq = 128) over 64-key tiles with two-slot K and V rings:
+ *   FWD_WGMMA_SERIAL   S = Q·Kᵀ (Q and K from shared memory), softmax, P·V, each to completion;
+ *                      ≤ 128 registers, two CTAs per SM
+ *   FWD_WGMMA_OVERLAP  S(t+1) and P(t)·V(t) in flight during the softmax of tile t+1; at D = 128
+ *                      that needs more than 128 registers (ptxas serializes the wgmma otherwise),
+ *                      hence one CTA per SM; D = 64 keeps two
+ *   FWD_WGMMA_QREGS    OVERLAP with Q in registers (S reads only K from shared memory)
+ * Why wgmma at all: the mma.sync kernel is issue-bound on sm_90 (ldmatrix + 16×8 MMAs, tensor pipe
+ * 47.5 % busy at 330 TFLOP/s). Measured (experiments/BENCHMARKS.md, wgmma section): SERIAL at D = 128
+ * 448 TFLOP/s dense against 328 for mma.sync. SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-serial|
+ * wgmma-overlap|wgmma-qregs overrides this for benchmarks. */
+typedef enum { FWD_MMA, FWD_WGMMA_SERIAL, FWD_WGMMA_OVERLAP, FWD_WGMMA_QREGS } fwd_kernel_kind;
+
+static inline fwd_kernel_kind fwd_kernel_for(int cc_major, int cc_minor, int D)
 {
-    return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128);
+    if (cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128))
+        return FWD_WGMMA_SERIAL;
+    return FWD_MMA;
 }
 
 #endif
