@@ -15,12 +15,12 @@
  *
  * Layers: kernel (templated on dtype, D, warps, stages, score split) → launcher → entry point.
  *
- * On sm_90 a wgmma kernel of forward_sm90.cu runs instead (tiles.h, fwd_kernel_for); this file
- * then only validates, orders and fills the parameters.
+ * On sm_90 the wgmma kernel of forward_sm90.cu runs instead when the build has it (tiles.h,
+ * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
  *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
  * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off;
- * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-serial|wgmma-overlap|wgmma-qregs forces a kernel (tiles.h). */
+ * SPARGE_CUDA_FWD_KERNEL=mma|wgmma forces either kernel. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -469,28 +469,16 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
     }
 
-    fwd_kernel_kind kind = fwd_kernel_for(ctx->cc_major, ctx->cc_minor, (int)D);
     const char *kernel_env = getenv("SPARGE_CUDA_FWD_KERNEL");
-    if (kernel_env) {
-        static const char *const names[] = {"mma", "wgmma-serial", "wgmma-overlap", "wgmma-qregs"};
-        int found = !strcmp(kernel_env, "wgmma");
-        if (found && kind == FWD_MMA)
-            kind = FWD_WGMMA_SERIAL;
-        for (int i = 0; i < 4 && !found; i++)
-            if (!strcmp(kernel_env, names[i]))
-                kind = (fwd_kernel_kind)i, found = 1;
-        if (!found)
-            return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_KERNEL must be mma, wgmma, wgmma-serial, "
-                               "wgmma-overlap or wgmma-qregs, got \"%s\"", kernel_env);
-    }
-    if (kind != FWD_MMA && !sparge_cuda_wgmma_forward_available(ctx)) {
-        if (kernel_env) /* asked for; otherwise a build without sm_90a keeps the mma.sync kernel */
-            return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward needs an sm_90 device and a build with "
-                               "sm_90a (device is sm_%d%d)", ctx->cc_major, ctx->cc_minor);
-        kind = FWD_MMA;
-    }
-    if (kind != FWD_MMA)
-        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, kind);
+    if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_KERNEL must be \"mma\" or \"wgmma\", got "
+                           "\"%s\"", kernel_env);
+    const int wgmma_ok = sparge_cuda_wgmma_forward_available(ctx);
+    if (kernel_env && !strcmp(kernel_env, "wgmma") && !wgmma_ok)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: SPARGE_CUDA_FWD_KERNEL=wgmma needs an sm_90 device and a "
+                           "build with sm_90a (device is sm_%d%d)", ctx->cc_major, ctx->cc_minor);
+    if (kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok && fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, (int)D))
+        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D);
 
     fwd_tile tile = fwd_tile_for(ctx->cc_major, ctx->cc_minor, (int)D);
     const char *tile_env = getenv("SPARGE_CUDA_FWD_TILE");

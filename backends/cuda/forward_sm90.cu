@@ -28,7 +28,6 @@
 
 #include "forward.h"
 #include "mma.cuh"
-#include "tiles.h"
 
 #ifdef SPARGE_CUDA_SM90A
 
@@ -37,7 +36,7 @@ using namespace sparge_mma;
 namespace {
 
 constexpr int BLOCK_Q = FWD_BLOCK_Q, TILE_K = FWD_TILE_K;
-constexpr int WG_ROWS = 64, THREADS = 256, RING_SLOTS = 2; /* per ring, K and V each */
+constexpr int WG_ROWS = 64, THREADS = 256, STAGES = 2;
 constexpr int PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PANEL_ROW_BYTES;
 
 template <int D>
@@ -46,7 +45,7 @@ struct wg_traits {
     static constexpr int PANEL_BYTES = WG_ROWS * PANEL_ROW_BYTES; /* 64 rows × 64 elements */
     static constexpr int REGION_BYTES = WG_ROWS * D * 2;          /* 64 rows × D */
     static constexpr int Q_BYTES = (BLOCK_Q / WG_ROWS) * REGION_BYTES;
-    static constexpr int SMEM_BYTES = Q_BYTES + 2 * RING_SLOTS * REGION_BYTES + 1024; /* + alignment slack */
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * REGION_BYTES + 1024; /* + alignment slack */
     static_assert(TILE_K == WG_ROWS, "a K or V tile is one 64-row region");
 };
 
@@ -160,41 +159,10 @@ __device__ __forceinline__ void wgmma_rs_t<gpu_half, 128>(float d[64], const uin
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-/* d (64×64 f32) = (accumulate ? d : 0) + A·Bᵀ, A in registers, B K-major in shared memory. */
-template <typename T>
-__device__ __forceinline__ void wgmma_rs_n64(float d[32], const uint32_t a[4], uint64_t desc_b, int accumulate);
-
-template <>
-__device__ __forceinline__ void wgmma_rs_n64<gpu_bf16>(float d[32], const uint32_t a[4], uint64_t desc_b, int accumulate)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs_n64<gpu_half>(float d[32], const uint32_t a[4], uint64_t desc_b, int accumulate)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-
 /* ---------------------------------------------------------------- kernel */
 
-/* The variants (tiles.h, fwd_kernel_kind): OVERLAP issues S(t+1) and P(t)·V(t) before the softmax of
- * tile t+1 (which then overlaps P·V on the tensor cores); Q_REGS keeps the warpgroup's Q rows in
- * registers as the A operand of S (half the shared-memory reads of S = Q·Kᵀ). Either holds more
- * registers, so at D = 128 they run one CTA per SM (≤ 255 registers) instead of two (≤ 128). */
-template <int D, bool OVERLAP, bool Q_REGS>
-constexpr int wg_ctas_per_sm() { return D == 128 && (OVERLAP || Q_REGS) ? 1 : 2; }
-
-template <typename T, int D, bool OVERLAP, bool Q_REGS>
-__global__ void __launch_bounds__(THREADS, wg_ctas_per_sm<D, OVERLAP, Q_REGS>()) wgmma_fwd_kernel(const fwd_params p)
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = wg_traits<D>;
@@ -221,75 +189,70 @@ __global__ void __launch_bounds__(THREADS, wg_ctas_per_sm<D, OVERLAP, Q_REGS>())
     };
 
     const uint32_t q_smem = smem0;
-    auto k_smem = [&](int t) { return q_smem + W::Q_BYTES + (t % RING_SLOTS) * W::REGION_BYTES; };
-    auto v_smem = [&](int t) { return q_smem + W::Q_BYTES + (RING_SLOTS + t % RING_SLOTS) * W::REGION_BYTES; };
-    auto load_k = [&](int t) { /* one cp.async group, empty past the last tile */
-        if (t < n_tiles)
-            load_tile<T, D, TILE_K>(k_smem(t), k, p.k_sn, tile_key0(t), p.Nk, tid);
-        cp_async_commit();
+    auto k_smem = [&](int stage) { return q_smem + W::Q_BYTES + stage * 2 * W::REGION_BYTES; };
+    auto v_smem = [&](int stage) { return k_smem(stage) + W::REGION_BYTES; };
+    auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
+        if (t < n_tiles) {
+            int key0 = tile_key0(t);
+            load_tile<T, D, TILE_K>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
+            cp_async_commit();
+            load_tile<T, D, TILE_K>(v_smem(t % STAGES), v, p.v_sn, key0, p.Nk, tid);
+            cp_async_commit();
+        } else {
+            cp_async_commit();
+            cp_async_commit();
+        }
     };
-    auto load_v = [&](int t) {
-        if (t < n_tiles)
-            load_tile<T, D, TILE_K>(v_smem(t), v, p.v_sn, tile_key0(t), p.Nk, tid);
-        cp_async_commit();
-    };
-    /* Every thread's cp.async of the groups waited for are done; make them visible to wgmma. */
-    auto tiles_landed_barrier = [&]() {
-        fence_proxy_async();
-        __syncthreads();
-    };
+
+    /* Groups in commit order: Q, K0, V0, K1, V1, ... */
+    load_tile<T, D, BLOCK_Q>(q_smem, q, p.q_sn, q0, p.Nq, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; t++)
+        issue_tile(t);
 
     /* This thread's accumulator rows inside the warpgroup's 64: r0 and r0 + 8 (e = 0,1 and 2,3). */
     const int row0 = (wg_tid >> 5) * 16 + frag_row(lane);
     const uint32_t q_wg = q_smem + wg * W::REGION_BYTES;
 
-    uint32_t q_frag[Q_REGS ? D / 16 : 1][4]; /* Q as A fragments, k steps of 16 */
     float o_acc[D_TILES][4];
-    float s[N_TILES][4];         /* scores of one tile, then its probabilities */
-    uint32_t pa[TILE_K / 16][4]; /* P as 16-bit A fragments for P·V */
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
-    float alpha[2];
 #pragma unroll
     for (int dt = 0; dt < D_TILES; dt++)
 #pragma unroll
         for (int e = 0; e < 4; e++)
             o_acc[dt][e] = 0.0f;
 
-    /* S = Q·K(t)ᵀ into s, issued and committed as one wgmma group. */
-    auto issue_scores = [&](int t) {
-        const uint32_t k_tile = k_smem(t);
+    for (int t = 0; t < n_tiles; t++) {
+        const int stage = t % STAGES;
+        /* K(t) landed; every warpgroup is done with tile t-1, whose buffers the prefetch reuses. */
+        cp_async_wait<2 * STAGES - 3>();
+        fence_proxy_async();
+        __syncthreads();
+        issue_tile(t + STAGES - 1);
+
+        float s[N_TILES][4];
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 fence_operand(s[nt][e] = 0.0f);
-        if constexpr (Q_REGS)
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    fence_operand(q_frag[Q_REGS ? kk : 0][e]);
+        const uint32_t k_tile = k_smem(stage);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             const uint32_t k_off = (kk >> 2) * W::PANEL_BYTES + (kk & 3) * 32;
-            if constexpr (Q_REGS)
-                wgmma_rs_n64<T>(&s[0][0], q_frag[Q_REGS ? kk : 0], sw128_desc(k_tile + k_off, 16, CORE_GROUP_BYTES), 1);
-            else
-                wgmma_ss_n64<T>(&s[0][0], sw128_desc(q_wg + k_off, 16, CORE_GROUP_BYTES),
-                                sw128_desc(k_tile + k_off, 16, CORE_GROUP_BYTES), 1);
+            wgmma_ss_n64<T>(&s[0][0], sw128_desc(q_wg + k_off, 16, CORE_GROUP_BYTES),
+                            sw128_desc(k_tile + k_off, 16, CORE_GROUP_BYTES), 1);
         }
         wgmma_commit();
-    };
-    /* Online softmax of tile t's scores (forward.cu's arithmetic), rows r0 (e = 0,1) and r0 + 8
-     * (e = 2,3): s becomes exp2(s·scale − max), the statistics advance, alpha is the factor O
-     * must be rescaled by before P(t)·V(t) accumulates. O itself is not touched here. */
-    auto softmax = [&](int t) {
+        wgmma_wait<0>();
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 fence_operand(s[nt][e]);
+
         const int key0 = tile_key0(t);
         if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
 #pragma unroll
@@ -299,6 +262,8 @@ __global__ void __launch_bounds__(THREADS, wg_ctas_per_sm<D, OVERLAP, Q_REGS>())
                     if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
                         s[nt][e] = -INFINITY;
         }
+
+        /* Online softmax, rows r0 (e = 0,1) and r0 + 8 (e = 2,3): forward.cu's arithmetic. */
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             float mx = -INFINITY;
@@ -308,7 +273,7 @@ __global__ void __launch_bounds__(THREADS, wg_ctas_per_sm<D, OVERLAP, Q_REGS>())
             mx = quad_max(mx) * p.scale_log2;
             const float m_new = fmaxf(row_max[r], mx);
             const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* no (-inf) - (-inf) */
-            alpha[r] = exp2f(row_max[r] - m_use);
+            const float alpha = exp2f(row_max[r] - m_use);
             row_max[r] = m_new;
             float sum = 0.0f;
 #pragma unroll
@@ -318,56 +283,22 @@ __global__ void __launch_bounds__(THREADS, wg_ctas_per_sm<D, OVERLAP, Q_REGS>())
                     s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -m_use));
                     sum += s[nt][e];
                 }
-            row_sum[r] = row_sum[r] * alpha[r] + sum;
-        }
-    };
-    /* After the previous P·V completed: O *= alpha, P = s packed to 16 bits. */
-    auto rescale_and_pack = [&]() {
+            row_sum[r] = row_sum[r] * alpha + sum;
 #pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                fence_operand(o_acc[dt][e]);
-                o_acc[dt][e] *= alpha[e >> 1];
+            for (int dt = 0; dt < D_TILES; dt++) {
+                o_acc[dt][2 * r] *= alpha;
+                o_acc[dt][2 * r + 1] *= alpha;
             }
+        }
+        uint32_t pa[TILE_K / 16][4];
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; kk++)
             c_pair_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-    };
 
-    /* Pipeline (one warpgroup's view; both run it in step, the barriers are CTA-wide):
-     *   OVERLAP, iteration t: [K(t+1) landed] issue S(t+1) | [V(t) landed] issue P(t)·V(t) |
-     *                 softmax(t+1) while both run | wait P·V(t): O *= alpha, P(t+1)
-     * so the tensor cores work on P(t)·V(t) during the exponentials of tile t+1; without OVERLAP
-     * P(t)·V(t) and S(t+1) each run to completion before the next step. K and V have
-     * separate two-slot rings: K(t+2) and V(t+1) are loaded right after the first barrier of
-     * iteration t, when every warpgroup has finished S(t) and P(t-1)·V(t-1), the last readers
-     * of their slots. cp.async groups in commit order: Q, K0, K1, V0, then per iteration
-     * K(t+2), V(t+1); the waits count the groups committed after the one needed. */
-    load_tile<T, D, BLOCK_Q>(q_smem, q, p.q_sn, q0, p.Nq, tid);
-    cp_async_commit();
-    load_k(0);
-    load_k(1);
-    load_v(0);
-    if (n_tiles > 0) {
-        cp_async_wait<2>(); /* Q, K0 */
-        tiles_landed_barrier();
-        if constexpr (Q_REGS) { /* ldmatrix from the swizzled panels: lane rows (lane & 15), chunk pair by lane >> 4 */
-            const int q_row = wg * WG_ROWS + (wg_tid >> 5) * 16 + lane_a_row(lane);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; kk++)
-                ldmatrix_x4(q_frag[Q_REGS ? kk : 0], q_smem + panel_offset<D>(q_row, 2 * kk + lane_a_chunk(lane)));
-        }
-        issue_scores(0);
-        wgmma_wait<0>();
-        softmax(0);
-        rescale_and_pack();
-    }
-    /* P(t)·V(t) into O, issued and committed as one wgmma group once V(t) landed. */
-    auto issue_pv = [&](int t) {
-        cp_async_wait<2>(); /* V(t) */
-        tiles_landed_barrier();
-        const uint32_t v_tile = v_smem(t);
+        cp_async_wait<2 * STAGES - 2>(); /* V(t) landed */
+        fence_proxy_async();
+        __syncthreads();
+        const uint32_t v_tile = v_smem(stage);
 #pragma unroll
         for (int dt = 0; dt < D_TILES; dt++)
 #pragma unroll
@@ -384,39 +315,6 @@ __global__ void __launch_bounds__(THREADS, wg_ctas_per_sm<D, OVERLAP, Q_REGS>())
             wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], sw128_desc(v_tile + kk * 2 * CORE_GROUP_BYTES, W::PANEL_BYTES,
                                                                CORE_GROUP_BYTES));
         wgmma_commit();
-    };
-    /* The start of iteration t: K(t+1) landed, the slots of K(t) and V(t-1) are free. */
-    auto next_loads = [&](int t) {
-        cp_async_wait<1>(); /* K(t+1) */
-        tiles_landed_barrier();
-        load_k(t + 2);
-        load_v(t + 1);
-    };
-    for (int t = 0; t + 1 < n_tiles; t++) {
-        next_loads(t);
-        if constexpr (OVERLAP) {
-            issue_scores(t + 1);
-            issue_pv(t);
-            wgmma_wait<1>(); /* S(t+1); P(t)·V(t) may still run */
-            softmax(t + 1);
-            wgmma_wait<0>();
-        } else {
-            issue_pv(t);
-            wgmma_wait<0>();
-            issue_scores(t + 1);
-            wgmma_wait<0>();
-            softmax(t + 1);
-        }
-#pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(pa[kk][e]);
-        rescale_and_pack();
-    }
-    if (n_tiles > 0) { /* the last tile: P·V alone */
-        next_loads(n_tiles - 1);
-        issue_pv(n_tiles - 1);
         wgmma_wait<0>();
 #pragma unroll
         for (int dt = 0; dt < D_TILES; dt++)
@@ -457,7 +355,7 @@ __global__ void __launch_bounds__(THREADS, wg_ctas_per_sm<D, OVERLAP, Q_REGS>())
 #endif
 }
 
-template <typename T, int D, bool OVERLAP, bool Q_REGS>
+template <typename T, int D>
 sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
     constexpr int SMEM = wg_traits<D>::SMEM_BYTES;
@@ -465,7 +363,7 @@ sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward (D=%d) needs %d bytes of shared memory, "
                            "the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = wgmma_fwd_kernel<T, D, OVERLAP, Q_REGS>;
+    auto kernel = wgmma_fwd_kernel<T, D>;
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     kernel<<<(unsigned)n_items, THREADS, SMEM, ctx->stream>>>(p);
@@ -479,28 +377,18 @@ int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
     cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128, false, false>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }
     return 1;
 }
 
-template <typename T>
-sparge_status dispatch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, int D, fwd_kernel_kind kind)
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
 {
-    if (kind == FWD_WGMMA_SERIAL)
-        return D == 128 ? launch<T, 128, false, false>(ctx, p, n_items) : launch<T, 64, false, false>(ctx, p, n_items);
-    if (kind == FWD_WGMMA_OVERLAP)
-        return D == 128 ? launch<T, 128, true, false>(ctx, p, n_items) : launch<T, 64, true, false>(ctx, p, n_items);
-    return D == 128 ? launch<T, 128, true, true>(ctx, p, n_items) : launch<T, 64, true, true>(ctx, p, n_items);
-}
-
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        fwd_kernel_kind kind)
-{
-    return dt == SPARGE_BF16 ? dispatch<gpu_bf16>(ctx, p, n_items, D, kind)
-                             : dispatch<gpu_half>(ctx, p, n_items, D, kind);
+    if (dt == SPARGE_BF16)
+        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, n_items) : launch<gpu_bf16, 64>(ctx, p, n_items);
+    return D == 128 ? launch<gpu_half, 128>(ctx, p, n_items) : launch<gpu_half, 64>(ctx, p, n_items);
 }
 
 #else /* no sm_90a image in this build */
@@ -511,10 +399,9 @@ int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
     return 0;
 }
 
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        fwd_kernel_kind kind)
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
 {
-    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)kind;
+    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma forward (configure "
                        "--with-cuda-arch with 90)");
 }
