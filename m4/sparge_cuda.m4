@@ -36,9 +36,16 @@ AC_DEFUN([SPARGE_CUDA], [
               [NVCC_GENCODE="$NVCC_GENCODE -gencode arch=compute_$a,code=sm_$a"],
               [AC_MSG_ERROR([--with-cuda-arch: '$a' is not a compute capability like 80, 90 or 120])])
     done
+    dnl The Hopper forward (forward_sm90.cu) is built for sm_90a alone when 90 is in the list; the
+    dnl define tells its host code that the kernel image exists. Without 90 it compiles to a stub.
+    NVCC_GENCODE_SM90A=
+    for a in $with_cuda_arch; do
+      AS_CASE([$a], [90|90a], [NVCC_GENCODE_SM90A="-gencode arch=compute_90a,code=sm_90a -DSPARGE_CUDA_SM90A=1"])
+    done
     dnl The highest arch also ships PTX so newer GPUs can JIT it.
     sparge_cuda_last=$(echo $with_cuda_arch | awk '{print $NF}')
     NVCC_GENCODE="$NVCC_GENCODE -gencode arch=compute_$sparge_cuda_last,code=compute_$sparge_cuda_last"
+    AS_IF([test -z "$NVCC_GENCODE_SM90A"], [NVCC_GENCODE_SM90A=$NVCC_GENCODE])
     CUDA_CPPFLAGS="-I$CUDA_HOME/include"
     CUDA_LIBS="-L$CUDA_HOME/lib64 -Wl,-rpath,$CUDA_HOME/lib64 -lcudart"
     AC_DEFINE([SPARGE_HAVE_CUDA], [1], [CUDA backend built])
@@ -47,6 +54,6 @@ AC_DEFUN([SPARGE_CUDA], [
     sparge_cuda_summary="yes ($NVCC, sm: $with_cuda_arch)"
   ], [test "x$with_cuda" = xno], [sparge_cuda_summary="no (disabled)"],
      [SPARGE_WARN([CUDA not found: the CUDA backend is not built (use --with-cuda=DIR)])])
-  AC_SUBST([NVCC]) AC_SUBST([NVCC_GENCODE]) AC_SUBST([CUDA_CPPFLAGS]) AC_SUBST([CUDA_LIBS])
+  AC_SUBST([NVCC]) AC_SUBST([NVCC_GENCODE]) AC_SUBST([NVCC_GENCODE_SM90A]) AC_SUBST([CUDA_CPPFLAGS]) AC_SUBST([CUDA_LIBS])
   AM_CONDITIONAL([HAVE_CUDA], [test "x$have_cuda" = xyes])
 ])

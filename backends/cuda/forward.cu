@@ -15,14 +15,19 @@
  *
  * Layers: kernel (templated on dtype, D, warps, stages, score split) → launcher → entry point.
  *
+ * On sm_90 the wgmma kernel of forward_sm90.cu runs instead when the build has it (tiles.h,
+ * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
+ *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
- * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off. */
+ * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off;
+ * SPARGE_CUDA_FWD_KERNEL=mma|wgmma forces either kernel. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "forward.h"
 #include "mma.cuh"
 #include "tiles.h"
 
@@ -30,22 +35,7 @@ using namespace sparge_mma;
 
 namespace {
 
-constexpr int BLOCK_Q = 128; /* query rows per CTA (= the mask's bq) */
-constexpr int TILE_K = 64;   /* keys per compute tile */
-
-struct fwd_params {
-    const void *q, *k, *v;
-    void *o;
-    int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn;
-    int H, Nq, Nk;
-    int Nqb;       /* query blocks per (b, h) */
-    int Nkb;       /* row stride of the CSR indices (mask) or 64-key tiles per row (dense) */
-    int sub_shift; /* log2(bk / 64): compute tiles per kept block */
-    const int32_t *counts, *indices; /* NULL: dense */
-    const int32_t *order;            /* launch order of (bh, i) work items; NULL: identity */
-    float *lse;
-    float scale_log2; /* softmax scale · log2(e): scores are exponentiated with exp2 */
-};
+constexpr int BLOCK_Q = FWD_BLOCK_Q, TILE_K = FWD_TILE_K;
 
 template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
 struct fwd_kernel_traits {
@@ -280,10 +270,10 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         }
     }
     cp_async_wait<0>();
+    __syncthreads(); /* every thread's copies landed (Q, when no tile ran) before O is staged over Q */
 
     /* Epilogue: normalize, LSE, then stage O through this warp's own Q rows (only
      * this warp ever read them) for 16-byte coalesced stores. */
-    __syncwarp();
     unsigned char *o_stage = smem + warp_row0 * D * 2;
 #pragma unroll
     for (int mt = 0; mt < M_TILES; mt++) {
@@ -478,6 +468,17 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     } else {
         p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
     }
+
+    const char *kernel_env = getenv("SPARGE_CUDA_FWD_KERNEL");
+    if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_KERNEL must be \"mma\" or \"wgmma\", got "
+                           "\"%s\"", kernel_env);
+    const int wgmma_ok = sparge_cuda_wgmma_forward_available(ctx);
+    if (kernel_env && !strcmp(kernel_env, "wgmma") && !wgmma_ok)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: SPARGE_CUDA_FWD_KERNEL=wgmma needs an sm_90 device and a "
+                           "build with sm_90a (device is sm_%d%d)", ctx->cc_major, ctx->cc_minor);
+    if (kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok && fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, (int)D))
+        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D);
 
     fwd_tile tile = fwd_tile_for(ctx->cc_major, ctx->cc_minor, (int)D);
     const char *tile_env = getenv("SPARGE_CUDA_FWD_TILE");

@@ -60,4 +60,23 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
     return (fwd_tile){4, 3, 0};
 }
 
+/* 1: run forward_sm90.cu's wgmma kernel (when the build has its sm_90a image) instead of the
+ * mma.sync tile above. Only sm_90 (H100/H200) has wgmma; sm_100/sm_120 have none of it (sm_120
+ * keeps mma.sync, sm_100's tcgen05 is not written). Two 64-row warpgroups per CTA (bq = 128), 64-key
+ * tiles, one 2-stage K/V ring, 128 registers (D = 128: 8 bytes spilled; D = 64: 113), two CTAs per
+ * SM. The mma.sync kernel is issue-bound on sm_90 (ldmatrix + 16×8 MMAs, tensor pipe 47.5 % busy);
+ * wgmma reads Q, K and V from shared memory itself. Measured on the H200 (B=1 H=12 N=32760 bf16,
+ * experiments/BENCHMARKS.md, wgmma section):
+ *   D = 128: dense 448 TFLOP/s (mma.sync 328), 95 % Top-k 0.795 ms (1.060)
+ *   D = 64:  dense 320 TFLOP/s (mma.sync 292), 95 % 0.558 ms (0.618)
+ * Variants measured and dropped (commit f06752c): separate K/V rings with P(t)·V(t) before S(t+1)
+ * 428 TFLOP/s at D = 128; S(t+1) and P(t)·V(t) in flight during the softmax (FA3's intra-warpgroup
+ * overlap) needs > 128 registers at D = 128 (ptxas serializes the wgmma and spills), so one CTA per
+ * SM: 340; the same with Q in registers (S reads only K from shared memory): 346; at D = 64 both
+ * fit two CTAs per SM and tie with this kernel (±2 %). */
+static inline int fwd_use_wgmma(int cc_major, int cc_minor, int D)
+{
+    return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128);
+}
+
 #endif

@@ -1,0 +1,409 @@
+/* Block-sparse attention forward for Hopper (sm_90a): warpgroup MMA (wgmma.mma_async).
+ *
+ * Same contract and arithmetic as forward.cu's mma.sync kernel (one CTA per (b, h, query
+ * block of 128 rows), only the kept key blocks of the CSR mask, tiles of 64 keys, fp32 online
+ * softmax in the exp2 domain, O in the input dtype, fp32 LSE), with the tensor-core work moved
+ * to wgmma: two warpgroups of 128 threads each own 64 query rows;
+ *   S = Q·Kᵀ   m64n64k16, Q and K read from shared memory through matrix descriptors,
+ *   O += P·V   m64nDk16, P from registers (the S accumulator layout packed to 16 bits is the
+ *              A-fragment layout), V from shared memory as an MN-major operand (transpose bit).
+ * Two CTAs share an SM (≤ 128 registers, 2 × 97 KB of shared memory at D = 128), so one CTA's
+ * softmax overlaps the other's MMAs.
+ *
+ * Shared-memory layout: every tile is made of 64-row regions (a warpgroup's Q rows, a K or a V
+ * tile); a region holds D/64 panels of 64 rows × 128 bytes (64 elements of one row), each in the
+ * 128-byte swizzle (16-byte chunk c of row r at chunk position c ^ (r & 7)), 1024-byte aligned.
+ * That is the canonical SWIZZLE_128B layout of the PTX ISA's matrix descriptors:
+ *   K-major (Q and K for Q·Kᵀ): 8-row core groups 1024 bytes apart (SBO); a 16-wide k step is
+ *     +32 bytes inside a panel, panels are k steps 4 apart;
+ *   MN-major (V for P·V): 8-key groups 1024 bytes apart (SBO), 64-column panels 64·128 bytes
+ *     apart (LBO).
+ * Tiles are filled by cp.async (zero-filled past N); the writes reach wgmma (async proxy)
+ * through fence.proxy.async before the CTA barrier.
+ *
+ * The kernel body exists only in the sm_90a image (this file is compiled for sm_90a alone when
+ * configure's arch list has 90, see m4/sparge_cuda.m4); without it the entry reports the
+ * kernel unavailable and forward.cu keeps its mma.sync kernel. */
+#include <math.h>
+
+#include "forward.h"
+#include "mma.cuh"
+
+#ifdef SPARGE_CUDA_SM90A
+
+using namespace sparge_mma;
+
+namespace {
+
+constexpr int BLOCK_Q = FWD_BLOCK_Q, TILE_K = FWD_TILE_K;
+constexpr int WG_ROWS = 64, THREADS = 256, STAGES = 2;
+constexpr int PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PANEL_ROW_BYTES;
+
+template <int D>
+struct wg_traits {
+    static constexpr int ROW_CHUNKS = D / 8;
+    static constexpr int PANEL_BYTES = WG_ROWS * PANEL_ROW_BYTES; /* 64 rows × 64 elements */
+    static constexpr int REGION_BYTES = WG_ROWS * D * 2;          /* 64 rows × D */
+    static constexpr int Q_BYTES = (BLOCK_Q / WG_ROWS) * REGION_BYTES;
+    static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * REGION_BYTES + 1024; /* + alignment slack */
+    static_assert(TILE_K == WG_ROWS, "a K or V tile is one 64-row region");
+};
+
+/* Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 64-row regions (layout above). */
+template <int D>
+__device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
+{
+    return (uint32_t)((row / WG_ROWS) * wg_traits<D>::REGION_BYTES + (chunk >> 3) * wg_traits<D>::PANEL_BYTES +
+                      (row % WG_ROWS) * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+/* cp.async ROWS rows of D elements from row0 into a tile at dst; rows at or past `limit` are
+ * zero-filled. Not unrolled, like forward.cu's load_rows (address registers). */
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
+{
+    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
+    static_assert(ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "bad tile split");
+    const int ch = tid % ROW_CHUNKS;
+    int r = tid / ROW_CHUNKS;
+    const T *src = base + (int64_t)(row0 + r) * sn + ch * 8;
+#pragma unroll 1
+    for (; r < ROWS; r += ROW_STEP) {
+        const bool ok = row0 + r < limit;
+        cp_async_16(dst + panel_offset<D>(r, ch), ok ? src : base, ok);
+        src += ROW_STEP * sn;
+    }
+}
+
+/* ---------------------------------------------------------------- wgmma */
+
+/* Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "Matrix Descriptor Format"). */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo)
+{
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* Keeps the compiler from moving accesses of an accumulator register across wgmma fences/waits. */
+__device__ __forceinline__ void fence_operand(float &r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(uint32_t &r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+/* d (64×64 f32, accumulator layout) = (accumulate ? d : 0) + A·Bᵀ, A and B K-major in shared memory. */
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n64(float d[32], uint64_t desc_a, uint64_t desc_b, int accumulate);
+/* d (64×N f32) += A·B, A in registers (4 per thread), B MN-major in shared memory. */
+template <typename T, int N>
+__device__ __forceinline__ void wgmma_rs_t(float d[N / 2], const uint32_t a[4], uint64_t desc_b);
+
+template <>
+__device__ __forceinline__ void wgmma_ss_n64<gpu_bf16>(float d[32], uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_t<gpu_bf16, 64>(float d[32], const uint32_t a[4], uint64_t desc_b)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_t<gpu_bf16, 128>(float d[64], const uint32_t a[4], uint64_t desc_b)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_n64<gpu_half>(float d[32], uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_t<gpu_half, 64>(float d[32], const uint32_t a[4], uint64_t desc_b)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_t<gpu_half, 128>(float d[64], const uint32_t a[4], uint64_t desc_b)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+/* ---------------------------------------------------------------- kernel */
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using W = wg_traits<D>;
+    constexpr int N_TILES = TILE_K / 8, D_TILES = D / 8;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
+    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
+    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
+    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
+    const int b = bh / p.H, h = bh - b * p.H;
+    const int q0 = qblock * BLOCK_Q;
+
+    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
+    const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
+    const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+    const int32_t *row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
+    const int n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
+    const int sub_mask = (1 << p.sub_shift) - 1;
+    auto tile_key0 = [&](int t) {
+        int block = row_blocks ? row_blocks[t >> p.sub_shift] : t;
+        return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
+    };
+
+    const uint32_t q_smem = smem0;
+    auto k_smem = [&](int stage) { return q_smem + W::Q_BYTES + stage * 2 * W::REGION_BYTES; };
+    auto v_smem = [&](int stage) { return k_smem(stage) + W::REGION_BYTES; };
+    auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
+        if (t < n_tiles) {
+            int key0 = tile_key0(t);
+            load_tile<T, D, TILE_K>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
+            cp_async_commit();
+            load_tile<T, D, TILE_K>(v_smem(t % STAGES), v, p.v_sn, key0, p.Nk, tid);
+            cp_async_commit();
+        } else {
+            cp_async_commit();
+            cp_async_commit();
+        }
+    };
+
+    /* Groups in commit order: Q, K0, V0, K1, V1, ... */
+    load_tile<T, D, BLOCK_Q>(q_smem, q, p.q_sn, q0, p.Nq, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int t = 0; t < STAGES - 1; t++)
+        issue_tile(t);
+
+    /* This thread's accumulator rows inside the warpgroup's 64: r0 and r0 + 8 (e = 0,1 and 2,3). */
+    const int row0 = (wg_tid >> 5) * 16 + frag_row(lane);
+    const uint32_t q_wg = q_smem + wg * W::REGION_BYTES;
+
+    float o_acc[D_TILES][4];
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            o_acc[dt][e] = 0.0f;
+
+    for (int t = 0; t < n_tiles; t++) {
+        const int stage = t % STAGES;
+        /* K(t) landed; every warpgroup is done with tile t-1, whose buffers the prefetch reuses. */
+        cp_async_wait<2 * STAGES - 3>();
+        fence_proxy_async();
+        __syncthreads();
+        issue_tile(t + STAGES - 1);
+
+        float s[N_TILES][4];
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(s[nt][e] = 0.0f);
+        const uint32_t k_tile = k_smem(stage);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const uint32_t k_off = (kk >> 2) * W::PANEL_BYTES + (kk & 3) * 32;
+            wgmma_ss_n64<T>(&s[0][0], sw128_desc(q_wg + k_off, 16, CORE_GROUP_BYTES),
+                            sw128_desc(k_tile + k_off, 16, CORE_GROUP_BYTES), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(s[nt][e]);
+
+        const int key0 = tile_key0(t);
+        if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
+                        s[nt][e] = -INFINITY;
+        }
+
+        /* Online softmax, rows r0 (e = 0,1) and r0 + 8 (e = 2,3): forward.cu's arithmetic. */
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+                mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            mx = quad_max(mx) * p.scale_log2;
+            const float m_new = fmaxf(row_max[r], mx);
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* no (-inf) - (-inf) */
+            const float alpha = exp2f(row_max[r] - m_use);
+            row_max[r] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; e++) {
+                    s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -m_use));
+                    sum += s[nt][e];
+                }
+            row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; dt++) {
+                o_acc[dt][2 * r] *= alpha;
+                o_acc[dt][2 * r + 1] *= alpha;
+            }
+        }
+        uint32_t pa[TILE_K / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+            c_pair_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+
+        cp_async_wait<2 * STAGES - 2>(); /* V(t) landed */
+        fence_proxy_async();
+        __syncthreads();
+        const uint32_t v_tile = v_smem(stage);
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(o_acc[dt][e]);
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(pa[kk][e]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], sw128_desc(v_tile + kk * 2 * CORE_GROUP_BYTES, W::PANEL_BYTES,
+                                                               CORE_GROUP_BYTES));
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(o_acc[dt][e]);
+    }
+    cp_async_wait<0>();
+    __syncthreads(); /* every thread's copies landed (Q, when no tile ran) before O is staged over Q */
+
+    /* Epilogue: normalize, LSE, then stage O (row-major, forward.cu's swizzle) through this
+     * warpgroup's own Q region, which only its own wgmma ever read, for 16-byte coalesced stores. */
+    unsigned char *o_stage = smem + wg * W::REGION_BYTES;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float l = quad_sum(row_sum[r]);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row_local = row0 + 8 * r;
+        const int row = q0 + wg * WG_ROWS + row_local;
+        if (p.lse && (lane & 3) == 0 && row < p.Nq)
+            p.lse[(int64_t)bh * p.Nq + row] = l > 0.0f ? (row_max[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+            *reinterpret_cast<uint32_t *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
+                pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
+    }
+    __syncthreads();
+    T *o = (T *)p.o + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+    for (int it = 0; it < WG_ROWS * W::ROW_CHUNKS / 128; it++) {
+        const int c = it * 128 + wg_tid;
+        const int row_local = c / W::ROW_CHUNKS, ch = c % W::ROW_CHUNKS;
+        const int row = q0 + wg * WG_ROWS + row_local;
+        if (row < p.Nq)
+            *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
+                *reinterpret_cast<const uint4 *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, ch));
+    }
+#endif
+}
+
+template <typename T, int D>
+sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
+{
+    constexpr int SMEM = wg_traits<D>::SMEM_BYTES;
+    if ((size_t)SMEM > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward (D=%d) needs %d bytes of shared memory, "
+                           "the device allows %zu", D, SMEM, ctx->smem_optin);
+    sparge_status s;
+    auto kernel = wgmma_fwd_kernel<T, D>;
+    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
+        return s;
+    kernel<<<(unsigned)n_items, THREADS, SMEM, ctx->stream>>>(p);
+    return GPU_CHECK_LAUNCH("wgmma_fwd_kernel");
+}
+
+} // namespace
+
+int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
+{
+    if (ctx->cc_major != 9 || ctx->cc_minor != 0)
+        return 0;
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess) {
+        (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
+        return 0;
+    }
+    return 1;
+}
+
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
+{
+    if (dt == SPARGE_BF16)
+        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, n_items) : launch<gpu_bf16, 64>(ctx, p, n_items);
+    return D == 128 ? launch<gpu_half, 128>(ctx, p, n_items) : launch<gpu_half, 64>(ctx, p, n_items);
+}
+
+#else /* no sm_90a image in this build */
+
+int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
+{
+    (void)ctx;
+    return 0;
+}
+
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
+{
+    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D;
+    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma forward (configure "
+                       "--with-cuda-arch with 90)");
+}
+
+#endif
