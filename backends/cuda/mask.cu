@@ -507,7 +507,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
 
     uint32_t T = key_and; /* the boundary key; with no differing bits every key ties */
     packed_t above = 0;   /* count and mass of the keys ordered before the candidates */
-    int tied = n;     /* candidates: the keys that agree with T on the bits fixed so far */
+    int tied = n;         /* candidates: the keys that agree with T on the bits fixed so far */
     const uint32_t differ = key_or ^ key_and;
     if (!whole && differ) {
         int top = 32 - __clz((int)differ); /* bits >= top are fixed */
@@ -590,13 +590,17 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         }
     }
     /* Take ties by ascending index until both bounds hold (the whole tie run does). */
-    const packed_t unit = key_fixed(T), above_mass = above & MASS_BITS;
-    const int64_t above_count = (int64_t)(above >> COUNT_SHIFT);
-    int64_t take = least - above_count > 1 ? least - above_count : 1;
-    if (above_mass + (packed_t)take * unit < need_mass)
-        take = (int64_t)((need_mass - above_mass + unit - 1) / unit); /* unit > 0 here: the run's mass closes the gap */
-    take = take < tied ? take : (int64_t)tied;
-    const packed_t mass = whole ? total : above_mass + (packed_t)take * unit;
+    int64_t take = 0;
+    packed_t mass = total;
+    if (!whole) {
+        const packed_t unit = key_fixed(T), above_mass = above & MASS_BITS;
+        const int64_t above_count = (int64_t)(above >> COUNT_SHIFT);
+        take = least - above_count > 1 ? least - above_count : 1;
+        if (above_mass + (packed_t)take * unit < need_mass) /* then unit > 0: the run's mass closes the gap */
+            take = (int64_t)((need_mass - above_mass + unit - 1) / unit);
+        take = take < tied ? take : (int64_t)tied;
+        mass = above_mass + (packed_t)take * unit;
+    }
 
     /* Dense row, ascending CSR indices and the kept bits, a ballot per register slot. */
     const unsigned long long lower = (1ull << lane) - 1ull;
@@ -629,7 +633,8 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
 
 /* Narrow rows: 6 blocks per SM hold the 3072 rows of the Wan2.1-1.3B shape (12 heads × 256) in one wave. */
 template <int CAP>
-__global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1) fast_select_kernel(select_params p, int64_t first_row, int64_t end_row)
+__global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1)
+    fast_select_kernel(select_params p, int64_t first_row, int64_t end_row)
 {
     __shared__ fast_scratch<CAP> scratch;
     const int warps = FAST_THREADS / SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
