@@ -16,6 +16,7 @@
 #include <rocprim/rocprim.hpp>
 #else
 #include <cub/block/block_radix_sort.cuh>
+#include <mma.h>
 #endif
 
 namespace {
@@ -164,6 +165,75 @@ __global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p, i
                 m[i * p.mn + j * p.md] = acc[r][s] * p.scale;
         }
 }
+
+#ifndef SPARGE_USE_HIP
+/* The same logits on tensor cores (sm_80+, the fast tier only): TF32 with the operands split into
+ * high and low parts, hi·hi + hi·lo + lo·hi accumulated in fp32 ("3xTF32"), about fp32's accuracy.
+ * A 64×64 tile per block, D in chunks of 32 through shared memory; warp w owns rows 16·(w/2) and the
+ * two 16-column fragments at 32·(w%2). */
+constexpr int TC_DCHUNK = 32, TC_LD = TC_DCHUNK + 4, TC_STAGE_LD = 20;
+
+__global__ void __launch_bounds__(MAP_THREADS) map_logits_tf32_kernel(map_params p, int64_t first_tile)
+{
+#if __CUDA_ARCH__ >= 800
+    namespace wmma = nvcuda::wmma;
+    __shared__ __align__(32) float qs[MAP_TILE][TC_LD];
+    __shared__ __align__(32) float ks[MAP_TILE][TC_LD];
+    __shared__ __align__(32) float stage[MAP_THREADS / 32][16][TC_STAGE_LD];
+    const int64_t ktiles = (p.Nkb + MAP_TILE - 1) / MAP_TILE, qtiles = (p.Nqb + MAP_TILE - 1) / MAP_TILE;
+    const int64_t tile = first_tile + blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
+    const int64_t i0 = tile / ktiles % qtiles * MAP_TILE, j0 = tile % ktiles * MAP_TILE;
+    const float *q = p.q + b * p.qb + h * p.qh, *k = p.k + b * p.kb + h * p.kh;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wr = warp / 2 * 16, wc = warp % 2 * 32;
+    wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[2];
+    wmma::fill_fragment(acc[0], 0.0f);
+    wmma::fill_fragment(acc[1], 0.0f);
+    for (int64_t d0 = 0; d0 < p.D; d0 += TC_DCHUNK) {
+        __syncthreads();
+        const int col = threadIdx.x % TC_DCHUNK;
+        const bool d_ok = d0 + col < p.D;
+        for (int r = threadIdx.x / TC_DCHUNK; r < MAP_TILE; r += MAP_THREADS / TC_DCHUNK) {
+            qs[r][col] = d_ok && i0 + r < p.Nqb ? q[(i0 + r) * p.qn + (d0 + col) * p.qd] : 0.0f;
+            ks[r][col] = d_ok && j0 + r < p.Nkb ? k[(j0 + r) * p.kn + (d0 + col) * p.kd] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < TC_DCHUNK; kk += 8) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> a, a_hi, a_lo;
+            wmma::load_matrix_sync(a, &qs[wr][kk], TC_LD);
+            for (int t = 0; t < a.num_elements; t++) {
+                a_hi.x[t] = wmma::__float_to_tf32(a.x[t]);
+                a_lo.x[t] = wmma::__float_to_tf32(a.x[t] - a_hi.x[t]);
+            }
+#pragma unroll
+            for (int f = 0; f < 2; f++) {
+                /* B(d, j) = kbar[j][d]: column-major over the rows of ks. */
+                wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> c, c_hi, c_lo;
+                wmma::load_matrix_sync(c, &ks[wc + 16 * f][kk], TC_LD);
+                for (int t = 0; t < c.num_elements; t++) {
+                    c_hi.x[t] = wmma::__float_to_tf32(c.x[t]);
+                    c_lo.x[t] = wmma::__float_to_tf32(c.x[t] - c_hi.x[t]);
+                }
+                wmma::mma_sync(acc[f], a_lo, c_hi, acc[f]);
+                wmma::mma_sync(acc[f], a_hi, c_lo, acc[f]);
+                wmma::mma_sync(acc[f], a_hi, c_hi, acc[f]);
+            }
+        }
+    }
+    float *m = p.map + b * p.mb + h * p.mh;
+    for (int f = 0; f < 2; f++) {
+        wmma::store_matrix_sync(&stage[warp][0][0], acc[f], TC_STAGE_LD, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const int64_t i = i0 + wr + e / 16, j = j0 + wc + 16 * f + e % 16;
+            if (i < p.Nqb && j < p.Nkb)
+                m[i * p.mn + j * p.md] = stage[warp][e / 16][e % 16] * p.scale;
+        }
+        __syncwarp();
+    }
+#endif
+}
+#endif
 
 /* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
 __global__ void map_softmax_kernel(map_params p, int64_t rows)
@@ -864,13 +934,21 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map for the (b,h) pairs bh0 <= b·H + h < bh1 (after check_map). */
-sparge_status launch_logits(const sparge_map_args *a, gpuStream_t stream, int64_t bh0, int64_t bh1)
+/* The logits scale·qbar kbarᵀ into a->map for the (b,h) pairs bh0 <= b·H + h < bh1 (after check_map);
+ * on tensor cores where the fast tier runs on sm_80+. */
+sparge_status launch_logits(const gpu_ctx *ctx, const sparge_map_args *a, gpuStream_t stream, int64_t bh0,
+                            int64_t bh1)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
     const int64_t per_head = ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
-    map_logits_kernel<<<(unsigned)((bh1 - bh0) * per_head), MAP_THREADS, 0, stream>>>(make_map_params(a),
-                                                                                      bh0 * per_head);
+    const unsigned blocks = (unsigned)((bh1 - bh0) * per_head);
+#ifndef SPARGE_USE_HIP
+    if (!ctx->generic && ctx->cc_major >= 8) {
+        map_logits_tf32_kernel<<<blocks, MAP_THREADS, 0, stream>>>(make_map_params(a), bh0 * per_head);
+        return GPU_CHECK_LAUNCH("pooled map kernel (tensor cores)");
+    }
+#endif
+    map_logits_kernel<<<blocks, MAP_THREADS, 0, stream>>>(make_map_params(a), bh0 * per_head);
     return GPU_CHECK_LAUNCH("pooled map kernel");
 }
 
@@ -925,7 +1003,7 @@ sparge_status predict_overlapped(gpu_ctx *ctx, const sparge_predict_args *a)
         if ((s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k, bh0, bh1)) ||
             (s = GPU_CHECK(gpuEventRecord(ctx->side_fork[c], ctx->stream))) ||
             (s = GPU_CHECK(gpuStreamWaitEvent(ctx->side, ctx->side_fork[c], 0))) ||
-            (s = launch_logits(&a->map, ctx->side, bh0, bh1)) || (s = launch_fast_select(p, m, ctx->side, bh0, bh1)))
+            (s = launch_logits(ctx, &a->map, ctx->side, bh0, bh1)) || (s = launch_fast_select(p, m, ctx->side, bh0, bh1)))
             return s;
     }
     if ((s = GPU_CHECK(gpuEventRecord(ctx->side_join, ctx->side))))
@@ -938,7 +1016,7 @@ sparge_status predict_overlapped(gpu_ctx *ctx, const sparge_predict_args *a)
 sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a)
 {
     sparge_status s;
-    if ((s = check_map(a)) || (s = launch_logits(a, ctx->stream, 0, a->qbar.B * a->qbar.H)))
+    if ((s = check_map(a)) || (s = launch_logits(ctx, a, ctx->stream, 0, a->qbar.B * a->qbar.H)))
         return s;
     return launch_softmax(ctx, a);
 }
@@ -959,7 +1037,7 @@ sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_arg
         return s;
     if (a->mask.Nkb <= FAST_MAX_ROW && a->map.map.sd == 1)
         return predict_overlapped(ctx, a);
-    if ((s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k, 0, bh)) || (s = launch_logits(&a->map, ctx->stream, 0, bh)))
+    if ((s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k, 0, bh)) || (s = launch_logits(ctx, &a->map, ctx->stream, 0, bh)))
         return s;
     if (a->mask.Nkb > FUSED_SOFTMAX_MAX_ROW && (s = launch_softmax(ctx, &a->map)))
         return s;
