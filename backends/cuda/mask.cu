@@ -947,6 +947,8 @@ sparge_status launch_logits(const gpu_ctx *ctx, const sparge_map_args *a, gpuStr
         map_logits_tf32_kernel<<<blocks, MAP_THREADS, 0, stream>>>(make_map_params(a), bh0 * per_head);
         return GPU_CHECK_LAUNCH("pooled map kernel (tensor cores)");
     }
+#else
+    (void)ctx;
 #endif
     map_logits_kernel<<<blocks, MAP_THREADS, 0, stream>>>(make_map_params(a), bh0 * per_head);
     return GPU_CHECK_LAUNCH("pooled map kernel");
