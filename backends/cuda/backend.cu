@@ -31,22 +31,6 @@ sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out)
     return SPARGE_OK;
 }
 
-sparge_status gpu_side_stream(gpu_ctx *ctx)
-{
-    if (ctx->side)
-        return SPARGE_OK;
-    int least = 0, greatest = 0;
-    sparge_status s;
-    if ((s = GPU_CHECK(gpuDeviceGetStreamPriorityRange(&least, &greatest))))
-        return s;
-    for (int i = 0; i <= GPU_SIDE_FORKS; i++) {
-        gpuEvent_t *e = i < GPU_SIDE_FORKS ? &ctx->side_fork[i] : &ctx->side_join;
-        if (!*e && (s = GPU_CHECK(gpuEventCreateWithFlags(e, gpuEventDisableTiming))))
-            return s;
-    }
-    return GPU_CHECK(gpuStreamCreateWithPriority(&ctx->side, gpuStreamNonBlocking, greatest));
-}
-
 static int device_count(void)
 {
     int n = 0;
@@ -88,15 +72,6 @@ static void close_device(void *impl)
     for (int i = 0; i < 2; i++)
         if (ctx->timer[i])
             (void)gpuEventDestroy(ctx->timer[i]);
-    if (ctx->side) {
-        (void)gpuStreamSynchronize(ctx->side);
-        (void)gpuStreamDestroy(ctx->side);
-    }
-    for (int i = 0; i <= GPU_SIDE_FORKS; i++) {
-        gpuEvent_t e = i < GPU_SIDE_FORKS ? ctx->side_fork[i] : ctx->side_join;
-        if (e)
-            (void)gpuEventDestroy(e);
-    }
     free(ctx);
 }
 

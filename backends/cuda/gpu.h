@@ -8,8 +8,6 @@
 
 #include "../../src/backend.h"
 
-constexpr int GPU_SIDE_FORKS = 4;
-
 struct gpu_ctx {
     int device;
     gpuStream_t stream;
@@ -20,10 +18,6 @@ struct gpu_ctx {
     gpuEvent_t timer[2];    /* created on first use */
     void *workspace;        /* grown on demand by gpu_workspace() */
     size_t workspace_bytes;
-    /* Mask prediction overlaps pooling with the later stages on a second,
-     * high-priority stream (created on first use by gpu_side_stream()). */
-    gpuStream_t side;
-    gpuEvent_t side_fork[GPU_SIDE_FORKS], side_join;
 };
 
 /* CUDA and HIP objects of the same sources are linked into one library, so
@@ -32,7 +26,6 @@ struct gpu_ctx {
  * anonymous namespace (or static). */
 #define gpu_check SPARGE_GPU_FN(check)
 #define gpu_workspace SPARGE_GPU_FN(workspace)
-#define gpu_side_stream SPARGE_GPU_FN(side_stream)
 
 /* Turn a runtime error into a status with the runtime's message. */
 sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *what);
@@ -41,8 +34,6 @@ sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *wh
 #define GPU_CHECK_LAUNCH(what) gpu_check(gpuGetLastError(), __FILE__, __LINE__, what)
 /* At least `bytes` of scratch device memory, valid until the next call on ctx. */
 sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
-/* Creates ctx->side and its events if needed. */
-sparge_status gpu_side_stream(gpu_ctx *ctx);
 
 /* Element load/store for the three storage dtypes, fp32 in registers. */
 template <typename T> __device__ __forceinline__ float to_f32(T x);
@@ -81,12 +72,10 @@ sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a);
 sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a);
 sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args *a);
 sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_view *m);
-/* Pools two tensors (Q and K) in one launch, only their (b,h) pairs bh0 <= b·H + h < bh1;
- * both share one dtype (pool.cu). */
-sparge_status SPARGE_GPU_FN(pool_pair)(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b,
-                                       int64_t bh0, int64_t bh1);
-/* sparge_mask_predict fused (mask.cu): pooling of Q and K by chunks of heads on ctx->stream, and per
- * chunk on ctx->side the logits GEMM, selection with the softmax in its prologue and the transpose. */
+/* Pools two tensors (Q and K) in one launch; both share one dtype (pool.cu). */
+sparge_status SPARGE_GPU_FN(pool_pair)(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b);
+/* sparge_mask_predict fused (mask.cu): one pooling launch, the logits GEMM, selection with the
+ * softmax in its prologue, the transpose. */
 sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a);
 /* Portable tier (generic.cu): any D ≤ 256, every dtype. */
 sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args *a);

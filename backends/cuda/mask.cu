@@ -16,7 +16,6 @@
 #include <rocprim/rocprim.hpp>
 #else
 #include <cub/block/block_radix_sort.cuh>
-#include <mma.h>
 #endif
 
 namespace {
@@ -111,12 +110,12 @@ struct map_params {
 };
 
 /* Logits map = scale · qbar kbarᵀ, a 64×64 tile per block, 4×4 per thread. */
-__global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p, int64_t first_tile)
+__global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
 {
     __shared__ __align__(16) float qs[MAP_DCHUNK][MAP_TILE + 4];
     __shared__ __align__(16) float ks[MAP_DCHUNK][MAP_TILE + 4];
     const int64_t ktiles = (p.Nkb + MAP_TILE - 1) / MAP_TILE, qtiles = (p.Nqb + MAP_TILE - 1) / MAP_TILE;
-    const int64_t tile = first_tile + blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
+    const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
     const int64_t i0 = tile / ktiles % qtiles * MAP_TILE, j0 = tile % ktiles * MAP_TILE;
     const float *q = p.q + b * p.qb + h * p.qh, *k = p.k + b * p.kb + h * p.kh;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
@@ -165,75 +164,6 @@ __global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p, i
                 m[i * p.mn + j * p.md] = acc[r][s] * p.scale;
         }
 }
-
-#ifndef SPARGE_USE_HIP
-/* The same logits on tensor cores (sm_80+, the fast tier only): TF32 with the operands split into
- * high and low parts, hi·hi + hi·lo + lo·hi accumulated in fp32 ("3xTF32"), about fp32's accuracy.
- * A 64×64 tile per block, D in chunks of 32 through shared memory; warp w owns rows 16·(w/2) and the
- * two 16-column fragments at 32·(w%2). */
-constexpr int TC_DCHUNK = 32, TC_LD = TC_DCHUNK + 4, TC_STAGE_LD = 20;
-
-__global__ void __launch_bounds__(MAP_THREADS) map_logits_tf32_kernel(map_params p, int64_t first_tile)
-{
-#if __CUDA_ARCH__ >= 800
-    namespace wmma = nvcuda::wmma;
-    __shared__ __align__(32) float qs[MAP_TILE][TC_LD];
-    __shared__ __align__(32) float ks[MAP_TILE][TC_LD];
-    __shared__ __align__(32) float stage[MAP_THREADS / 32][16][TC_STAGE_LD];
-    const int64_t ktiles = (p.Nkb + MAP_TILE - 1) / MAP_TILE, qtiles = (p.Nqb + MAP_TILE - 1) / MAP_TILE;
-    const int64_t tile = first_tile + blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
-    const int64_t i0 = tile / ktiles % qtiles * MAP_TILE, j0 = tile % ktiles * MAP_TILE;
-    const float *q = p.q + b * p.qb + h * p.qh, *k = p.k + b * p.kb + h * p.kh;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wr = warp / 2 * 16, wc = warp % 2 * 32;
-    wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[2];
-    wmma::fill_fragment(acc[0], 0.0f);
-    wmma::fill_fragment(acc[1], 0.0f);
-    for (int64_t d0 = 0; d0 < p.D; d0 += TC_DCHUNK) {
-        __syncthreads();
-        const int col = threadIdx.x % TC_DCHUNK;
-        const bool d_ok = d0 + col < p.D;
-        for (int r = threadIdx.x / TC_DCHUNK; r < MAP_TILE; r += MAP_THREADS / TC_DCHUNK) {
-            qs[r][col] = d_ok && i0 + r < p.Nqb ? q[(i0 + r) * p.qn + (d0 + col) * p.qd] : 0.0f;
-            ks[r][col] = d_ok && j0 + r < p.Nkb ? k[(j0 + r) * p.kn + (d0 + col) * p.kd] : 0.0f;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < TC_DCHUNK; kk += 8) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> a, a_hi, a_lo;
-            wmma::load_matrix_sync(a, &qs[wr][kk], TC_LD);
-            for (int t = 0; t < a.num_elements; t++) {
-                a_hi.x[t] = wmma::__float_to_tf32(a.x[t]);
-                a_lo.x[t] = wmma::__float_to_tf32(a.x[t] - a_hi.x[t]);
-            }
-#pragma unroll
-            for (int f = 0; f < 2; f++) {
-                /* B(d, j) = kbar[j][d]: column-major over the rows of ks. */
-                wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> c, c_hi, c_lo;
-                wmma::load_matrix_sync(c, &ks[wc + 16 * f][kk], TC_LD);
-                for (int t = 0; t < c.num_elements; t++) {
-                    c_hi.x[t] = wmma::__float_to_tf32(c.x[t]);
-                    c_lo.x[t] = wmma::__float_to_tf32(c.x[t] - c_hi.x[t]);
-                }
-                wmma::mma_sync(acc[f], a_lo, c_hi, acc[f]);
-                wmma::mma_sync(acc[f], a_hi, c_lo, acc[f]);
-                wmma::mma_sync(acc[f], a_hi, c_hi, acc[f]);
-            }
-        }
-    }
-    float *m = p.map + b * p.mb + h * p.mh;
-    for (int f = 0; f < 2; f++) {
-        wmma::store_matrix_sync(&stage[warp][0][0], acc[f], TC_STAGE_LD, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const int64_t i = i0 + wr + e / 16, j = j0 + wc + 16 * f + e % 16;
-            if (i < p.Nqb && j < p.Nkb)
-                m[i * p.mn + j * p.md] = stage[warp][e / 16][e % 16] * p.scale;
-        }
-        __syncwarp();
-    }
-#endif
-}
-#endif
 
 /* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
 __global__ void map_softmax_kernel(map_params p, int64_t rows)
@@ -309,7 +239,6 @@ struct select_params {
     uint8_t *dense;
     int32_t *counts, *indices;
     float *row_mass;
-    uint32_t *bits; /* fast path: kept bits per row, ceil(Nkb/32) words (for the transpose) */
 };
 
 /* One thread block per row; thread t holds entries t*IPT .. t*IPT+IPT-1 (the
@@ -454,36 +383,19 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
 /* For mask prediction (rows of softmax probabilities, never negative) the
  * kept set is found without sorting. kept = max(n_k, n_p, 1) is the shortest
  * prefix of the row order holding at least max(n_k, 1) blocks and mass >= p,
- * since the prefix mass only grows. A radix descent finds the key T of its
- * last block, 8 key bits per pass: a histogram of the candidates' digits
- * (count and mass per bin, shared-memory atomics), a scan from the highest
- * bin to the first whose cumulative count and mass meet both bounds, then the
- * candidates are narrowed to that bin. Masses are summed in fixed point (units
- * of 2^-48, exact and order-free; the reference's fp64 sum differs by < 1e-11,
- * far inside the 1e-5 rounding margin the tests allow). Ties at T are taken by
- * ascending index. The row lives in registers: lane l holds blocks l,
- * l + warp, l + 2·warp, ...; the map's rows must be contiguous (md = 1). */
-constexpr int FAST_THREADS = 128, FAST_ROWS = 4, FAST_WARPS_MAX = FAST_THREADS / 32;
+ * since the prefix mass only grows. A bitwise descent finds the key T of its
+ * last block: at each bit, the blocks above the candidate range plus the
+ * candidates with that bit set either satisfy both bounds (the boundary lies
+ * among them) or are all kept before it. Ties at T are then taken by
+ * ascending index, adding their mass one by one as the reference does. The
+ * row lives in registers: lane l holds blocks l, l + warp, l + 2·warp, ...
+ * The map's rows must be contiguous (md = 1). */
+constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
 constexpr int64_t FAST_MAX_ROW = 2048;
 
 /* Order-preserving key of a probability >= 0 (or +0 for -0); 0 marks padding. */
 __device__ __forceinline__ uint32_t prob_key(float x) { return (__float_as_uint(x) & 0x7fffffffu) + 1u; }
-
-/* Histogram entries pack a count (bits 52..63) and a mass in units of 2^-48
- * (bits 0..51: a row's mass stays below 2^52 units, its count below 4096). */
-typedef unsigned long long packed_t;
-constexpr int COUNT_SHIFT = 52;
-constexpr packed_t ONE_BLOCK = 1ull << COUNT_SHIFT, MASS_BITS = ONE_BLOCK - 1ull;
-
-/* The probability of key k >= 1 in units of 2^-48, truncated. */
-__device__ __forceinline__ packed_t key_fixed(uint32_t k)
-{
-    const uint32_t bits = k - 1u, e = bits >> 23;
-    if (e == 0)
-        return 0; /* subnormal */
-    const packed_t m = (bits & 0x7fffffu) | 0x800000u; /* value = m · 2^(e-150) */
-    return e >= 102 ? m << (e - 102) : 102 - e < 64 ? m >> (102 - e) : 0;
-}
+__device__ __forceinline__ double key_prob(uint32_t k) { return (double)__uint_as_float(k - 1u); }
 
 template <typename T> __device__ __forceinline__ T warp_sum(T x)
 {
@@ -492,17 +404,11 @@ template <typename T> __device__ __forceinline__ T warp_sum(T x)
     return x;
 }
 
-template <int CAP> struct fast_scratch {
-    packed_t hist[FAST_WARPS_MAX][256];
-    uint32_t list[FAST_WARPS_MAX][CAP]; /* the candidates' keys after the first pass */
-};
-
-template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row, packed_t *hist, uint32_t *list)
+template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row)
 {
-    constexpr int W = SPARGE_WARP_SIZE, IPT = CAP / W;
-    const int lane = threadIdx.x % W;
-    const int64_t bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H;
-    const int n = (int)p.Nkb; /* <= FAST_MAX_ROW */
+    constexpr int IPT = CAP / SPARGE_WARP_SIZE;
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE;
+    const int64_t bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H, n = p.Nkb;
     float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
     uint8_t *dense = p.dense + row * n;
     int32_t *idx = p.indices + row * n;
@@ -513,29 +419,28 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
     int logit_nan = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
-        const int j = e * W + lane;
+        const int64_t j = e * SPARGE_WARP_SIZE + lane;
         x[e] = j < n ? src[j] : -INFINITY;
         logit_nan |= is_nan(x[e]);
         mx = fmaxf(mx, x[e]);
     }
-    for (int o = W / 2; o > 0; o >>= 1) {
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
         mx = fmaxf(mx, sparge_shfl_xor(mx, o));
         logit_nan |= sparge_shfl_xor(logit_nan, o);
     }
     float sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < IPT; e++)
-        if (e * W + lane < n) {
+        if (e * SPARGE_WARP_SIZE + lane < n) {
             x[e] = expf(x[e] - mx);
             sum += x[e];
         }
     const float inv = 1.0f / warp_sum(sum);
     uint32_t key[IPT], key_or = 0u, key_and = ~0u;
     int nan = 0;
-    packed_t total = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
-        const int j = e * W + lane;
+        const int64_t j = e * SPARGE_WARP_SIZE + lane;
         key[e] = 0u;
         if (j < n) {
             const float v = logit_nan ? NAN : x[e] * inv;
@@ -544,174 +449,127 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
             key[e] = prob_key(v);
             key_or |= key[e];
             key_and &= key[e];
-            total += key_fixed(key[e]);
         }
     }
-    for (int o = W / 2; o > 0; o >>= 1) {
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
         nan |= sparge_shfl_xor(nan, o);
         key_or |= sparge_shfl_xor(key_or, o);
         key_and &= sparge_shfl_xor(key_and, o);
     }
-    const int words = (n + 31) / 32;
-    uint32_t *bits = p.bits + row * words;
     if (nan) {
-        for (int j = lane; j < n; j += W) {
+        for (int64_t j = lane; j < n; j += SPARGE_WARP_SIZE) {
             dense[j] = 1;
             idx[j] = (int32_t)j;
         }
-        for (int w = lane; w < words; w += W)
-            bits[w] = w == words - 1 && n % 32 ? (1u << (n % 32)) - 1u : ~0u;
         if (lane == 0) {
-            p.counts[row] = n;
+            p.counts[row] = (int32_t)n;
             p.row_mass[row] = NAN;
         }
         return;
     }
-    total = warp_sum(total);
 
     const int64_t least = p.topk_count > 1 ? p.topk_count : 1;
-    const packed_t need_mass = p.topp > 0.0 ? (packed_t)ceil(p.topp * 281474976710656.0) : 0; /* p · 2^48 */
+    const bool use_p = p.topp > 0.0;
+    double total = 0.0;
+#pragma unroll
+    for (int e = 0; e < IPT; e++)
+        total += key[e] ? key_prob(key[e]) : 0.0;
+    total = warp_sum(total);
     /* Rounding may leave the total below p: keep the whole row. */
-    const bool whole = total < need_mass;
-    auto enough = [&](packed_t v) { return (int64_t)(v >> COUNT_SHIFT) >= least && (v & MASS_BITS) >= need_mass; };
+    bool whole = use_p && total < p.topp;
 
-    uint32_t T = key_and; /* the boundary key; with no differing bits every key ties */
-    packed_t above = 0;   /* count and mass of the keys ordered before the candidates */
-    int tied = n;         /* candidates: the keys that agree with T on the bits fixed so far */
-    const uint32_t differ = key_or ^ key_and;
-    if (!whole && differ) {
-        int top = 32 - __clz((int)differ); /* bits >= top are fixed */
-        T &= ~((1u << top) - 1u);
-        bool in_list = false;
-        while (top > 0) {
-            const int shift = top > 8 ? top - 8 : 0, bins = 1 << (top - shift);
-            const uint32_t digit_mask = (uint32_t)bins - 1u;
-            sparge_syncwarp();
-            for (int d = lane; d < bins; d += W)
-                hist[d] = 0;
-            sparge_syncwarp();
-            if (!in_list) {
+    uint32_t T = 0u, ties_taken = 0u;
+    double mass = total;
+    if (!whole) {
+        const uint32_t differ = key_or ^ key_and;
+        int64_t above = 0; /* blocks ordered before the candidates, and their mass */
+        double above_mass = 0.0;
+        if (differ) {
+            const int hi = 31 - __clz((int)differ), lo = __ffs((int)differ) - 1;
+            T = key_and & ~(uint32_t)((2ull << hi) - 1u); /* bits above hi: shared by every key */
+            for (int bit = hi; bit >= lo; bit--) {
+                const uint32_t high = T >> bit, with = T | (1u << bit);
+                int c = 0;
+                double m = 0.0;
 #pragma unroll
                 for (int e = 0; e < IPT; e++)
-                    if (key[e])
-                        atomicAdd(&hist[(key[e] >> shift) & digit_mask], ONE_BLOCK + key_fixed(key[e]));
-            } else {
-                for (int k = lane; k < tied; k += W)
-                    atomicAdd(&hist[(list[k] >> shift) & digit_mask], ONE_BLOCK + key_fixed(list[k]));
-            }
-            sparge_syncwarp();
-            /* Lane l scans bins[bins-1-l·per ...] downwards; the first bin meeting both bounds holds T. */
-            const int per = (bins + W - 1) / W;
-            packed_t mine = 0;
-            for (int t = 0; t < per; t++) {
-                const int q = lane * per + t;
-                if (q < bins)
-                    mine += hist[bins - 1 - q];
-            }
-            packed_t incl = mine;
-            for (int o = 1; o < W; o <<= 1) {
-                const packed_t y = sparge_shfl_up(incl, o);
-                if (lane >= o)
-                    incl += y;
-            }
-            packed_t cum = above + incl - mine, before = 0;
-            int found = -1;
-            for (int t = 0; t < per; t++) {
-                const int q = lane * per + t;
-                if (q < bins && found < 0) {
-                    const packed_t next = cum + hist[bins - 1 - q];
-                    if (enough(next)) {
-                        found = bins - 1 - q;
-                        before = cum;
+                    if (key[e] >> bit == (high | 1u)) { /* a candidate with this bit set */
+                        c++;
+                        if (use_p)
+                            m += key_prob(key[e]);
                     }
-                    cum = next;
+                c = warp_sum(c);
+                if (use_p)
+                    m = warp_sum(m);
+                if (above + c >= least && (!use_p || above_mass + m >= p.topp))
+                    T = with;
+                else {
+                    above += c;
+                    above_mass += m;
                 }
             }
-            const int first = __ffsll((long long)sparge_ballot(found >= 0)) - 1; /* exists: the candidates meet both */
-            const int d = sparge_shfl(found, first);
-            above = sparge_shfl(before, first);
-            T |= (uint32_t)d << shift;
-            /* Narrow the candidates to bin d, in ascending list order. */
-            int kept_c = 0;
-            const unsigned long long lower = (1ull << lane) - 1ull;
-            if (!in_list) {
+            T |= key_and & ((1u << lo) - 1u); /* bits below lo: shared too */
+        } else {
+            T = key_and;
+        }
+        /* above / above_mass now cover exactly the keys > T (the candidates are the keys == T). */
+        if (!use_p) { /* the mass of the keys > T, in any order: it only feeds row_mass */
+            double m = 0.0;
 #pragma unroll
-                for (int e = 0; e < IPT; e++) {
-                    const bool c = key[e] && key[e] >> shift == T >> shift;
-                    const unsigned long long bal = sparge_ballot(c);
-                    if (c)
-                        list[kept_c + __popcll(bal & lower)] = key[e];
-                    kept_c += __popcll(bal);
-                }
-            } else {
-                for (int k0 = 0; k0 < tied; k0 += W) {
-                    const uint32_t kk = k0 + lane < tied ? list[k0 + lane] : 0u;
-                    const bool c = k0 + lane < tied && kk >> shift == T >> shift;
-                    const unsigned long long bal = sparge_ballot(c);
-                    sparge_syncwarp(); /* every lane has read its entry before any is overwritten */
-                    if (c)
-                        list[kept_c + __popcll(bal & lower)] = kk;
-                    kept_c += __popcll(bal);
-                }
-            }
-            tied = kept_c;
-            in_list = true;
-            top = shift;
+            for (int e = 0; e < IPT; e++)
+                m += key[e] > T ? key_prob(key[e]) : 0.0;
+            above_mass = warp_sum(m);
+        }
+        int tied = 0;
+#pragma unroll
+        for (int e = 0; e < IPT; e++)
+            tied += key[e] == T;
+        tied = warp_sum(tied);
+        if (tied == 0) { /* only if the total sat on p within rounding and the bits disagreed: keep the row */
+            whole = true;
+        } else {
+            const double v = key_prob(T);
+            mass = above_mass;
+            do {
+                ties_taken++;
+                mass += v;
+            } while ((int)ties_taken < tied && !(above + ties_taken >= least && (!use_p || mass >= p.topp)));
         }
     }
-    /* Take ties by ascending index until both bounds hold (the whole tie run does). */
-    int64_t take = 0;
-    packed_t mass = total;
-    if (!whole) {
-        const packed_t unit = key_fixed(T), above_mass = above & MASS_BITS;
-        const int64_t above_count = (int64_t)(above >> COUNT_SHIFT);
-        take = least - above_count > 1 ? least - above_count : 1;
-        if (above_mass + (packed_t)take * unit < need_mass) /* then unit > 0: the run's mass closes the gap */
-            take = (int64_t)((need_mass - above_mass + unit - 1) / unit);
-        take = take < tied ? take : (int64_t)tied;
-        mass = above_mass + (packed_t)take * unit;
-    }
 
-    /* Dense row, ascending CSR indices and the kept bits, a ballot per register slot. */
-    const unsigned long long lower = (1ull << lane) - 1ull;
+    /* Dense row and ascending CSR indices, a ballot per register slot. */
+    const unsigned long long below = (1ull << lane) - 1ull;
     int32_t kept = 0;
-    int ties_seen = 0;
+    uint32_t ties_seen = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
-        const int j = e * W + lane;
+        const int64_t j = e * SPARGE_WARP_SIZE + lane;
         const unsigned long long tie = sparge_ballot(key[e] != 0u && key[e] == T);
-        const int rank = ties_seen + __popcll(tie & lower);
-        ties_seen += __popcll(tie);
-        const bool keep = key[e] != 0u && (whole || key[e] > T || (key[e] == T && rank < take));
+        const uint32_t rank = ties_seen + (uint32_t)__popcll(tie & below);
+        ties_seen += (uint32_t)__popcll(tie);
+        const bool keep = key[e] != 0u && (whole || key[e] > T || (key[e] == T && rank < ties_taken));
         const unsigned long long kb = sparge_ballot(keep);
         if (keep)
-            idx[kept + __popcll(kb & lower)] = (int32_t)j;
+            idx[kept + __popcll(kb & below)] = (int32_t)j;
         if (j < n)
             dense[j] = keep;
-        for (int w = 0; w < W / 32; w++)
-            if (lane == w && e * (W / 32) + w < words)
-                bits[e * (W / 32) + w] = (uint32_t)(kb >> (32 * w));
         kept += __popcll(kb);
     }
-    for (int j = kept + lane; j < n; j += W)
+    for (int64_t j = kept + lane; j < n; j += SPARGE_WARP_SIZE)
         idx[j] = -1;
     if (lane == 0) {
         p.counts[row] = kept;
-        p.row_mass[row] = (float)((double)mass * (1.0 / 281474976710656.0));
+        p.row_mass[row] = (float)mass;
     }
 }
 
-/* Narrow rows: 6 blocks per SM hold the 3072 rows of the Wan2.1-1.3B shape (12 heads × 256) in one wave. */
-template <int CAP>
-__global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1)
-    fast_select_kernel(select_params p, int64_t first_row, int64_t end_row)
+template <int CAP> __global__ void __launch_bounds__(FAST_THREADS) fast_select_kernel(select_params p, int64_t rows)
 {
-    __shared__ fast_scratch<CAP> scratch;
-    const int warps = FAST_THREADS / SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
-    for (int r = warp; r < FAST_ROWS; r += warps) {
-        const int64_t row = first_row + (int64_t)blockIdx.x * FAST_ROWS + r;
-        if (row < end_row)
-            fast_select_row<CAP>(p, row, scratch.hist[warp], scratch.list[warp]);
+    const int warps = FAST_THREADS / SPARGE_WARP_SIZE;
+    for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
+        const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
+        if (row < rows)
+            fast_select_row<CAP>(p, row);
     }
 }
 
@@ -781,63 +639,6 @@ __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m
     }
 }
 
-/* The transpose from the fast selection's kept bits: a block per (b, h, word of 32 key blocks) walks the
- * query rows a block-width at a time (one row per thread); a ballot per column gives each warp's rows
- * that keep it, and per-column offsets carried across the chunks place them in ascending order. */
-constexpr int TB_THREADS = 256;
-
-__global__ void __launch_bounds__(TB_THREADS) transpose_bits_kernel(sparge_mask_view m, const uint32_t *bits,
-                                                                     int64_t first_tile)
-{
-    constexpr int W = SPARGE_WARP_SIZE, WARPS = TB_THREADS / W;
-    __shared__ int32_t offset[WARPS][32]; /* this chunk: kept rows of column c in the earlier warps, then the base */
-    __shared__ int32_t running[32];       /* kept rows of column c in the earlier chunks */
-    const int lane = threadIdx.x % W, warp = threadIdx.x / W;
-    const int64_t words = (m.Nkb + 31) / 32, tile = first_tile + blockIdx.x, bh = tile / words, word = tile % words;
-    const int64_t j0 = word * 32;
-    const int cols = m.Nkb - j0 < 32 ? (int)(m.Nkb - j0) : 32;
-    const unsigned long long lower = (1ull << lane) - 1ull;
-    int32_t *t = m.t_indices + (bh * m.Nkb + j0) * m.Nqb;
-    if (threadIdx.x < 32)
-        running[threadIdx.x] = 0;
-    for (int64_t r0 = 0; r0 < m.Nqb; r0 += TB_THREADS) {
-        const int64_t r = r0 + threadIdx.x;
-        const uint32_t w = r < m.Nqb ? bits[(bh * m.Nqb + r) * words + word] : 0u;
-        int32_t count = 0;
-        for (int c = 0; c < cols; c++) {
-            const int32_t k = __popcll(sparge_ballot((w >> c) & 1u));
-            if (lane == c)
-                count = k;
-        }
-        if (lane < 32)
-            offset[warp][lane] = count;
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            int32_t run = running[threadIdx.x];
-            for (int v = 0; v < WARPS; v++) {
-                const int32_t k = offset[v][threadIdx.x];
-                offset[v][threadIdx.x] = run;
-                run += k;
-            }
-            running[threadIdx.x] = run;
-        }
-        __syncthreads();
-        for (int c = 0; c < cols; c++) {
-            const unsigned long long bal = sparge_ballot((w >> c) & 1u);
-            if ((w >> c) & 1u)
-                t[c * m.Nqb + offset[warp][c] + __popcll(bal & lower)] = (int32_t)r;
-        }
-        __syncthreads(); /* offset is rewritten by the next chunk */
-    }
-    for (int c = warp; c < cols; c += WARPS) {
-        const int32_t total = running[c];
-        for (int64_t i = total + lane; i < m.Nqb; i += W)
-            t[c * m.Nqb + i] = -1;
-        if (lane == 0)
-            m.t_counts[bh * m.Nkb + j0 + c] = total;
-    }
-}
-
 /* Limits are checked before anything is queued, so a refusal writes nothing. */
 sparge_status check_transpose(const sparge_mask_view *m)
 {
@@ -892,7 +693,7 @@ select_params make_select_params(const sparge_view &mv, double topk, double topp
         nk = nk < 1 ? 1 : nk > n ? n : nk;
     }
     return select_params{(float *)mv.data, mv.sb, mv.sh, mv.sn, mv.sd, m->H, m->Nqb, n, nk, topp,
-                         m->dense, m->counts, m->indices, m->row_mass, nullptr};
+                         m->dense, m->counts, m->indices, m->row_mass};
 }
 
 /* Selection of every row (after check_select), then the transpose. */
@@ -934,23 +735,12 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map for the (b,h) pairs bh0 <= b·H + h < bh1 (after check_map);
- * on tensor cores where the fast tier runs on sm_80+. */
-sparge_status launch_logits(const gpu_ctx *ctx, const sparge_map_args *a, gpuStream_t stream, int64_t bh0,
-                            int64_t bh1)
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). */
+sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
-    const int64_t per_head = ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
-    const unsigned blocks = (unsigned)((bh1 - bh0) * per_head);
-#ifndef SPARGE_USE_HIP
-    if (!ctx->generic && ctx->cc_major >= 8) {
-        map_logits_tf32_kernel<<<blocks, MAP_THREADS, 0, stream>>>(make_map_params(a), bh0 * per_head);
-        return GPU_CHECK_LAUNCH("pooled map kernel (tensor cores)");
-    }
-#else
-    (void)ctx;
-#endif
-    map_logits_kernel<<<blocks, MAP_THREADS, 0, stream>>>(make_map_params(a), bh0 * per_head);
+    const int64_t tiles = q.B * q.H * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
+    map_logits_kernel<<<(unsigned)tiles, MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
     return GPU_CHECK_LAUNCH("pooled map kernel");
 }
 
@@ -962,55 +752,24 @@ sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
     return GPU_CHECK_LAUNCH("pooled map softmax kernel");
 }
 
-/* Softmax and selection of the predicted rows of (b,h) pairs bh0 <= b·H + h < bh1, up to FAST_MAX_ROW
- * wide, then their transpose from the kept bits (p.bits: a workspace of B·H·Nqb·ceil(Nkb/32) words). */
-sparge_status launch_fast_select(const select_params &p, const sparge_mask_view *m, gpuStream_t stream, int64_t bh0,
-                                 int64_t bh1)
-{
-    const int64_t n = m->Nkb, first = bh0 * m->Nqb, end = bh1 * m->Nqb;
-    const unsigned blocks = (unsigned)((end - first + FAST_ROWS - 1) / FAST_ROWS);
-    if (n <= 256)
-        fast_select_kernel<256><<<blocks, FAST_THREADS, 0, stream>>>(p, first, end);
-    else if (n <= 512)
-        fast_select_kernel<512><<<blocks, FAST_THREADS, 0, stream>>>(p, first, end);
-    else if (n <= 1024)
-        fast_select_kernel<1024><<<blocks, FAST_THREADS, 0, stream>>>(p, first, end);
-    else if (n <= 1536) /* Wan2.1-14B 720p: 1182 */
-        fast_select_kernel<1536><<<blocks, FAST_THREADS, 0, stream>>>(p, first, end);
-    else
-        fast_select_kernel<2048><<<blocks, FAST_THREADS, 0, stream>>>(p, first, end);
-    sparge_status s = GPU_CHECK_LAUNCH("mask selection kernel");
-    if (s)
-        return s;
-    const int64_t words = (n + 31) / 32;
-    transpose_bits_kernel<<<(unsigned)((bh1 - bh0) * words), TB_THREADS, 0, stream>>>(*m, p.bits, bh0 * words);
-    return GPU_CHECK_LAUNCH("mask transpose kernel");
-}
-
-/* The overlapped prediction (rows up to FAST_MAX_ROW, contiguous map rows): Q and K pooled on ctx->stream
- * in chunks of heads; each chunk's logits, selection and transpose run on the high-priority ctx->side as
- * soon as its pooling is done, under the next chunk's pooling. ctx->stream waits for the last chunk. */
-sparge_status predict_overlapped(gpu_ctx *ctx, const sparge_predict_args *a)
+/* Softmax and selection of predicted rows up to FAST_MAX_ROW wide, then the transpose. */
+sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
 {
     const sparge_mask_view *m = &a->mask;
-    const int64_t bh = m->B * m->H, words = (m->Nkb + 31) / 32;
-    const int64_t chunks = bh < GPU_SIDE_FORKS ? bh : GPU_SIDE_FORKS, per_chunk = (bh + chunks - 1) / chunks;
-    select_params p = make_select_params(a->map.map, a->topk, a->topp, m);
-    sparge_status s;
-    if ((s = gpu_side_stream(ctx)) ||
-        (s = gpu_workspace(ctx, (size_t)(bh * m->Nqb * words) * sizeof(uint32_t), (void **)&p.bits)))
-        return s;
-    for (int64_t c = 0; c * per_chunk < bh; c++) {
-        const int64_t bh0 = c * per_chunk, bh1 = bh0 + per_chunk < bh ? bh0 + per_chunk : bh;
-        if ((s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k, bh0, bh1)) ||
-            (s = GPU_CHECK(gpuEventRecord(ctx->side_fork[c], ctx->stream))) ||
-            (s = GPU_CHECK(gpuStreamWaitEvent(ctx->side, ctx->side_fork[c], 0))) ||
-            (s = launch_logits(ctx, &a->map, ctx->side, bh0, bh1)) || (s = launch_fast_select(p, m, ctx->side, bh0, bh1)))
-            return s;
-    }
-    if ((s = GPU_CHECK(gpuEventRecord(ctx->side_join, ctx->side))))
-        return s;
-    return GPU_CHECK(gpuStreamWaitEvent(ctx->stream, ctx->side_join, 0));
+    const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb, blocks = (rows + FAST_ROWS - 1) / FAST_ROWS;
+    const select_params p = make_select_params(a->map.map, a->topk, a->topp, m);
+    if (n <= 256)
+        fast_select_kernel<256><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 512)
+        fast_select_kernel<512><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 1024)
+        fast_select_kernel<1024><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 1536) /* Wan2.1-14B 720p: 1182 */
+        fast_select_kernel<1536><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else
+        fast_select_kernel<2048><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    sparge_status s = GPU_CHECK_LAUNCH("mask selection kernel");
+    return s ? s : launch_transpose(ctx, m);
 }
 
 } // namespace
@@ -1018,7 +777,7 @@ sparge_status predict_overlapped(gpu_ctx *ctx, const sparge_predict_args *a)
 sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a)
 {
     sparge_status s;
-    if ((s = check_map(a)) || (s = launch_logits(ctx, a, ctx->stream, 0, a->qbar.B * a->qbar.H)))
+    if ((s = check_map(a)) || (s = launch_logits(ctx, a)))
         return s;
     return launch_softmax(ctx, a);
 }
@@ -1029,18 +788,16 @@ sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args 
     return s ? s : launch_select<false>(ctx, a->map, a->topk, a->topp, &a->mask);
 }
 
-/* Pooling, logits, then selection with the row softmax in its prologue: the map is written once, as
- * probabilities. Rows up to FAST_MAX_ROW take the overlapped path, wider ones one launch per stage. */
+/* One pooling launch for Q and K, the logits, then selection with the row
+ * softmax in its prologue: the map is written once, as probabilities. */
 sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a)
 {
     sparge_status s;
-    const int64_t bh = a->mask.B * a->mask.H;
-    if ((s = check_map(&a->map)) || (s = check_select(&a->mask)))
+    if ((s = check_map(&a->map)) || (s = check_select(&a->mask)) || (s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k)) ||
+        (s = launch_logits(ctx, &a->map)))
         return s;
     if (a->mask.Nkb <= FAST_MAX_ROW && a->map.map.sd == 1)
-        return predict_overlapped(ctx, a);
-    if ((s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k, 0, bh)) || (s = launch_logits(ctx, &a->map, ctx->stream, 0, bh)))
-        return s;
+        return launch_fast_select(ctx, a);
     if (a->mask.Nkb > FUSED_SOFTMAX_MAX_ROW && (s = launch_softmax(ctx, &a->map)))
         return s;
     return launch_select<true>(ctx, a->map.map, a->topk, a->topp, &a->mask);

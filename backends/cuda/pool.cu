@@ -26,10 +26,10 @@ struct pool_job {
     int lanes;    /* L: lanes along D, a power of two <= 32 */
     int slices;   /* column slices of L chunks per pooled row */
     int vec;      /* 16-byte loads */
-    int64_t first, units; /* warps of this job: units first .. first+units-1 of B*H*Nb*slices */
+    int64_t units; /* B*H*Nb*slices: warps of this job */
 };
 
-/* Q and K in one grid: the first a.units warps pool a, the next b.units b. */
+/* Q and K in one grid: the first a.units warps pool a, the rest b. */
 struct pool_pair_params {
     pool_job a, b;
 };
@@ -94,9 +94,9 @@ template <typename T> __global__ void __launch_bounds__(POOL_THREADS, 4) pool_ke
 {
     const int64_t unit = (int64_t)blockIdx.x * (POOL_THREADS / SPARGE_WARP_SIZE) + threadIdx.x / SPARGE_WARP_SIZE;
     if (unit < pp.a.units)
-        pool_job_unit<T>(pp.a, pp.a.first + unit);
+        pool_job_unit<T>(pp.a, unit);
     else if (unit < pp.a.units + pp.b.units)
-        pool_job_unit<T>(pp.b, pp.b.first + unit - pp.a.units);
+        pool_job_unit<T>(pp.b, unit - pp.a.units);
 }
 
 /* 16-byte accesses need contiguous rows and 16-byte aligned row starts. */
@@ -107,8 +107,7 @@ bool can_vectorize(const sparge_view &x)
            x.sn % n == 0;
 }
 
-/* The job for the (b,h) pairs bh0 <= b·H + h < bh1. */
-pool_job make_job(const sparge_pool_args *a, int64_t bh0, int64_t bh1)
+pool_job make_job(const sparge_pool_args *a)
 {
     const sparge_view &x = a->x, &o = a->out;
     const bool vec = can_vectorize(x);
@@ -119,14 +118,14 @@ pool_job make_job(const sparge_pool_args *a, int64_t bh0, int64_t bh1)
         lanes *= 2;
     const int64_t slices = (ncols + lanes - 1) / lanes;
     return pool_job{x.data, x.sb, x.sh, x.sn, x.sd, x.H, x.N, x.D, o.N, (float *)o.data, o.sb, o.sh, o.sn, o.sd,
-                    a->block, lanes, (int)slices, vec ? 1 : 0, bh0 * o.N * slices, (bh1 - bh0) * o.N * slices};
+                    a->block, lanes, (int)slices, vec ? 1 : 0, x.B * x.H * o.N * slices};
 }
 
-sparge_status launch(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b, int64_t bh0, int64_t bh1)
+sparge_status launch(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b)
 {
-    pool_pair_params pp = {make_job(a, bh0, bh1), {}};
+    pool_pair_params pp = {make_job(a), {}};
     if (b)
-        pp.b = make_job(b, bh0, bh1);
+        pp.b = make_job(b);
     /* HIP's host pass sees a warp of 64; on wave32 devices the surplus warps exit at once. */
     const int64_t units = pp.a.units + pp.b.units, per_block = POOL_THREADS / SPARGE_WARP_SIZE;
     const int64_t blocks = (units + per_block - 1) / per_block;
@@ -142,15 +141,11 @@ sparge_status launch(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_
 
 } // namespace
 
-sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a)
-{
-    return launch(ctx, a, nullptr, 0, a->x.B * a->x.H);
-}
+sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a) { return launch(ctx, a, nullptr); }
 
-sparge_status SPARGE_GPU_FN(pool_pair)(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b,
-                                       int64_t bh0, int64_t bh1)
+sparge_status SPARGE_GPU_FN(pool_pair)(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b)
 {
     if (a->x.dtype != b->x.dtype)
         return SPARGE_FAIL(SPARGE_ERR_DTYPE, "pool: the two tensors pooled together must share a dtype");
-    return launch(ctx, a, b, bh0, bh1);
+    return launch(ctx, a, b);
 }

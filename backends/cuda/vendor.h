@@ -41,13 +41,6 @@ typedef hip_bfloat16 gpu_bf16;
 #define gpuEventRecord hipEventRecord
 #define gpuEventSynchronize hipEventSynchronize
 #define gpuEventElapsedTime hipEventElapsedTime
-#define gpuEventCreateWithFlags hipEventCreateWithFlags
-#define gpuEventDisableTiming hipEventDisableTiming
-#define gpuStreamWaitEvent hipStreamWaitEvent
-#define gpuStreamCreateWithPriority hipStreamCreateWithPriority
-#define gpuStreamNonBlocking hipStreamNonBlocking
-#define gpuStreamDestroy hipStreamDestroy
-#define gpuDeviceGetStreamPriorityRange hipDeviceGetStreamPriorityRange
 #define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute((const void *)(f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 /* ROCm 5.2 has no opt-in field: a block may use all of its LDS (64 KiB on CDNA/RDNA). */
@@ -67,8 +60,6 @@ typedef __half gpu_half;
 #define sparge_shfl_up(v, d) __shfl_up((v), (d))
 /* Bit i = predicate of lane i (the upper 32 bits are 0 on wave32). */
 #define sparge_ballot(p) ((unsigned long long)__ballot(p))
-/* Orders a wavefront's shared-memory accesses (its lanes run in lockstep). */
-#define sparge_syncwarp() __builtin_amdgcn_wave_barrier()
 __device__ __forceinline__ float sparge_bf16_to_float(gpu_bf16 x)
 {
     unsigned short bits;
@@ -113,13 +104,6 @@ __device__ __forceinline__ gpu_bf16 sparge_float_to_bf16(float f)
 #define gpuEventRecord cudaEventRecord
 #define gpuEventSynchronize cudaEventSynchronize
 #define gpuEventElapsedTime cudaEventElapsedTime
-#define gpuEventCreateWithFlags cudaEventCreateWithFlags
-#define gpuEventDisableTiming cudaEventDisableTiming
-#define gpuStreamWaitEvent cudaStreamWaitEvent
-#define gpuStreamCreateWithPriority cudaStreamCreateWithPriority
-#define gpuStreamNonBlocking cudaStreamNonBlocking
-#define gpuStreamDestroy cudaStreamDestroy
-#define gpuDeviceGetStreamPriorityRange cudaDeviceGetStreamPriorityRange
 #define gpuFuncSetAttribute(f, a, v) cudaFuncSetAttribute((f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define GPU_SMEM_OPTIN(prop) ((prop).sharedMemPerBlockOptin)
@@ -133,7 +117,6 @@ typedef __nv_bfloat16 gpu_bf16;
 #define sparge_shfl(v, l) __shfl_sync(SPARGE_FULL_MASK, (v), (l))
 #define sparge_shfl_up(v, d) __shfl_up_sync(SPARGE_FULL_MASK, (v), (d))
 #define sparge_ballot(p) ((unsigned long long)__ballot_sync(SPARGE_FULL_MASK, (p)))
-#define sparge_syncwarp() __syncwarp()
 #define sparge_bf16_to_float __bfloat162float
 #define sparge_float_to_bf16 __float2bfloat16_rn
 #endif
