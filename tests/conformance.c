@@ -350,6 +350,86 @@ static void test_pooled_vectors(void **state)
     tu_free_pooled_cases(c, n);
 }
 
+/* Mask prediction over wide rows (the GPU's warp-per-row selection up to 2048 key blocks, its block sort
+ * beyond) with ties: random keys against cpu-ref; flat rows (every key token the same, so every score in a
+ * row ties) must keep the lowest indices; with twin key blocks (2m and 2m+1 identical, and pair m alike
+ * pair m + 17) every class of equal blocks must keep a prefix of its ascending indices. */
+static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout lay, tu_rng *rng)
+{
+    const int64_t B = 1, H = 2, Nq = 200, D = 32, bq = 64, bk = 4;
+    const int64_t Nk = kind == 0 ? Nkb * bk - 1 : Nkb * bk, Nqb = (Nq + bq - 1) / bq, rows = B * H * Nqb;
+    tu_tensor q = tu_alloc(dev, dt, lay, B, H, Nq, D), k = tu_alloc(dev, dt, lay, B, H, Nk, D);
+    tu_tensor rq = tu_alloc(ref, dt, lay, B, H, Nq, D), rk = tu_alloc(ref, dt, lay, B, H, Nk, D);
+    double *qv = malloc((size_t)(B * H * Nq * D) * sizeof *qv), *kv = malloc((size_t)(B * H * Nk * D) * sizeof *kv);
+    for (int64_t i = 0; i < B * H * Nq * D; i++)
+        qv[i] = tu_normal(rng);
+    double twin[4 * 32]; /* one random key block, repeated */
+    for (int i = 0; i < 4 * 32; i++)
+        twin[i] = tu_normal(rng);
+    for (int64_t bh = 0; bh < B * H; bh++)
+        for (int64_t t = 0; t < Nk; t++)
+            for (int64_t d = 0; d < D; d++) {
+                double *x = &kv[(bh * Nk + t) * D + d];
+                if (kind == 0)
+                    *x = tu_normal(rng) + (t / bk == 7 ? 1.0 : 0.0);
+                else if (kind == 1)
+                    *x = twin[d]; /* flat: every token alike */
+                else /* twins */
+                    *x = twin[t % bk * D + d] + 0.25 * (double)(t / bk / 2 % 17);
+            }
+    tu_set(&q, qv);
+    tu_set(&rq, qv);
+    tu_set(&k, kv);
+    tu_set(&rk, kv);
+    sparge_mask_params mp = {(int)bq, (int)bk, kind == 1 ? 0.1 : 0.03, kind == 1 ? 0.0 : 0.2, 0.0f};
+    sparge_mask *m, *rm;
+    assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, (int)bq, (int)bk, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, (int)bq, (int)bk, &rm), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
+    const shape s = {B, H, Nq, Nk, D, (int)bq, (int)bk};
+    compare_masks(m, rm, &mp, &s);
+    uint8_t *dg = malloc((size_t)(rows * Nkb));
+    assert_int_equal(sparge_mask_get_dense(m, dg), SPARGE_OK);
+    const int64_t nk = (int64_t)floor(0.1 * (double)Nkb + 1e-6);
+    for (int64_t r = 0; r < rows; r++) {
+        int dropped[17] = {0}; /* twins: a block of this class was dropped */
+        for (int64_t j = 0; j < Nkb; j++) {
+            const uint8_t got = dg[r * Nkb + j];
+            if (kind == 1 && got != (j < nk))
+                fail_msg("flat row %lld of %lld blocks: block %lld %s", (long long)r, (long long)Nkb, (long long)j,
+                         got ? "kept" : "dropped");
+            if (kind == 2) {
+                if (got && dropped[j / 2 % 17])
+                    fail_msg("twin classes, row %lld of %lld: block %lld kept after a lower equal block was dropped",
+                             (long long)r, (long long)Nkb, (long long)j);
+                dropped[j / 2 % 17] |= !got;
+            }
+        }
+    }
+    free(dg);
+    free(qv);
+    free(kv);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(rm);
+    tu_free(&q);
+    tu_free(&k);
+    tu_free(&rq);
+    tu_free(&rk);
+}
+
+static void test_predict_wide_rows(void **state)
+{
+    (void)state;
+    tu_rng rng = {20261201};
+    static const int64_t widths[] = {300, 1182, 2048, 2100};
+    for (int w = 0; w < 4; w++)
+        for (int kind = 0; kind < 3; kind++) {
+            predict_wide_case(widths[w], kind, SPARGE_F32, TU_BHND, &rng);
+            predict_wide_case(widths[w], kind, SPARGE_BF16, TU_BNHD, &rng);
+        }
+}
+
 int main(void)
 {
     if (sparge_backend_device_count(BACKEND) == 0) {
@@ -365,6 +445,7 @@ int main(void)
         cmocka_unit_test(test_mask_vectors),
         cmocka_unit_test(test_pooled_vectors),
         cmocka_unit_test(test_grid),
+        cmocka_unit_test(test_predict_wide_rows),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
     sparge_device_close(dev);

@@ -378,6 +378,201 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
         idx[j] = -1;
 }
 
+/* ---------------------------------------------------------------- fused softmax + selection, one warp per row */
+
+/* For mask prediction (rows of softmax probabilities, never negative) the
+ * kept set is found without sorting. kept = max(n_k, n_p, 1) is the shortest
+ * prefix of the row order holding at least max(n_k, 1) blocks and mass >= p,
+ * since the prefix mass only grows. A bitwise descent finds the key T of its
+ * last block: at each bit, the blocks above the candidate range plus the
+ * candidates with that bit set either satisfy both bounds (the boundary lies
+ * among them) or are all kept before it. Ties at T are then taken by
+ * ascending index, adding their mass one by one as the reference does. The
+ * row lives in registers: lane l holds blocks l, l + warp, l + 2·warp, ...
+ * The map's rows must be contiguous (md = 1). */
+constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
+constexpr int64_t FAST_MAX_ROW = 2048;
+
+/* Order-preserving key of a probability >= 0 (or +0 for -0); 0 marks padding. */
+__device__ __forceinline__ uint32_t prob_key(float x) { return (__float_as_uint(x) & 0x7fffffffu) + 1u; }
+__device__ __forceinline__ double key_prob(uint32_t k) { return (double)__uint_as_float(k - 1u); }
+
+template <typename T> __device__ __forceinline__ T warp_sum(T x)
+{
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
+        x += sparge_shfl_xor(x, o);
+    return x;
+}
+
+template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row)
+{
+    constexpr int IPT = CAP / SPARGE_WARP_SIZE;
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE;
+    const int64_t bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H, n = p.Nkb;
+    float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
+    uint8_t *dense = p.dense + row * n;
+    int32_t *idx = p.indices + row * n;
+
+    /* Softmax as map_softmax_kernel: a row holding a NaN logit becomes all NaN. */
+    float x[IPT];
+    float mx = -INFINITY;
+    int logit_nan = 0;
+#pragma unroll
+    for (int e = 0; e < IPT; e++) {
+        const int64_t j = e * SPARGE_WARP_SIZE + lane;
+        x[e] = j < n ? src[j] : -INFINITY;
+        logit_nan |= is_nan(x[e]);
+        mx = fmaxf(mx, x[e]);
+    }
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
+        mx = fmaxf(mx, sparge_shfl_xor(mx, o));
+        logit_nan |= sparge_shfl_xor(logit_nan, o);
+    }
+    float sum = 0.0f;
+#pragma unroll
+    for (int e = 0; e < IPT; e++)
+        if (e * SPARGE_WARP_SIZE + lane < n) {
+            x[e] = expf(x[e] - mx);
+            sum += x[e];
+        }
+    const float inv = 1.0f / warp_sum(sum);
+    uint32_t key[IPT], key_or = 0u, key_and = ~0u;
+    int nan = 0;
+#pragma unroll
+    for (int e = 0; e < IPT; e++) {
+        const int64_t j = e * SPARGE_WARP_SIZE + lane;
+        key[e] = 0u;
+        if (j < n) {
+            const float v = logit_nan ? NAN : x[e] * inv;
+            src[j] = v;
+            nan |= is_nan(v);
+            key[e] = prob_key(v);
+            key_or |= key[e];
+            key_and &= key[e];
+        }
+    }
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
+        nan |= sparge_shfl_xor(nan, o);
+        key_or |= sparge_shfl_xor(key_or, o);
+        key_and &= sparge_shfl_xor(key_and, o);
+    }
+    if (nan) {
+        for (int64_t j = lane; j < n; j += SPARGE_WARP_SIZE) {
+            dense[j] = 1;
+            idx[j] = (int32_t)j;
+        }
+        if (lane == 0) {
+            p.counts[row] = (int32_t)n;
+            p.row_mass[row] = NAN;
+        }
+        return;
+    }
+
+    const int64_t least = p.topk_count > 1 ? p.topk_count : 1;
+    const bool use_p = p.topp > 0.0;
+    double total = 0.0;
+#pragma unroll
+    for (int e = 0; e < IPT; e++)
+        total += key[e] ? key_prob(key[e]) : 0.0;
+    total = warp_sum(total);
+    /* Rounding may leave the total below p: keep the whole row. */
+    bool whole = use_p && total < p.topp;
+
+    uint32_t T = 0u, ties_taken = 0u;
+    double mass = total;
+    if (!whole) {
+        const uint32_t differ = key_or ^ key_and;
+        int64_t above = 0; /* blocks ordered before the candidates, and their mass */
+        double above_mass = 0.0;
+        if (differ) {
+            const int hi = 31 - __clz((int)differ), lo = __ffs((int)differ) - 1;
+            T = key_and & ~(uint32_t)((2ull << hi) - 1u); /* bits above hi: shared by every key */
+            for (int bit = hi; bit >= lo; bit--) {
+                const uint32_t high = T >> bit, with = T | (1u << bit);
+                int c = 0;
+                double m = 0.0;
+#pragma unroll
+                for (int e = 0; e < IPT; e++)
+                    if (key[e] >> bit == (high | 1u)) { /* a candidate with this bit set */
+                        c++;
+                        if (use_p)
+                            m += key_prob(key[e]);
+                    }
+                c = warp_sum(c);
+                if (use_p)
+                    m = warp_sum(m);
+                if (above + c >= least && (!use_p || above_mass + m >= p.topp))
+                    T = with;
+                else {
+                    above += c;
+                    above_mass += m;
+                }
+            }
+            T |= key_and & ((1u << lo) - 1u); /* bits below lo: shared too */
+        } else {
+            T = key_and;
+        }
+        /* above / above_mass now cover exactly the keys > T (the candidates are the keys == T). */
+        if (!use_p) { /* the mass of the keys > T, in any order: it only feeds row_mass */
+            double m = 0.0;
+#pragma unroll
+            for (int e = 0; e < IPT; e++)
+                m += key[e] > T ? key_prob(key[e]) : 0.0;
+            above_mass = warp_sum(m);
+        }
+        int tied = 0;
+#pragma unroll
+        for (int e = 0; e < IPT; e++)
+            tied += key[e] == T;
+        tied = warp_sum(tied);
+        if (tied == 0) { /* only if the total sat on p within rounding and the bits disagreed: keep the row */
+            whole = true;
+        } else {
+            const double v = key_prob(T);
+            mass = above_mass;
+            do {
+                ties_taken++;
+                mass += v;
+            } while ((int)ties_taken < tied && !(above + ties_taken >= least && (!use_p || mass >= p.topp)));
+        }
+    }
+
+    /* Dense row and ascending CSR indices, a ballot per register slot. */
+    const unsigned long long below = (1ull << lane) - 1ull;
+    int32_t kept = 0;
+    uint32_t ties_seen = 0;
+#pragma unroll
+    for (int e = 0; e < IPT; e++) {
+        const int64_t j = e * SPARGE_WARP_SIZE + lane;
+        const unsigned long long tie = sparge_ballot(key[e] != 0u && key[e] == T);
+        const uint32_t rank = ties_seen + (uint32_t)__popcll(tie & below);
+        ties_seen += (uint32_t)__popcll(tie);
+        const bool keep = key[e] != 0u && (whole || key[e] > T || (key[e] == T && rank < ties_taken));
+        const unsigned long long kb = sparge_ballot(keep);
+        if (keep)
+            idx[kept + __popcll(kb & below)] = (int32_t)j;
+        if (j < n)
+            dense[j] = keep;
+        kept += __popcll(kb);
+    }
+    for (int64_t j = kept + lane; j < n; j += SPARGE_WARP_SIZE)
+        idx[j] = -1;
+    if (lane == 0) {
+        p.counts[row] = kept;
+        p.row_mass[row] = (float)mass;
+    }
+}
+
+template <int CAP> __global__ void __launch_bounds__(FAST_THREADS) fast_select_kernel(select_params p, int64_t rows)
+{
+    const int warps = FAST_THREADS / SPARGE_WARP_SIZE;
+    for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
+        const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
+        if (row < rows)
+            fast_select_row<CAP>(p, row);
+    }
+}
+
 /* ---------------------------------------------------------------- CSR and transpose */
 
 constexpr int CSR_THREADS = 128;
@@ -488,19 +683,25 @@ sparge_status launch_select_kernel(gpu_ctx *ctx, const select_params &p, int64_t
 /* Rows wider than this take the softmax as a separate kernel. */
 constexpr int64_t FUSED_SOFTMAX_MAX_ROW = 4096;
 
-/* Selection of every row (after check_select), then the transpose. */
-template <bool SOFTMAX>
-sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, double topp, const sparge_mask_view *m)
+/* n_k exactly as backends/cpu/select.c computes it. */
+select_params make_select_params(const sparge_view &mv, double topk, double topp, const sparge_mask_view *m)
 {
-    const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb;
-    /* n_k exactly as backends/cpu/select.c computes it. */
+    const int64_t n = m->Nkb;
     int64_t nk = 0;
     if (topk > 0.0) {
         nk = (int64_t)floor(topk * (double)n + 1e-6);
         nk = nk < 1 ? 1 : nk > n ? n : nk;
     }
-    select_params p = {(float *)mv.data, mv.sb, mv.sh, mv.sn, mv.sd, m->H, m->Nqb, n, nk, topp,
-                       m->dense, m->counts, m->indices, m->row_mass};
+    return select_params{(float *)mv.data, mv.sb, mv.sh, mv.sn, mv.sd, m->H, m->Nqb, n, nk, topp,
+                         m->dense, m->counts, m->indices, m->row_mass};
+}
+
+/* Selection of every row (after check_select), then the transpose. */
+template <bool SOFTMAX>
+sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, double topp, const sparge_mask_view *m)
+{
+    const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb;
+    const select_params p = make_select_params(mv, topk, topp, m);
     sparge_status s;
     if (n <= 256)
         s = launch_select_kernel<64, 4, SOFTMAX>(ctx, p, rows);
@@ -551,6 +752,26 @@ sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
     return GPU_CHECK_LAUNCH("pooled map softmax kernel");
 }
 
+/* Softmax and selection of predicted rows up to FAST_MAX_ROW wide, then the transpose. */
+sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
+{
+    const sparge_mask_view *m = &a->mask;
+    const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb, blocks = (rows + FAST_ROWS - 1) / FAST_ROWS;
+    const select_params p = make_select_params(a->map.map, a->topk, a->topp, m);
+    if (n <= 256)
+        fast_select_kernel<256><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 512)
+        fast_select_kernel<512><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 1024)
+        fast_select_kernel<1024><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 1536) /* Wan2.1-14B 720p: 1182 */
+        fast_select_kernel<1536><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else
+        fast_select_kernel<2048><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    sparge_status s = GPU_CHECK_LAUNCH("mask selection kernel");
+    return s ? s : launch_transpose(ctx, m);
+}
+
 } // namespace
 
 sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a)
@@ -575,6 +796,8 @@ sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_arg
     if ((s = check_map(&a->map)) || (s = check_select(&a->mask)) || (s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k)) ||
         (s = launch_logits(ctx, &a->map)))
         return s;
+    if (a->mask.Nkb <= FAST_MAX_ROW && a->map.map.sd == 1)
+        return launch_fast_select(ctx, a);
     if (a->mask.Nkb > FUSED_SOFTMAX_MAX_ROW && (s = launch_softmax(ctx, &a->map)))
         return s;
     return launch_select<true>(ctx, a->map.map, a->topk, a->topp, &a->mask);

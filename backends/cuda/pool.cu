@@ -1,18 +1,19 @@
 /* Block mean-pooling of a strided [B,H,N,D] view into f32 [B,H,ceil(N/block),D].
  *
- * One thread block per (b, h, pooled row); Q and K may share one launch
- * (pool_pair), so the grid holds both tensors' rows. Threads split into L lanes along D
- * (each lane owns 16-byte column chunks when the rows are contiguous and
- * aligned) and R row groups; the R partial sums meet in shared memory. Each
- * input row is read once with full 16-byte accesses, in BHND and BNHD alike,
- * which keeps the kernel at memory bandwidth. */
+ * One warp per unit = (tensor, b, h, pooled row, column slice); Q and K share
+ * one launch (pool_pair). A warp's lanes split into L lanes along D (16-byte
+ * chunks when the rows are contiguous and aligned) and G = warp/L row groups;
+ * each lane issues up to POOL_UNROLL loads before consuming any, and the G
+ * partial sums meet through shuffles. Small units (a 64-byte slice of a block of rows) keep
+ * thousands of warps with all their loads in flight, which is what holds the
+ * kernel at memory bandwidth; no shared memory, no barrier. */
 #include <stdint.h>
 
 #include "gpu.h"
 
 namespace {
 
-constexpr int POOL_THREADS = 256;
+constexpr int POOL_THREADS = 256, POOL_UNROLL = 8;
 
 /* One tensor to pool. */
 struct pool_job {
@@ -22,101 +23,80 @@ struct pool_job {
     float *out;
     int64_t ob, oh, on, od; /* output strides (elements) */
     int block;
-    int lanes; /* threads per row: L */
-    int vec;   /* 16-byte loads */
-    int64_t rows; /* B*H*Nb: thread blocks of this job */
+    int lanes;    /* L: lanes along D, a power of two <= 32 */
+    int slices;   /* column slices of L chunks per pooled row */
+    int vec;      /* 16-byte loads */
+    int64_t units; /* B*H*Nb*slices: warps of this job */
 };
 
-/* Q and K in one grid: the first a.rows blocks pool a, the rest b. */
+/* Q and K in one grid: the first a.units warps pool a, the rest b. */
 struct pool_pair_params {
     pool_job a, b;
 };
 
-template <typename T, bool VEC> __device__ __forceinline__ void pool_row(const pool_job &p, int64_t row, float *partial)
+template <typename T, bool VEC> __device__ __forceinline__ void pool_unit(const pool_job &p, int64_t unit)
 {
     constexpr int V = VEC ? vec16<T>::n : 1;
+    const int64_t row = unit / p.slices, slice = unit % p.slices;
     const int64_t bh = row / p.Nb, i = row % p.Nb, b = bh / p.H, h = bh % p.H;
     const int64_t t0 = i * p.block, t1 = t0 + p.block < p.N ? t0 + p.block : p.N;
-    const int L = p.lanes, R = POOL_THREADS / L;
-    const int lane = threadIdx.x % L, group = threadIdx.x / L;
-    const bool active = group < R;
-    const T *x = (const T *)p.x + b * p.sb + h * p.sh;
-    const int64_t ncols = p.D / V;
-    const float inv = 1.0f / (float)(t1 - t0);
-    float *o = p.out + b * p.ob + h * p.oh + i * p.on;
-
-    for (int64_t c0 = 0; c0 < ncols; c0 += L) {
-        const int64_t c = c0 + lane;
-        float acc[V];
-        for (int e = 0; e < V; e++)
-            acc[e] = 0.0f;
-        if (active && c < ncols) {
-            /* Eight independent loads in flight per thread before any is consumed. */
-            int64_t t = t0 + group;
-            for (; t + 7 * R < t1; t += 8 * R) {
-                float v[8][V];
+    const int L = p.lanes, G = SPARGE_WARP_SIZE / L, lane = threadIdx.x % SPARGE_WARP_SIZE;
+    const int64_t c = slice * L + lane % L;
+    const bool col_ok = c < p.D / V;
+    const T *x = (const T *)p.x + b * p.sb + h * p.sh + (VEC ? c * V : c * p.sd);
+    float acc[V];
+    for (int e = 0; e < V; e++)
+        acc[e] = 0.0f;
+    for (int64_t t = t0 + lane / L; t < t1; t += POOL_UNROLL * G) {
+        if constexpr (VEC) {
+            uint4 raw[POOL_UNROLL];
 #pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    if constexpr (VEC)
-                        load_vec16<T>(x + (t + u * R) * p.sn + c * V, v[u]);
-                    else
-                        v[u][0] = to_f32<T>(x[(t + u * R) * p.sn + c * p.sd]);
-                }
+            for (int u = 0; u < POOL_UNROLL; u++)
+                raw[u] = col_ok && t + u * G < t1 ? *(const uint4 *)(x + (t + u * G) * p.sn) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-                for (int u = 0; u < 8; u++)
-                    for (int e = 0; e < V; e++)
-                        acc[e] += v[u][e];
-            }
-            for (; t < t1; t += R) {
-                if constexpr (VEC) {
-                    float v[V];
-                    load_vec16<T>(x + t * p.sn + c * V, v);
-                    for (int e = 0; e < V; e++)
-                        acc[e] += v[e];
-                } else {
-                    acc[0] += to_f32<T>(x[t * p.sn + c * p.sd]);
-                }
-            }
-        }
-        if (R == 1) {
-            if (c < ncols)
+            for (int u = 0; u < POOL_UNROLL; u++) {
+                float v[V];
+                load_vec16<T>((const T *)&raw[u], v);
                 for (int e = 0; e < V; e++)
-                    o[(c * V + e) * p.od] = acc[e] * inv;
-            continue;
+                    acc[e] += v[e];
+            }
+        } else {
+            float v[POOL_UNROLL];
+#pragma unroll
+            for (int u = 0; u < POOL_UNROLL; u++)
+                v[u] = col_ok && t + u * G < t1 ? to_f32<T>(x[(t + u * G) * p.sn]) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < POOL_UNROLL; u++)
+                acc[0] += v[u];
         }
-        /* R > 1 means ncols <= L, so this is the only pass of the c0 loop. */
-        if (active)
-            for (int e = 0; e < V; e++)
-                partial[group * L * V + lane * V + e] = acc[e];
-        __syncthreads();
-        for (int k = threadIdx.x; k < L * V; k += POOL_THREADS) {
-            if (k >= ncols * V)
-                continue;
-            float s = 0.0f;
-            for (int g = 0; g < R; g++)
-                s += partial[g * L * V + k];
-            o[k * p.od] = s * inv;
-        }
+    }
+    for (int o = L; o < SPARGE_WARP_SIZE; o <<= 1)
+        for (int e = 0; e < V; e++)
+            acc[e] += sparge_shfl_xor(acc[e], o);
+    if (lane < L && col_ok) {
+        const float inv = 1.0f / (float)(t1 - t0);
+        float *o = p.out + b * p.ob + h * p.oh + i * p.on + c * V * p.od;
+        for (int e = 0; e < V; e++)
+            o[e * p.od] = acc[e] * inv;
     }
 }
 
-template <typename T> __device__ __forceinline__ void pool_job_row(const pool_job &p, int64_t row, float *partial)
+template <typename T> __device__ __forceinline__ void pool_job_unit(const pool_job &p, int64_t unit)
 {
     if (p.vec)
-        pool_row<T, true>(p, row, partial);
+        pool_unit<T, true>(p, unit);
     else
-        pool_row<T, false>(p, row, partial);
+        pool_unit<T, false>(p, unit);
 }
 
-/* One thread block per (tensor, b, h, pooled row). */
+/* One warp per unit of either tensor. */
 template <typename T> __global__ void __launch_bounds__(POOL_THREADS, 4) pool_kernel(pool_pair_params pp)
 {
-    __shared__ float partial[POOL_THREADS * vec16<T>::n];
-    const int64_t row = blockIdx.x;
-    if (row < pp.a.rows)
-        pool_job_row<T>(pp.a, row, partial);
-    else
-        pool_job_row<T>(pp.b, row - pp.a.rows, partial);
+    const int64_t unit = (int64_t)blockIdx.x * (POOL_THREADS / SPARGE_WARP_SIZE) + threadIdx.x / SPARGE_WARP_SIZE;
+    if (unit < pp.a.units)
+        pool_job_unit<T>(pp.a, unit);
+    else if (unit < pp.a.units + pp.b.units)
+        pool_job_unit<T>(pp.b, unit - pp.a.units);
 }
 
 /* 16-byte accesses need contiguous rows and 16-byte aligned row starts. */
@@ -132,8 +112,13 @@ pool_job make_job(const sparge_pool_args *a)
     const sparge_view &x = a->x, &o = a->out;
     const bool vec = can_vectorize(x);
     const int64_t ncols = vec ? x.D / (16 / (int64_t)sparge_dtype_size(x.dtype)) : x.D;
+    /* 4 lanes of 16 bytes: 64-byte row segments and 8 (or 16) row groups per warp. */
+    int lanes = 1;
+    while (lanes < (vec ? 4 : 32) && lanes < ncols)
+        lanes *= 2;
+    const int64_t slices = (ncols + lanes - 1) / lanes;
     return pool_job{x.data, x.sb, x.sh, x.sn, x.sd, x.H, x.N, x.D, o.N, (float *)o.data, o.sb, o.sh, o.sn, o.sd,
-                    a->block, (int)(ncols < POOL_THREADS ? ncols : POOL_THREADS), vec ? 1 : 0, x.B * x.H * o.N};
+                    a->block, lanes, (int)slices, vec ? 1 : 0, x.B * x.H * o.N * slices};
 }
 
 sparge_status launch(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b)
@@ -141,10 +126,11 @@ sparge_status launch(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_
     pool_pair_params pp = {make_job(a), {}};
     if (b)
         pp.b = make_job(b);
-    const int64_t blocks = pp.a.rows + pp.b.rows;
+    /* HIP's host pass sees a warp of 64; on wave32 devices the surplus warps exit at once. */
+    const int64_t units = pp.a.units + pp.b.units, per_block = POOL_THREADS / SPARGE_WARP_SIZE;
+    const int64_t blocks = (units + per_block - 1) / per_block;
     if (blocks > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pool: B*H*ceil(N/block) = %lld exceeds the grid limit %d",
-                           (long long)blocks, INT32_MAX);
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pool: %lld pooling units exceed the grid limit", (long long)units);
     switch (a->x.dtype) {
     case SPARGE_F16: pool_kernel<gpu_half><<<(unsigned)blocks, POOL_THREADS, 0, ctx->stream>>>(pp); break;
     case SPARGE_BF16: pool_kernel<gpu_bf16><<<(unsigned)blocks, POOL_THREADS, 0, ctx->stream>>>(pp); break;
