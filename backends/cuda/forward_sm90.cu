@@ -59,10 +59,10 @@ __device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
 
 /* cp.async ROWS rows of D elements from row0 into a tile at dst; rows at or past `limit` are
  * zero-filled. Not unrolled, like forward.cu's load_rows (address registers). */
-template <typename T, int D, int ROWS>
+template <typename T, int D, int ROWS, int NTHREADS = THREADS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
 {
-    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
+    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = NTHREADS / ROW_CHUNKS;
     static_assert(ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "bad tile split");
     const int ch = tid % ROW_CHUNKS;
     int r = tid / ROW_CHUNKS;
@@ -355,19 +355,362 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
 #endif
 }
 
-template <typename T, int D>
-sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
+/* ---------------------------------------------------------------- warp-specialized kernel */
+
+/* wgmma_ws_fwd_kernel: the same tiles and arithmetic, with FlashAttention-3's split of the work.
+ * Three warpgroups, one CTA per SM: a producer warpgroup walks the kept tiles of the CSR row and
+ * fills a ring of STAGES K/V slots by cp.async; two consumer warpgroups (64 query rows each, Q
+ * loaded by themselves) only compute. The producer gives its registers to the consumers
+ * (setmaxnreg), so a consumer keeps S(t+1) and P(t)·V(t) in flight during the softmax of tile
+ * t+1 without spilling, and the two consumers are no longer held in step by CTA barriers: one's
+ * softmax overlaps the other's MMAs.
+ *
+ * Ring protocol, per slot: full[slot] (128 arrivals: every producer thread, after its own copies
+ * of the tile completed and a proxy fence made them visible to wgmma) and empty[slot] (8
+ * arrivals: one per consumer warp, after the wgmma that read the slot completed). Phases
+ * alternate per pass over the ring; tile t waits for parity (t / STAGES) & 1 on full and its
+ * producer for the opposite parity on empty (the phase before the first counts as complete).
+ * The producer keeps LAG = STAGES − 2 tiles in flight before it waits for the oldest one: a
+ * consumer holds slot t while it waits for tile t+1, so full(t+1) must not depend on freeing
+ * more than slot t−1.
+ *
+ * PINGPONG (FlashAttention-3's inter-warpgroup schedule): the consumers take turns to issue
+ * their wgmma (named barriers 3 and 4, one per warpgroup's turn, 256 threads), so one's softmax
+ * runs while the other's MMAs occupy the tensor cores. Warpgroup 1 opens warpgroup 0's first turn
+ * and skips its arrival after its last issue, so every barrier ends with no pending arrival.
+ * Both consumers issue the same number of turns (n_tiles + 1, same query block). */
+constexpr int WS_THREADS = 3 * 128, WS_CONSUMER_WARPS = 8;
+constexpr int WS_PRODUCER_REGS = 56, WS_CONSUMER_REGS = 224; /* 128·56 + 256·224 = 64512 ≤ 64 K */
+constexpr int WS_MAX_STAGES = 8;
+
+template <int D>
+struct ws_traits {
+    static constexpr int STAGES = D == 128 ? 4 : 6; /* 160 KB and 112 KB of shared memory */
+    static constexpr int LAG = STAGES - 2;
+    static constexpr int SMEM_BYTES = wg_traits<D>::Q_BYTES + STAGES * 2 * wg_traits<D>::REGION_BYTES + 1024;
+    static_assert(STAGES >= 2 && STAGES <= WS_MAX_STAGES, "bad ring depth");
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
 {
-    constexpr int SMEM = wg_traits<D>::SMEM_BYTES;
-    if ((size_t)SMEM > ctx->smem_optin)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward (D=%d) needs %d bytes of shared memory, "
-                           "the device allows %zu", D, SMEM, ctx->smem_optin);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
+{
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+/* Barrier of the 128 threads of consumer warpgroup wg (ids 1 and 2; 0 is __syncthreads). */
+__device__ __forceinline__ void warpgroup_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+/* Turn barriers of the ping-pong schedule: 3 + wg is warpgroup wg's turn. */
+__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory"); }
+__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory"); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+template <typename T, int D, bool PINGPONG>
+__global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_params p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using W = wg_traits<D>;
+    constexpr int STAGES = ws_traits<D>::STAGES, LAG = ws_traits<D>::LAG;
+    constexpr int N_TILES = TILE_K / 8, D_TILES = D / 8;
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t ring_bars[2 * WS_MAX_STAGES];
+    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
+    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
+    const uint32_t full_bar = smem_addr(ring_bars), empty_bar = full_bar + 8 * STAGES;
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
+    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
+    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
+    const int b = bh / p.H, h = bh - b * p.H;
+    const int q0 = qblock * BLOCK_Q;
+
+    const int32_t *row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
+    const int n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
+    const int sub_mask = (1 << p.sub_shift) - 1;
+    auto tile_key0 = [&](int t) {
+        int block = row_blocks ? row_blocks[t >> p.sub_shift] : t;
+        return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
+    };
+    auto k_smem = [&](int t) { return smem0 + W::Q_BYTES + (t % STAGES) * 2 * W::REGION_BYTES; };
+    auto v_smem = [&](int t) { return k_smem(t) + W::REGION_BYTES; };
+
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < STAGES; i++) {
+            mbar_init(full_bar + 8 * i, 128);
+            mbar_init(empty_bar + 8 * i, WS_CONSUMER_WARPS);
+        }
+    }
+    __syncthreads();
+
+    if (wg == 2) { /* producer */
+        setmaxnreg_dec<WS_PRODUCER_REGS>();
+        const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
+        const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+        auto tile_landed = [&](int t) { mbar_arrive(full_bar + 8 * (t % STAGES)); };
+#pragma unroll 1
+        for (int t = 0; t < n_tiles; t++) {
+            mbar_wait(empty_bar + 8 * (t % STAGES), ((t / STAGES) & 1) ^ 1);
+            const int key0 = tile_key0(t);
+            load_tile<T, D, TILE_K, 128>(k_smem(t), k, p.k_sn, key0, p.Nk, wg_tid);
+            load_tile<T, D, TILE_K, 128>(v_smem(t), v, p.v_sn, key0, p.Nk, wg_tid);
+            cp_async_commit();
+            if (t >= LAG) {
+                cp_async_wait<LAG>(); /* tile t − LAG */
+                fence_proxy_async();
+                tile_landed(t - LAG);
+            }
+        }
+        cp_async_wait<0>();
+        fence_proxy_async();
+#pragma unroll 1
+        for (int t = n_tiles > LAG ? n_tiles - LAG : 0; t < n_tiles; t++)
+            tile_landed(t);
+        return;
+    }
+
+    /* Consumers: warpgroup wg owns query rows q0 + 64·wg ... + 63. */
+    setmaxnreg_inc<WS_CONSUMER_REGS>();
+    const uint32_t q_wg = smem0 + wg * W::REGION_BYTES;
+    load_tile<T, D, WG_ROWS, 128>(q_wg, (const T *)p.q + b * p.q_sb + h * p.q_sh, p.q_sn, q0 + wg * WG_ROWS, p.Nq,
+                                  wg_tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    warpgroup_barrier(wg);
+
+    /* This thread's accumulator rows inside the warpgroup's 64: r0 and r0 + 8 (e = 0,1 and 2,3). */
+    const int row0 = (wg_tid >> 5) * 16 + frag_row(lane);
+    float o_acc[D_TILES][4];
+    float s[N_TILES][4];         /* scores of one tile, then its probabilities */
+    uint32_t pa[TILE_K / 16][4]; /* P as 16-bit A fragments for P·V */
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
+    float alpha[2];
+#pragma unroll
+    for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            o_acc[dt][e] = 0.0f;
+
+    auto wait_tile = [&](int t) { mbar_wait(full_bar + 8 * (t % STAGES), (t / STAGES) & 1); };
+    auto release_tile = [&](int t) { /* after the wgmma that read the slot completed */
+        if (lane == 0)
+            mbar_arrive(empty_bar + 8 * (t % STAGES));
+    };
+    /* S = Q·K(t)ᵀ into s, issued and committed as one wgmma group. */
+    auto issue_scores = [&](int t) {
+        const uint32_t k_tile = k_smem(t);
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(s[nt][e] = 0.0f);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const uint32_t k_off = (kk >> 2) * W::PANEL_BYTES + (kk & 3) * 32;
+            wgmma_ss_n64<T>(&s[0][0], sw128_desc(q_wg + k_off, 16, CORE_GROUP_BYTES),
+                            sw128_desc(k_tile + k_off, 16, CORE_GROUP_BYTES), 1);
+        }
+        wgmma_commit();
+    };
+    /* P(t)·V(t) into O, issued and committed as one wgmma group. */
+    auto issue_pv = [&](int t) {
+        const uint32_t v_tile = v_smem(t);
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(o_acc[dt][e]);
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(pa[kk][e]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], sw128_desc(v_tile + kk * 2 * CORE_GROUP_BYTES, W::PANEL_BYTES,
+                                                               CORE_GROUP_BYTES));
+        wgmma_commit();
+    };
+    /* Online softmax of tile t's scores (forward.cu's arithmetic), rows r0 (e = 0,1) and r0 + 8
+     * (e = 2,3): s becomes exp2(s·scale − max), the statistics advance, alpha is the factor O
+     * must be rescaled by before P(t)·V(t) accumulates. O itself is not touched here. */
+    auto softmax = [&](int t) {
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(s[nt][e]);
+        const int key0 = tile_key0(t);
+        if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
+                        s[nt][e] = -INFINITY;
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+                mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            mx = quad_max(mx) * p.scale_log2;
+            const float m_new = fmaxf(row_max[r], mx);
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* no (-inf) - (-inf) */
+            alpha[r] = exp2f(row_max[r] - m_use);
+            row_max[r] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; e++) {
+                    s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -m_use));
+                    sum += s[nt][e];
+                }
+            row_sum[r] = row_sum[r] * alpha[r] + sum;
+        }
+    };
+    /* After the previous P·V completed: O *= alpha, P = s packed to 16 bits. */
+    auto rescale_and_pack = [&]() {
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                fence_operand(o_acc[dt][e]);
+                o_acc[dt][e] *= alpha[e >> 1];
+            }
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+            c_pair_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+    };
+
+    auto take_turn = [&]() {
+        if constexpr (PINGPONG)
+            turn_wait(wg);
+    };
+    auto end_turn = [&](bool last) {
+        if constexpr (PINGPONG)
+            if (!(last && wg == 1))
+                turn_pass(wg);
+    };
+
+    /* Iteration t: issue S(t+1), then P(t)·V(t); the softmax of tile t+1 runs while P(t)·V(t) is
+     * on the tensor cores; then O *= alpha and P(t+1) once P(t)·V(t) completed. */
+    if (n_tiles > 0) {
+        if (PINGPONG && wg == 1)
+            turn_pass(wg);
+        wait_tile(0);
+        take_turn();
+        issue_scores(0);
+        end_turn(false);
+        wgmma_wait<0>();
+        softmax(0);
+        rescale_and_pack();
+    }
+#pragma unroll 1
+    for (int t = 0; t + 1 < n_tiles; t++) {
+        wait_tile(t + 1);
+        take_turn();
+        issue_scores(t + 1);
+        issue_pv(t);
+        end_turn(false);
+        wgmma_wait<1>(); /* S(t+1); P(t)·V(t) may still run */
+        softmax(t + 1);
+        wgmma_wait<0>();
+        release_tile(t);
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(pa[kk][e]);
+        rescale_and_pack();
+    }
+    if (n_tiles > 0) { /* the last tile: P·V alone */
+        take_turn();
+        issue_pv(n_tiles - 1);
+        end_turn(true);
+        wgmma_wait<0>();
+        release_tile(n_tiles - 1);
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(o_acc[dt][e]);
+    }
+
+    /* Epilogue (wgmma_fwd_kernel's): normalize, LSE, stage O through this warpgroup's own Q
+     * region (only its own wgmma read it; the barrier: every warp's wait for them returned)
+     * for 16-byte coalesced stores. */
+    warpgroup_barrier(wg);
+    unsigned char *o_stage = smem + wg * W::REGION_BYTES;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const float l = quad_sum(row_sum[r]);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row_local = row0 + 8 * r;
+        const int row = q0 + wg * WG_ROWS + row_local;
+        if (p.lse && (lane & 3) == 0 && row < p.Nq)
+            p.lse[(int64_t)bh * p.Nq + row] = l > 0.0f ? (row_max[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+            *reinterpret_cast<uint32_t *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
+                pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
+    }
+    warpgroup_barrier(wg);
+    T *o = (T *)p.o + b * p.o_sb + h * p.o_sh;
+#pragma unroll
+    for (int it = 0; it < WG_ROWS * W::ROW_CHUNKS / 128; it++) {
+        const int c = it * 128 + wg_tid;
+        const int row_local = c / W::ROW_CHUNKS, ch = c % W::ROW_CHUNKS;
+        const int row = q0 + wg * WG_ROWS + row_local;
+        if (row < p.Nq)
+            *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
+                *reinterpret_cast<const uint4 *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, ch));
+    }
+#endif
+}
+
+template <typename Kernel>
+sparge_status launch_kernel(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, Kernel kernel, int threads, int smem,
+                            const char *name, int D)
+{
+    if ((size_t)smem > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: %s (D=%d) needs %d bytes of shared memory, the device "
+                           "allows %zu", name, D, smem, ctx->smem_optin);
     sparge_status s;
-    auto kernel = wgmma_fwd_kernel<T, D>;
-    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
+    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, smem))))
         return s;
-    kernel<<<(unsigned)n_items, THREADS, SMEM, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH("wgmma_fwd_kernel");
+    kernel<<<(unsigned)n_items, threads, smem, ctx->stream>>>(p);
+    return GPU_CHECK_LAUNCH(name);
+}
+
+template <typename T, int D>
+sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, fwd_sm90_kernel kind)
+{
+    if (kind == FWD_SM90_WS)
+        return launch_kernel(ctx, p, n_items, wgmma_ws_fwd_kernel<T, D, false>, WS_THREADS,
+                             ws_traits<D>::SMEM_BYTES, "wgmma_ws_fwd_kernel", D);
+    if (kind == FWD_SM90_WS_PINGPONG)
+        return launch_kernel(ctx, p, n_items, wgmma_ws_fwd_kernel<T, D, true>, WS_THREADS,
+                             ws_traits<D>::SMEM_BYTES, "wgmma_ws_fwd_kernel (ping-pong)", D);
+    return launch_kernel(ctx, p, n_items, wgmma_fwd_kernel<T, D>, THREADS, wg_traits<D>::SMEM_BYTES,
+                         "wgmma_fwd_kernel", D);
 }
 
 } // namespace
@@ -377,18 +720,20 @@ int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
     cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess ||
+        cudaFuncGetAttributes(&attr, wgmma_ws_fwd_kernel<gpu_bf16, 128, false>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }
     return 1;
 }
 
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
+                                        fwd_sm90_kernel kind)
 {
     if (dt == SPARGE_BF16)
-        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, n_items) : launch<gpu_bf16, 64>(ctx, p, n_items);
-    return D == 128 ? launch<gpu_half, 128>(ctx, p, n_items) : launch<gpu_half, 64>(ctx, p, n_items);
+        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, n_items, kind) : launch<gpu_bf16, 64>(ctx, p, n_items, kind);
+    return D == 128 ? launch<gpu_half, 128>(ctx, p, n_items, kind) : launch<gpu_half, 64>(ctx, p, n_items, kind);
 }
 
 #else /* no sm_90a image in this build */
@@ -399,9 +744,10 @@ int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
     return 0;
 }
 
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
+                                        fwd_sm90_kernel kind)
 {
-    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D;
+    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)kind;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma forward (configure "
                        "--with-cuda-arch with 90)");
 }
