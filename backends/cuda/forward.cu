@@ -21,7 +21,8 @@
  *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
  * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off;
- * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-ws|wgmma-ws-pp forces a kernel. */
+ * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-ws|wgmma-ws-pp forces a kernel; SPARGE_CUDA_FWD_PERSISTENT=0
+ * launches the warp-specialized kernels with one CTA per work item instead of one per SM. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -448,7 +449,7 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     p.k_sb = a->k.sb, p.k_sh = a->k.sh, p.k_sn = a->k.sn;
     p.v_sb = a->v.sb, p.v_sh = a->v.sh, p.v_sn = a->v.sn;
     p.o_sb = a->o.sb, p.o_sh = a->o.sh, p.o_sn = a->o.sn;
-    p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk, p.Nqb = (int)Nqb;
+    p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk, p.Nqb = (int)Nqb, p.n_items = (int)n_items;
     p.lse = a->lse;
     p.scale_log2 = a->scale * 1.4426950408889634f;
     if (m) {

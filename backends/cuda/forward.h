@@ -22,6 +22,7 @@ struct fwd_params {
     int sub_shift; /* log2(bk / 64): compute tiles per kept block */
     const int32_t *counts, *indices; /* NULL: dense */
     const int32_t *order;            /* launch order of (bh, i) work items; NULL: identity */
+    int n_items;                     /* work items: B·H·Nqb */
     float *lse;
     float scale_log2; /* softmax scale · log2(e): scores are exponentiated with exp2 */
 };

@@ -25,6 +25,8 @@
  * configure's arch list has 90, see m4/sparge_cuda.m4); without it the entry reports the
  * kernel unavailable and forward.cu keeps its mma.sync kernel. */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "forward.h"
 #include "mma.cuh"
@@ -377,17 +379,22 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
  * PINGPONG (FlashAttention-3's inter-warpgroup schedule): the consumers take turns to issue
  * their wgmma (named barriers 3 and 4, one per warpgroup's turn, 256 threads), so one's softmax
  * runs while the other's MMAs occupy the tensor cores. Warpgroup 1 opens warpgroup 0's first turn
- * and skips its arrival after its last issue, so every barrier ends with no pending arrival.
- * Both consumers issue the same number of turns (n_tiles + 1, same query block). */
+ * and warpgroup 0 takes one extra turn at the end, so every barrier ends with no pending arrival
+ * (both consumers issue the same number of turns: n_tiles + 1 per item, same query blocks).
+ *
+ * Persistent: a CTA walks work items blockIdx.x, + gridDim.x, ... of the launch order (the grid
+ * is one CTA per SM, or one per item when SPARGE_CUDA_FWD_PERSISTENT=0), so the ring runs on
+ * across items and the next item's Q loads during the current one: one CTA per SM would
+ * otherwise leave the SM idle in every CTA's prologue and epilogue. */
 constexpr int WS_THREADS = 3 * 128, WS_CONSUMER_WARPS = 8;
 constexpr int WS_PRODUCER_REGS = 56, WS_CONSUMER_REGS = 224; /* 128·56 + 256·224 = 64512 ≤ 64 K */
 constexpr int WS_MAX_STAGES = 8;
 
 template <int D>
 struct ws_traits {
-    static constexpr int STAGES = D == 128 ? 4 : 6; /* 160 KB and 112 KB of shared memory */
+    static constexpr int STAGES = D == 128 ? 4 : 6; /* 192 KB and 128 KB of shared memory */
     static constexpr int LAG = STAGES - 2;
-    static constexpr int SMEM_BYTES = wg_traits<D>::Q_BYTES + STAGES * 2 * wg_traits<D>::REGION_BYTES + 1024;
+    static constexpr int SMEM_BYTES = 2 * wg_traits<D>::Q_BYTES + STAGES * 2 * wg_traits<D>::REGION_BYTES + 1024;
     static_assert(STAGES >= 2 && STAGES <= WS_MAX_STAGES, "bad ring depth");
 };
 
@@ -429,22 +436,32 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
     const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
     unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
     const uint32_t full_bar = smem_addr(ring_bars), empty_bar = full_bar + 8 * STAGES;
+    /* Shared memory: two Q buffers (work items alternate), then the ring of K/V slots. */
+    auto k_smem = [&](int g) { return smem0 + 2 * W::Q_BYTES + (g % STAGES) * 2 * W::REGION_BYTES; };
+    auto v_smem = [&](int g) { return k_smem(g) + W::REGION_BYTES; };
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
-    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
-    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
-    const int b = bh / p.H, h = bh - b * p.H;
-    const int q0 = qblock * BLOCK_Q;
-
-    const int32_t *row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
-    const int n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
     const int sub_mask = (1 << p.sub_shift) - 1;
-    auto tile_key0 = [&](int t) {
-        int block = row_blocks ? row_blocks[t >> p.sub_shift] : t;
+    /* Work item i (in launch order): its (b, h, query block) and kept tiles. */
+    struct item_view {
+        int bh, q0, n_tiles, b, h;
+        const int32_t *row_blocks; /* NULL: dense */
+    };
+    auto item_at = [&](int i) {
+        item_view it;
+        const int work = p.order ? p.order[i] : i;
+        it.bh = work / p.Nqb;
+        it.q0 = (work - it.bh * p.Nqb) * BLOCK_Q;
+        it.b = it.bh / p.H;
+        it.h = it.bh - it.b * p.H;
+        it.row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
+        it.n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
+        return it;
+    };
+    auto tile_key0 = [&](const item_view &it, int t) {
+        int block = it.row_blocks ? it.row_blocks[t >> p.sub_shift] : t;
         return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
     };
-    auto k_smem = [&](int t) { return smem0 + W::Q_BYTES + (t % STAGES) * 2 * W::REGION_BYTES; };
-    auto v_smem = [&](int t) { return k_smem(t) + W::REGION_BYTES; };
 
     if (tid == 0) {
 #pragma unroll
@@ -455,63 +472,80 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
     }
     __syncthreads();
 
+    /* Every role walks the same items (blockIdx.x, + gridDim.x, ...) and numbers their tiles
+     * consecutively (g): ring slot g % STAGES, pass g / STAGES. */
     if (wg == 2) { /* producer */
         setmaxnreg_dec<WS_PRODUCER_REGS>();
-        const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
-        const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
-        auto tile_landed = [&](int t) { mbar_arrive(full_bar + 8 * (t % STAGES)); };
+        auto tile_landed = [&](int g) { mbar_arrive(full_bar + 8 * (g % STAGES)); };
+        int g = 0;
 #pragma unroll 1
-        for (int t = 0; t < n_tiles; t++) {
-            mbar_wait(empty_bar + 8 * (t % STAGES), ((t / STAGES) & 1) ^ 1);
-            const int key0 = tile_key0(t);
-            load_tile<T, D, TILE_K, 128>(k_smem(t), k, p.k_sn, key0, p.Nk, wg_tid);
-            load_tile<T, D, TILE_K, 128>(v_smem(t), v, p.v_sn, key0, p.Nk, wg_tid);
-            cp_async_commit();
-            if (t >= LAG) {
-                cp_async_wait<LAG>(); /* tile t − LAG */
-                fence_proxy_async();
-                tile_landed(t - LAG);
+        for (int i = blockIdx.x; i < p.n_items; i += gridDim.x) {
+            const item_view it = item_at(i);
+            const T *k = (const T *)p.k + it.b * p.k_sb + it.h * p.k_sh;
+            const T *v = (const T *)p.v + it.b * p.v_sb + it.h * p.v_sh;
+#pragma unroll 1
+            for (int t = 0; t < it.n_tiles; t++, g++) {
+                mbar_wait(empty_bar + 8 * (g % STAGES), ((g / STAGES) & 1) ^ 1);
+                const int key0 = tile_key0(it, t);
+                load_tile<T, D, TILE_K, 128>(k_smem(g), k, p.k_sn, key0, p.Nk, wg_tid);
+                load_tile<T, D, TILE_K, 128>(v_smem(g), v, p.v_sn, key0, p.Nk, wg_tid);
+                cp_async_commit();
+                if (g >= LAG) {
+                    cp_async_wait<LAG>(); /* tile g − LAG */
+                    fence_proxy_async();
+                    tile_landed(g - LAG);
+                }
             }
         }
         cp_async_wait<0>();
         fence_proxy_async();
 #pragma unroll 1
-        for (int t = n_tiles > LAG ? n_tiles - LAG : 0; t < n_tiles; t++)
+        for (int t = g > LAG ? g - LAG : 0; t < g; t++)
             tile_landed(t);
         return;
     }
 
-    /* Consumers: warpgroup wg owns query rows q0 + 64·wg ... + 63. */
+    /* Consumers: warpgroup wg owns query rows q0 + 64·wg ... + 63 of each item. Each loads its
+     * own Q rows, the next item's during the current one (double buffer; the buffer also stages
+     * O in the epilogue). */
     setmaxnreg_inc<WS_CONSUMER_REGS>();
-    const uint32_t q_wg = smem0 + wg * W::REGION_BYTES;
-    load_tile<T, D, WG_ROWS, 128>(q_wg, (const T *)p.q + b * p.q_sb + h * p.q_sh, p.q_sn, q0 + wg * WG_ROWS, p.Nq,
-                                  wg_tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    warpgroup_barrier(wg);
+    auto q_region = [&](int n) { return smem0 + (n & 1) * W::Q_BYTES + wg * W::REGION_BYTES; };
+    auto load_q = [&](int i, int n) {
+        if (i < p.n_items) {
+            const item_view it = item_at(i);
+            load_tile<T, D, WG_ROWS, 128>(q_region(n), (const T *)p.q + it.b * p.q_sb + it.h * p.q_sh, p.q_sn,
+                                          it.q0 + wg * WG_ROWS, p.Nq, wg_tid);
+        }
+        cp_async_commit();
+    };
+    auto wait_tile = [&](int g) { mbar_wait(full_bar + 8 * (g % STAGES), (g / STAGES) & 1); };
+    auto release_tile = [&](int g) { /* after the wgmma that read the slot completed */
+        if (lane == 0)
+            mbar_arrive(empty_bar + 8 * (g % STAGES));
+    };
+    auto take_turn = [&]() {
+        if constexpr (PINGPONG)
+            turn_wait(wg);
+    };
+    auto end_turn = [&]() {
+        if constexpr (PINGPONG)
+            turn_pass(wg);
+    };
+    if (PINGPONG && wg == 1)
+        turn_pass(wg); /* warpgroup 0 has the first turn */
 
     /* This thread's accumulator rows inside the warpgroup's 64: r0 and r0 + 8 (e = 0,1 and 2,3). */
     const int row0 = (wg_tid >> 5) * 16 + frag_row(lane);
     float o_acc[D_TILES][4];
     float s[N_TILES][4];         /* scores of one tile, then its probabilities */
     uint32_t pa[TILE_K / 16][4]; /* P as 16-bit A fragments for P·V */
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
+    float row_max[2], row_sum[2]; /* row_max in the exp2 domain */
     float alpha[2];
-#pragma unroll
-    for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            o_acc[dt][e] = 0.0f;
+    uint32_t q_wg;
 
-    auto wait_tile = [&](int t) { mbar_wait(full_bar + 8 * (t % STAGES), (t / STAGES) & 1); };
-    auto release_tile = [&](int t) { /* after the wgmma that read the slot completed */
-        if (lane == 0)
-            mbar_arrive(empty_bar + 8 * (t % STAGES));
-    };
-    /* S = Q·K(t)ᵀ into s, issued and committed as one wgmma group. */
-    auto issue_scores = [&](int t) {
-        const uint32_t k_tile = k_smem(t);
+    /* S = Q·K(g)ᵀ into s, issued and committed as one wgmma group. */
+    auto issue_scores = [&](int g) {
+        const uint32_t k_tile = k_smem(g);
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
@@ -526,9 +560,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
         }
         wgmma_commit();
     };
-    /* P(t)·V(t) into O, issued and committed as one wgmma group. */
-    auto issue_pv = [&](int t) {
-        const uint32_t v_tile = v_smem(t);
+    /* P(g)·V(g) into O, issued and committed as one wgmma group. */
+    auto issue_pv = [&](int g) {
+        const uint32_t v_tile = v_smem(g);
 #pragma unroll
         for (int dt = 0; dt < D_TILES; dt++)
 #pragma unroll
@@ -546,16 +580,15 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
                                                                CORE_GROUP_BYTES));
         wgmma_commit();
     };
-    /* Online softmax of tile t's scores (forward.cu's arithmetic), rows r0 (e = 0,1) and r0 + 8
-     * (e = 2,3): s becomes exp2(s·scale − max), the statistics advance, alpha is the factor O
-     * must be rescaled by before P(t)·V(t) accumulates. O itself is not touched here. */
-    auto softmax = [&](int t) {
+    /* Online softmax of the scores of the tile at key0 (forward.cu's arithmetic), rows r0
+     * (e = 0,1) and r0 + 8 (e = 2,3): s becomes exp2(s·scale − max), the statistics advance, alpha
+     * is the factor O must be rescaled by before P·V of the tile accumulates. O is not touched. */
+    auto softmax = [&](int key0) {
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 fence_operand(s[nt][e]);
-        const int key0 = tile_key0(t);
         if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
 #pragma unroll
             for (int nt = 0; nt < N_TILES; nt++)
@@ -600,94 +633,110 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
             c_pair_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
     };
 
-    auto take_turn = [&]() {
-        if constexpr (PINGPONG)
-            turn_wait(wg);
-    };
-    auto end_turn = [&](bool last) {
-        if constexpr (PINGPONG)
-            if (!(last && wg == 1))
-                turn_pass(wg);
-    };
-
-    /* Iteration t: issue S(t+1), then P(t)·V(t); the softmax of tile t+1 runs while P(t)·V(t) is
-     * on the tensor cores; then O *= alpha and P(t+1) once P(t)·V(t) completed. */
-    if (n_tiles > 0) {
-        if (PINGPONG && wg == 1)
-            turn_pass(wg);
-        wait_tile(0);
-        take_turn();
-        issue_scores(0);
-        end_turn(false);
-        wgmma_wait<0>();
-        softmax(0);
-        rescale_and_pack();
-    }
+    int g = 0, n = 0; /* ring tiles and items so far */
+    load_q(blockIdx.x, 0);
 #pragma unroll 1
-    for (int t = 0; t + 1 < n_tiles; t++) {
-        wait_tile(t + 1);
-        take_turn();
-        issue_scores(t + 1);
-        issue_pv(t);
-        end_turn(false);
-        wgmma_wait<1>(); /* S(t+1); P(t)·V(t) may still run */
-        softmax(t + 1);
-        wgmma_wait<0>();
-        release_tile(t);
-#pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(pa[kk][e]);
-        rescale_and_pack();
-    }
-    if (n_tiles > 0) { /* the last tile: P·V alone */
-        take_turn();
-        issue_pv(n_tiles - 1);
-        end_turn(true);
-        wgmma_wait<0>();
-        release_tile(n_tiles - 1);
+    for (int i = blockIdx.x; i < p.n_items; i += gridDim.x, n++) {
+        const item_view it = item_at(i);
+        /* Q(n) landed; every thread of the warpgroup is done with item n−1 (its epilogue read the
+         * other buffer), so the next Q may go there. */
+        cp_async_wait<0>();
+        fence_proxy_async();
+        warpgroup_barrier(wg);
+        load_q(i + gridDim.x, n + 1);
+        q_wg = q_region(n);
 #pragma unroll
         for (int dt = 0; dt < D_TILES; dt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
-                fence_operand(o_acc[dt][e]);
-    }
+                o_acc[dt][e] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            row_max[r] = -INFINITY, row_sum[r] = 0.0f;
 
-    /* Epilogue (wgmma_fwd_kernel's): normalize, LSE, stage O through this warpgroup's own Q
-     * region (only its own wgmma read it; the barrier: every warp's wait for them returned)
-     * for 16-byte coalesced stores. */
-    warpgroup_barrier(wg);
-    unsigned char *o_stage = smem + wg * W::REGION_BYTES;
+        /* Tile t (ring tile g + t): issue S(t+1), then P(t)·V(t); the softmax of tile t+1 runs
+         * while P(t)·V(t) is on the tensor cores; O *= alpha and P(t+1) once P(t)·V(t) completed. */
+        if (it.n_tiles > 0) {
+            const int key0 = tile_key0(it, 0);
+            wait_tile(g);
+            take_turn();
+            issue_scores(g);
+            end_turn();
+            wgmma_wait<0>();
+            softmax(key0);
+            rescale_and_pack();
+        }
+#pragma unroll 1
+        for (int t = 0; t + 1 < it.n_tiles; t++, g++) {
+            const int key0 = tile_key0(it, t + 1); /* read before the waits, off the softmax's path */
+            wait_tile(g + 1);
+            take_turn();
+            issue_scores(g + 1);
+            issue_pv(g);
+            end_turn();
+            wgmma_wait<1>(); /* S(t+1); P(t)·V(t) may still run */
+            softmax(key0);
+            wgmma_wait<0>();
+            release_tile(g);
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const float l = quad_sum(row_sum[r]);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const int row_local = row0 + 8 * r;
-        const int row = q0 + wg * WG_ROWS + row_local;
-        if (p.lse && (lane & 3) == 0 && row < p.Nq)
-            p.lse[(int64_t)bh * p.Nq + row] = l > 0.0f ? (row_max[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+            for (int kk = 0; kk < TILE_K / 16; kk++)
 #pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-            *reinterpret_cast<uint32_t *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
-                pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
+                for (int e = 0; e < 4; e++)
+                    fence_operand(pa[kk][e]);
+            rescale_and_pack();
+        }
+        if (it.n_tiles > 0) { /* the last tile: P·V alone */
+            take_turn();
+            issue_pv(g);
+            end_turn();
+            wgmma_wait<0>();
+            release_tile(g);
+            g++;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; dt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    fence_operand(o_acc[dt][e]);
+        }
+
+        /* Epilogue (wgmma_fwd_kernel's): normalize, LSE, stage O through this warpgroup's Q rows
+         * of this item (only its own wgmma read them; the barrier: every warp's wait for them
+         * returned) for 16-byte coalesced stores. */
+        warpgroup_barrier(wg);
+        unsigned char *o_stage = smem + (q_wg - smem0);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const float l = quad_sum(row_sum[r]);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int row_local = row0 + 8 * r;
+            const int row = it.q0 + wg * WG_ROWS + row_local;
+            if (p.lse && (lane & 3) == 0 && row < p.Nq)
+                p.lse[(int64_t)it.bh * p.Nq + row] =
+                    l > 0.0f ? (row_max[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+#pragma unroll
+            for (int dt = 0; dt < D_TILES; dt++)
+                *reinterpret_cast<uint32_t *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
+                    pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
+        }
+        warpgroup_barrier(wg);
+        T *o = (T *)p.o + it.b * p.o_sb + it.h * p.o_sh;
+#pragma unroll
+        for (int c0 = 0; c0 < WG_ROWS * W::ROW_CHUNKS; c0 += 128) {
+            const int c = c0 + wg_tid;
+            const int row_local = c / W::ROW_CHUNKS, ch = c % W::ROW_CHUNKS;
+            const int row = it.q0 + wg * WG_ROWS + row_local;
+            if (row < p.Nq)
+                *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
+                    *reinterpret_cast<const uint4 *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, ch));
+        }
     }
-    warpgroup_barrier(wg);
-    T *o = (T *)p.o + b * p.o_sb + h * p.o_sh;
-#pragma unroll
-    for (int it = 0; it < WG_ROWS * W::ROW_CHUNKS / 128; it++) {
-        const int c = it * 128 + wg_tid;
-        const int row_local = c / W::ROW_CHUNKS, ch = c % W::ROW_CHUNKS;
-        const int row = q0 + wg * WG_ROWS + row_local;
-        if (row < p.Nq)
-            *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
-                *reinterpret_cast<const uint4 *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, ch));
-    }
+    if (PINGPONG && wg == 0)
+        turn_wait(wg); /* warpgroup 1's last pass: no arrival left pending */
 #endif
 }
 
 template <typename Kernel>
-sparge_status launch_kernel(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, Kernel kernel, int threads, int smem,
+sparge_status launch_kernel(gpu_ctx *ctx, const fwd_params &p, int64_t grid, Kernel kernel, int threads, int smem,
                             const char *name, int D)
 {
     if ((size_t)smem > ctx->smem_optin)
@@ -696,18 +745,22 @@ sparge_status launch_kernel(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, 
     sparge_status s;
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, smem))))
         return s;
-    kernel<<<(unsigned)n_items, threads, smem, ctx->stream>>>(p);
+    kernel<<<(unsigned)grid, threads, smem, ctx->stream>>>(p);
     return GPU_CHECK_LAUNCH(name);
 }
 
 template <typename T, int D>
 sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, fwd_sm90_kernel kind)
 {
+    const char *persistent_env = getenv("SPARGE_CUDA_FWD_PERSISTENT");
+    const int64_t ws_grid = persistent_env && !strcmp(persistent_env, "0") ? n_items
+                            : n_items < ctx->sm_count                      ? n_items
+                                                                           : ctx->sm_count;
     if (kind == FWD_SM90_WS)
-        return launch_kernel(ctx, p, n_items, wgmma_ws_fwd_kernel<T, D, false>, WS_THREADS,
+        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, false>, WS_THREADS,
                              ws_traits<D>::SMEM_BYTES, "wgmma_ws_fwd_kernel", D);
     if (kind == FWD_SM90_WS_PINGPONG)
-        return launch_kernel(ctx, p, n_items, wgmma_ws_fwd_kernel<T, D, true>, WS_THREADS,
+        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, true>, WS_THREADS,
                              ws_traits<D>::SMEM_BYTES, "wgmma_ws_fwd_kernel (ping-pong)", D);
     return launch_kernel(ctx, p, n_items, wgmma_fwd_kernel<T, D>, THREADS, wg_traits<D>::SMEM_BYTES,
                          "wgmma_fwd_kernel", D);
