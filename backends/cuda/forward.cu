@@ -21,8 +21,8 @@
  *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
  * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off;
- * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-ws|wgmma-ws-pp forces a kernel; SPARGE_CUDA_FWD_PERSISTENT=0
- * launches the warp-specialized kernels with one CTA per work item instead of one per SM. */
+ * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-ws|wgmma-ws-pp forces a kernel; SPARGE_CUDA_FWD_PERSISTENT=n
+ * launches the warp-specialized kernels with n CTAs (0: one per work item) instead of one per SM. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>

@@ -24,6 +24,7 @@
  * The kernel body exists only in the sm_90a image (this file is compiled for sm_90a alone when
  * configure's arch list has 90, see m4/sparge_cuda.m4); without it the entry reports the
  * kernel unavailable and forward.cu keeps its mma.sync kernel. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -383,7 +384,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
  * (both consumers issue the same number of turns: n_tiles + 1 per item, same query blocks).
  *
  * Persistent: a CTA walks work items blockIdx.x, + gridDim.x, ... of the launch order (the grid
- * is one CTA per SM, or one per item when SPARGE_CUDA_FWD_PERSISTENT=0), so the ring runs on
+ * is one CTA per SM; SPARGE_CUDA_FWD_PERSISTENT overrides it), so the ring runs on
  * across items and the next item's Q loads during the current one: one CTA per SM would
  * otherwise leave the SM idle in every CTA's prologue and epilogue. */
 constexpr int WS_THREADS = 3 * 128, WS_CONSUMER_WARPS = 8;
@@ -752,10 +753,20 @@ sparge_status launch_kernel(gpu_ctx *ctx, const fwd_params &p, int64_t grid, Ker
 template <typename T, int D>
 sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, fwd_sm90_kernel kind)
 {
+    /* SPARGE_CUDA_FWD_PERSISTENT=n: n CTAs (tests: several items per CTA on small shapes), 0: one
+     * per item; default one per SM. */
+    int64_t ws_grid = ctx->sm_count;
     const char *persistent_env = getenv("SPARGE_CUDA_FWD_PERSISTENT");
-    const int64_t ws_grid = persistent_env && !strcmp(persistent_env, "0") ? n_items
-                            : n_items < ctx->sm_count                      ? n_items
-                                                                           : ctx->sm_count;
+    if (persistent_env) {
+        char *end;
+        const long n = strtol(persistent_env, &end, 10);
+        if (end == persistent_env || *end || n < 0 || n > INT_MAX)
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_PERSISTENT must be a CTA count "
+                               "(0: one per work item), got \"%s\"", persistent_env);
+        ws_grid = n ? n : n_items;
+    }
+    if (ws_grid > n_items)
+        ws_grid = n_items;
     if (kind == FWD_SM90_WS)
         return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, false>, WS_THREADS,
                              ws_traits<D>::SMEM_BYTES, "wgmma_ws_fwd_kernel", D);

@@ -86,9 +86,10 @@ typedef enum { FWD_SM90_WGMMA, FWD_SM90_WS, FWD_SM90_WS_PINGPONG } fwd_sm90_kern
 /* The sm_90a kernel for head dim D. FWD_SM90_WS (SPARGE_CUDA_FWD_KERNEL=wgmma-ws) is FA3's recipe
  * without TMA: a producer warpgroup fills a K/V ring by cp.async (4 slots at D = 128, 6 at D = 64;
  * mbarriers), two consumer warpgroups with S(t+1) and P(t)·V(t) in flight during the softmax; the
- * producer hands its registers to the consumers (setmaxnreg 56 / 224), one CTA of 384 threads per
- * SM, no spills (the wgmma kernel's intra-warpgroup overlap spilled at ≤ 128 registers and lost
- * to CTA-wide barriers at 255). FWD_SM90_WS_PINGPONG (wgmma-ws-pp) adds FA3's ping-pong: the
+ * producer hands its registers to the consumers (setmaxnreg 56 / 224), one persistent CTA of 384
+ * threads per SM (it walks work items, so the ring and the next item's Q load run through each
+ * item's epilogue), no spills (the wgmma kernel's intra-warpgroup overlap spilled at ≤ 128
+ * registers and lost to CTA-wide barriers at 255). FWD_SM90_WS_PINGPONG (wgmma-ws-pp) adds FA3's ping-pong: the
  * consumers take turns to issue their wgmma. cp.async, not TMA: it keeps every stride and
  * alignment the API accepts (a tensor map needs 16-byte strides) and zero-fills ragged tails the
  * same way. NOT MEASURED YET: the default is the plain warp-specialized kernel until the H200
