@@ -89,11 +89,11 @@ typedef enum { FWD_SM90_WGMMA, FWD_SM90_WS, FWD_SM90_WS_PINGPONG } fwd_sm90_kern
  * producer hands its registers to the consumers (setmaxnreg 56 / 224), one persistent CTA of 384
  * threads per SM (it walks work items, so the ring and the next item's Q load run through each
  * item's epilogue), no spills (the wgmma kernel's intra-warpgroup overlap spilled at ≤ 128
- * registers and lost to CTA-wide barriers at 255). FWD_SM90_WS_PINGPONG (wgmma-ws-pp) adds FA3's ping-pong: the
- * consumers take turns to issue their wgmma. cp.async, not TMA: it keeps every stride and
- * alignment the API accepts (a tensor map needs 16-byte strides) and zero-fills ragged tails the
- * same way. NOT MEASURED YET: the default is the plain warp-specialized kernel until the H200
- * says which of the three is fastest at D = 64 and 128. */
+ * registers and lost to CTA-wide barriers at 255). FWD_SM90_WS_PINGPONG (wgmma-ws-pp) adds FA3's
+ * ping-pong: the consumers take turns to issue their wgmma. cp.async, not TMA: it keeps every
+ * stride and alignment the API accepts (a tensor map needs 16-byte strides) and zero-fills ragged
+ * tails the same way, so no fallback is needed. NOT MEASURED YET: the default is the plain
+ * warp-specialized kernel until the H200 says which of the three is fastest at D = 64 and 128. */
 static inline fwd_sm90_kernel fwd_sm90_kernel_for(int D)
 {
     (void)D;
