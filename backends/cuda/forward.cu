@@ -21,7 +21,7 @@
  *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
  * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off;
- * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-ws|wgmma-ws-pp forces a kernel; SPARGE_CUDA_FWD_PERSISTENT=n
+ * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-ws|wgmma-ws-pp|wgmma-ws128|wgmma-ws128-pp forces a kernel; SPARGE_CUDA_FWD_PERSISTENT=n
  * launches the warp-specialized kernels with n CTAs (0: one per work item) instead of one per SM. */
 #include <limits.h>
 #include <math.h>
@@ -474,7 +474,11 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     static const struct {
         const char *name;
         fwd_sm90_kernel kind;
-    } sm90_kernels[] = {{"wgmma", FWD_SM90_WGMMA}, {"wgmma-ws", FWD_SM90_WS}, {"wgmma-ws-pp", FWD_SM90_WS_PINGPONG}};
+    } sm90_kernels[] = {{"wgmma", FWD_SM90_WGMMA},
+                        {"wgmma-ws", FWD_SM90_WS},
+                        {"wgmma-ws-pp", FWD_SM90_WS_PINGPONG},
+                        {"wgmma-ws128", FWD_SM90_WS_128},
+                        {"wgmma-ws128-pp", FWD_SM90_WS_128_PINGPONG}};
     const char *kernel_env = getenv("SPARGE_CUDA_FWD_KERNEL");
     int env_sm90 = -1; /* index in sm90_kernels when the environment forces one */
     for (int i = 0; kernel_env && i < (int)(sizeof sm90_kernels / sizeof sm90_kernels[0]); i++)
@@ -482,7 +486,8 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
             env_sm90 = i;
     if (kernel_env && strcmp(kernel_env, "mma") && env_sm90 < 0)
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_KERNEL must be \"mma\", \"wgmma\", "
-                           "\"wgmma-ws\" or \"wgmma-ws-pp\", got \"%s\"", kernel_env);
+                           "\"wgmma-ws\", \"wgmma-ws-pp\", \"wgmma-ws128\" or \"wgmma-ws128-pp\", got \"%s\"",
+                           kernel_env);
     const int wgmma_ok = sparge_cuda_wgmma_forward_available(ctx);
     if (env_sm90 >= 0 && !wgmma_ok)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: SPARGE_CUDA_FWD_KERNEL=%s needs an sm_90 device and a "

@@ -52,17 +52,18 @@ struct wg_traits {
     static_assert(TILE_K == WG_ROWS, "a K or V tile is one 64-row region");
 };
 
-/* Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 64-row regions (layout above). */
-template <int D>
+/* Byte offset of 16-byte chunk `chunk` of row `row` in a tile of REGION_ROWS-row regions (layout
+ * above: 64-row regions; wgmma_ws_fwd_kernel's 128-key tiles are one 128-row region). */
+template <int D, int REGION_ROWS = WG_ROWS>
 __device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
 {
-    return (uint32_t)((row / WG_ROWS) * wg_traits<D>::REGION_BYTES + (chunk >> 3) * wg_traits<D>::PANEL_BYTES +
-                      (row % WG_ROWS) * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
+    return (uint32_t)((row / REGION_ROWS) * REGION_ROWS * D * 2 + (chunk >> 3) * REGION_ROWS * PANEL_ROW_BYTES +
+                      (row % REGION_ROWS) * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
 /* cp.async ROWS rows of D elements from row0 into a tile at dst; rows at or past `limit` are
  * zero-filled. Not unrolled, like forward.cu's load_rows (address registers). */
-template <typename T, int D, int ROWS, int NTHREADS = THREADS>
+template <typename T, int D, int ROWS, int NTHREADS = THREADS, int REGION_ROWS = WG_ROWS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
 {
     constexpr int ROW_CHUNKS = D / 8, ROW_STEP = NTHREADS / ROW_CHUNKS;
@@ -73,7 +74,7 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t s
 #pragma unroll 1
     for (; r < ROWS; r += ROW_STEP) {
         const bool ok = row0 + r < limit;
-        cp_async_16(dst + panel_offset<D>(r, ch), ok ? src : base, ok);
+        cp_async_16(dst + panel_offset<D, REGION_ROWS>(r, ch), ok ? src : base, ok);
         src += ROW_STEP * sn;
     }
 }
@@ -160,6 +161,30 @@ __device__ __forceinline__ void wgmma_rs_t<gpu_half, 128>(float d[64], const uin
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+/* d (64×128 f32) = (accumulate ? d : 0) + A·Bᵀ, A and B K-major in shared memory. */
+template <typename T>
+__device__ __forceinline__ void wgmma_ss_n128(float d[64], uint64_t desc_a, uint64_t desc_b, int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_ss_n128<gpu_bf16>(float d[64], uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_n128<gpu_half>(float d[64], uint64_t desc_a, uint64_t desc_b, int accumulate)
+{
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
 /* ---------------------------------------------------------------- kernel */
@@ -391,11 +416,15 @@ constexpr int WS_THREADS = 3 * 128, WS_CONSUMER_WARPS = 8;
 constexpr int WS_PRODUCER_REGS = 56, WS_CONSUMER_REGS = 224; /* 128·56 + 256·224 = 64512 ≤ 64 K */
 constexpr int WS_MAX_STAGES = 8;
 
-template <int D>
+/* KT: keys per compute tile, 64 (one 64-key tile of the mask) or 128 (two consecutive ones of the
+ * row's kept list, not necessarily adjacent keys: S is m64n128, a half Q re-read per key). */
+template <int D, int KT>
 struct ws_traits {
-    static constexpr int STAGES = D == 128 ? 4 : 6; /* 192 KB and 128 KB of shared memory */
+    static constexpr int KV_BYTES = KT * D * 2; /* one K or V tile */
+    /* 192 KB of shared memory at D = 128, 128 KB at D = 64 */
+    static constexpr int STAGES = (D == 128 ? 4 : 6) * 64 / KT;
     static constexpr int LAG = STAGES - 2;
-    static constexpr int SMEM_BYTES = 2 * wg_traits<D>::Q_BYTES + STAGES * 2 * wg_traits<D>::REGION_BYTES + 1024;
+    static constexpr int SMEM_BYTES = 2 * wg_traits<D>::Q_BYTES + STAGES * 2 * KV_BYTES + 1024;
     static_assert(STAGES >= 2 && STAGES <= WS_MAX_STAGES, "bad ring depth");
 };
 
@@ -425,27 +454,28 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
-template <typename T, int D, bool PINGPONG>
+template <typename T, int D, bool PINGPONG, int KT>
 __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = wg_traits<D>;
-    constexpr int STAGES = ws_traits<D>::STAGES, LAG = ws_traits<D>::LAG;
-    constexpr int N_TILES = TILE_K / 8, D_TILES = D / 8;
+    using WS = ws_traits<D, KT>;
+    constexpr int STAGES = WS::STAGES, LAG = WS::LAG, HALVES = KT / TILE_K;
+    constexpr int N_TILES = KT / 8, D_TILES = D / 8;
     extern __shared__ unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t ring_bars[2 * WS_MAX_STAGES];
     const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
     unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
     const uint32_t full_bar = smem_addr(ring_bars), empty_bar = full_bar + 8 * STAGES;
     /* Shared memory: two Q buffers (work items alternate), then the ring of K/V slots. */
-    auto k_smem = [&](int g) { return smem0 + 2 * W::Q_BYTES + (g % STAGES) * 2 * W::REGION_BYTES; };
-    auto v_smem = [&](int g) { return k_smem(g) + W::REGION_BYTES; };
+    auto k_smem = [&](int g) { return smem0 + 2 * W::Q_BYTES + (g % STAGES) * 2 * WS::KV_BYTES; };
+    auto v_smem = [&](int g) { return k_smem(g) + WS::KV_BYTES; };
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
     const int sub_mask = (1 << p.sub_shift) - 1;
     /* Work item i (in launch order): its (b, h, query block) and kept tiles. */
     struct item_view {
-        int bh, q0, n_tiles, b, h;
+        int bh, q0, n64, n_tiles, b, h; /* n64 tiles of 64 keys in n_tiles compute tiles */
         const int32_t *row_blocks; /* NULL: dense */
     };
     auto item_at = [&](int i) {
@@ -456,12 +486,27 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
         it.b = it.bh / p.H;
         it.h = it.bh - it.b * p.H;
         it.row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
-        it.n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
+        it.n64 = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
+        it.n_tiles = (it.n64 + HALVES - 1) / HALVES;
         return it;
     };
-    auto tile_key0 = [&](const item_view &it, int t) {
+    auto tile_key0 = [&](const item_view &it, int t) { /* t: a 64-key tile */
         int block = it.row_blocks ? it.row_blocks[t >> p.sub_shift] : t;
         return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
+    };
+    /* Valid keys of each 64-key half of compute tile t (0 for a missing last half). */
+    struct tile_keys {
+        int key0[HALVES], valid[HALVES];
+    };
+    auto keys_of = [&](const item_view &it, int t) {
+        tile_keys k;
+#pragma unroll
+        for (int u = 0; u < HALVES; u++) {
+            const bool present = t * HALVES + u < it.n64;
+            k.key0[u] = present ? tile_key0(it, t * HALVES + u) : 0;
+            k.valid[u] = present ? p.Nk - k.key0[u] : 0;
+        }
+        return k;
     };
 
     if (tid == 0) {
@@ -487,9 +532,15 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
 #pragma unroll 1
             for (int t = 0; t < it.n_tiles; t++, g++) {
                 mbar_wait(empty_bar + 8 * (g % STAGES), ((g / STAGES) & 1) ^ 1);
-                const int key0 = tile_key0(it, t);
-                load_tile<T, D, TILE_K, 128>(k_smem(g), k, p.k_sn, key0, p.Nk, wg_tid);
-                load_tile<T, D, TILE_K, 128>(v_smem(g), v, p.v_sn, key0, p.Nk, wg_tid);
+                const tile_keys tk = keys_of(it, t);
+#pragma unroll
+                for (int u = 0; u < HALVES; u++) { /* a missing half is zero-filled (P·V reads it) */
+                    const uint32_t half = u * TILE_K * PANEL_ROW_BYTES;
+                    load_tile<T, D, TILE_K, 128, KT>(k_smem(g) + half, k, p.k_sn, tk.key0[u], tk.key0[u] + tk.valid[u],
+                                                     wg_tid);
+                    load_tile<T, D, TILE_K, 128, KT>(v_smem(g) + half, v, p.v_sn, tk.key0[u], tk.key0[u] + tk.valid[u],
+                                                     wg_tid);
+                }
                 cp_async_commit();
                 if (g >= LAG) {
                     cp_async_wait<LAG>(); /* tile g − LAG */
@@ -539,7 +590,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
     const int row0 = (wg_tid >> 5) * 16 + frag_row(lane);
     float o_acc[D_TILES][4];
     float s[N_TILES][4];         /* scores of one tile, then its probabilities */
-    uint32_t pa[TILE_K / 16][4]; /* P as 16-bit A fragments for P·V */
+    uint32_t pa[KT / 16][4]; /* P as 16-bit A fragments for P·V */
     float row_max[2], row_sum[2]; /* row_max in the exp2 domain */
     float alpha[2];
     uint32_t q_wg;
@@ -555,9 +606,13 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
-            const uint32_t k_off = (kk >> 2) * W::PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T>(&s[0][0], sw128_desc(q_wg + k_off, 16, CORE_GROUP_BYTES),
-                            sw128_desc(k_tile + k_off, 16, CORE_GROUP_BYTES), 1);
+            const uint64_t desc_q = sw128_desc(q_wg + (kk >> 2) * W::PANEL_BYTES + (kk & 3) * 32, 16, CORE_GROUP_BYTES);
+            const uint64_t desc_k = sw128_desc(k_tile + (kk >> 2) * KT * PANEL_ROW_BYTES + (kk & 3) * 32, 16,
+                                               CORE_GROUP_BYTES);
+            if constexpr (KT == 128)
+                wgmma_ss_n128<T>(&s[0][0], desc_q, desc_k, 1);
+            else
+                wgmma_ss_n64<T>(&s[0][0], desc_q, desc_k, 1);
         }
         wgmma_commit();
     };
@@ -570,32 +625,34 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
             for (int e = 0; e < 4; e++)
                 fence_operand(o_acc[dt][e]);
 #pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
+        for (int kk = 0; kk < KT / 16; kk++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 fence_operand(pa[kk][e]);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
-            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], sw128_desc(v_tile + kk * 2 * CORE_GROUP_BYTES, W::PANEL_BYTES,
-                                                               CORE_GROUP_BYTES));
+        for (int kk = 0; kk < KT / 16; kk++)
+            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], sw128_desc(v_tile + kk * 2 * CORE_GROUP_BYTES,
+                                                               KT * PANEL_ROW_BYTES, CORE_GROUP_BYTES));
         wgmma_commit();
     };
-    /* Online softmax of the scores of the tile at key0 (forward.cu's arithmetic), rows r0
-     * (e = 0,1) and r0 + 8 (e = 2,3): s becomes exp2(s·scale − max), the statistics advance, alpha
-     * is the factor O must be rescaled by before P·V of the tile accumulates. O is not touched. */
-    auto softmax = [&](int key0) {
+    /* Online softmax of the scores of a tile whose halves hold tk.valid[u] keys (forward.cu's
+     * arithmetic), rows r0 (e = 0,1) and r0 + 8 (e = 2,3): s becomes exp2(s·scale − max), the
+     * statistics advance, alpha is the factor O must be rescaled by before P·V of the tile
+     * accumulates. O is not touched. */
+    auto softmax = [&](const tile_keys &tk) {
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 fence_operand(s[nt][e]);
-        if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
 #pragma unroll
-            for (int nt = 0; nt < N_TILES; nt++)
+        for (int nt = 0; nt < N_TILES; nt++) {
+            const int u = nt / (TILE_K / 8), col0 = (nt % (TILE_K / 8)) * 8 + frag_col(lane);
+            if (tk.valid[u] < TILE_K) /* ragged last block or missing half: these keys do not exist */
 #pragma unroll
                 for (int e = 0; e < 4; e++)
-                    if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
+                    if (col0 + (e & 1) >= tk.valid[u])
                         s[nt][e] = -INFINITY;
         }
 #pragma unroll
@@ -630,7 +687,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
                 o_acc[dt][e] *= alpha[e >> 1];
             }
 #pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
+        for (int kk = 0; kk < KT / 16; kk++)
             c_pair_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
     };
 
@@ -658,29 +715,29 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_p
         /* Tile t (ring tile g + t): issue S(t+1), then P(t)·V(t); the softmax of tile t+1 runs
          * while P(t)·V(t) is on the tensor cores; O *= alpha and P(t+1) once P(t)·V(t) completed. */
         if (it.n_tiles > 0) {
-            const int key0 = tile_key0(it, 0);
+            const tile_keys tk = keys_of(it, 0);
             wait_tile(g);
             take_turn();
             issue_scores(g);
             end_turn();
             wgmma_wait<0>();
-            softmax(key0);
+            softmax(tk);
             rescale_and_pack();
         }
 #pragma unroll 1
         for (int t = 0; t + 1 < it.n_tiles; t++, g++) {
-            const int key0 = tile_key0(it, t + 1); /* read before the waits, off the softmax's path */
+            const tile_keys tk = keys_of(it, t + 1); /* read before the waits, off the softmax's path */
             wait_tile(g + 1);
             take_turn();
             issue_scores(g + 1);
             issue_pv(g);
             end_turn();
             wgmma_wait<1>(); /* S(t+1); P(t)·V(t) may still run */
-            softmax(key0);
+            softmax(tk);
             wgmma_wait<0>();
             release_tile(g);
 #pragma unroll
-            for (int kk = 0; kk < TILE_K / 16; kk++)
+            for (int kk = 0; kk < KT / 16; kk++)
 #pragma unroll
                 for (int e = 0; e < 4; e++)
                     fence_operand(pa[kk][e]);
@@ -768,11 +825,17 @@ sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, fwd_sm9
     if (ws_grid > n_items)
         ws_grid = n_items;
     if (kind == FWD_SM90_WS)
-        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, false>, WS_THREADS,
-                             ws_traits<D>::SMEM_BYTES, "wgmma_ws_fwd_kernel", D);
+        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, false, 64>, WS_THREADS,
+                             ws_traits<D, 64>::SMEM_BYTES, "wgmma_ws_fwd_kernel", D);
     if (kind == FWD_SM90_WS_PINGPONG)
-        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, true>, WS_THREADS,
-                             ws_traits<D>::SMEM_BYTES, "wgmma_ws_fwd_kernel (ping-pong)", D);
+        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, true, 64>, WS_THREADS,
+                             ws_traits<D, 64>::SMEM_BYTES, "wgmma_ws_fwd_kernel (ping-pong)", D);
+    if (kind == FWD_SM90_WS_128)
+        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, false, 128>, WS_THREADS,
+                             ws_traits<D, 128>::SMEM_BYTES, "wgmma_ws_fwd_kernel (128-key tiles)", D);
+    if (kind == FWD_SM90_WS_128_PINGPONG)
+        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, true, 128>, WS_THREADS,
+                             ws_traits<D, 128>::SMEM_BYTES, "wgmma_ws_fwd_kernel (128-key tiles, ping-pong)", D);
     return launch_kernel(ctx, p, n_items, wgmma_fwd_kernel<T, D>, THREADS, wg_traits<D>::SMEM_BYTES,
                          "wgmma_fwd_kernel", D);
 }
@@ -785,7 +848,7 @@ int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
         return 0;
     cudaFuncAttributes attr;
     if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess ||
-        cudaFuncGetAttributes(&attr, wgmma_ws_fwd_kernel<gpu_bf16, 128, false>) != cudaSuccess) {
+        cudaFuncGetAttributes(&attr, wgmma_ws_fwd_kernel<gpu_bf16, 128, false, 64>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }

@@ -81,7 +81,13 @@ static inline int fwd_use_wgmma(int cc_major, int cc_minor, int D)
     return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128);
 }
 
-typedef enum { FWD_SM90_WGMMA, FWD_SM90_WS, FWD_SM90_WS_PINGPONG } fwd_sm90_kernel;
+typedef enum {
+    FWD_SM90_WGMMA,
+    FWD_SM90_WS,
+    FWD_SM90_WS_PINGPONG,
+    FWD_SM90_WS_128,
+    FWD_SM90_WS_128_PINGPONG
+} fwd_sm90_kernel;
 
 /* The sm_90a kernel for head dim D. FWD_SM90_WS (SPARGE_CUDA_FWD_KERNEL=wgmma-ws) is FA3's recipe
  * without TMA: a producer warpgroup fills a K/V ring by cp.async (4 slots at D = 128, 6 at D = 64;
@@ -92,8 +98,11 @@ typedef enum { FWD_SM90_WGMMA, FWD_SM90_WS, FWD_SM90_WS_PINGPONG } fwd_sm90_kern
  * registers and lost to CTA-wide barriers at 255). FWD_SM90_WS_PINGPONG (wgmma-ws-pp) adds FA3's
  * ping-pong: the consumers take turns to issue their wgmma. cp.async, not TMA: it keeps every
  * stride and alignment the API accepts (a tensor map needs 16-byte strides) and zero-fills ragged
- * tails the same way, so no fallback is needed. NOT MEASURED YET: the default is the plain
- * warp-specialized kernel until the H200 says which of the three is fastest at D = 64 and 128. */
+ * tails the same way, so no fallback is needed. FWD_SM90_WS_128 / _128_PINGPONG (wgmma-ws128,
+ * wgmma-ws128-pp): compute tiles of 128 keys, two consecutive 64-key tiles of the row's kept list
+ * (S is m64n128: per key, half the Q reads from shared memory and half the wgmma issues and
+ * row reductions; 2 ring slots at D = 128, 3 at D = 64). NOT MEASURED YET: the default is the
+ * plain warp-specialized kernel until the H200 says which is fastest at D = 64 and 128. */
 static inline fwd_sm90_kernel fwd_sm90_kernel_for(int D)
 {
     (void)D;
