@@ -385,7 +385,8 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
 
 /* ---------------------------------------------------------------- warp-specialized kernel */
 
-/* wgmma_ws_fwd_kernel: the same tiles and arithmetic, with FlashAttention-3's split of the work.
+/* wgmma_ws_fwd_kernel: the same arithmetic, with FlashAttention-3's split of the work, and compute
+ * tiles of KT = 64 keys (as above) or 128 (see ws_traits).
  * Three warpgroups, one CTA per SM: a producer warpgroup walks the kept tiles of the CSR row and
  * fills a ring of STAGES K/V slots by cp.async; two consumer warpgroups (64 query rows each, Q
  * loaded by themselves) only compute. The producer gives its registers to the consumers
