@@ -487,7 +487,9 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         if (differ) {
             const int hi = 31 - __clz((int)differ), lo = __ffs((int)differ) - 1;
             T = key_and & ~(uint32_t)((2ull << hi) - 1u); /* bits above hi: shared by every key */
-            for (int bit = hi; bit >= lo; bit--) {
+            int64_t candidates = n; /* the keys that agree with T on the bits fixed so far */
+            int bit = hi;
+            for (; bit >= lo; bit--) {
                 const uint32_t high = T >> bit, with = T | (1u << bit);
                 int c = 0;
                 double m = 0.0;
@@ -501,12 +503,42 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
                 c = warp_sum(c);
                 if (use_p)
                     m = warp_sum(m);
-                if (above + c >= least && (!use_p || above_mass + m >= p.topp))
+                if (above + c >= least && (!use_p || above_mass + m >= p.topp)) {
                     T = with;
-                else {
+                    candidates = c;
+                } else {
                     above += c;
                     above_mass += m;
+                    candidates -= c;
                 }
+                if (candidates == 1)
+                    break;
+            }
+            if (candidates == 1 && bit > lo) {
+                /* One candidate K is left: each lower bit set in K would be tested
+                 * with c = 1, m = mass(K) (and one clear with c = 0, which never
+                 * passes: the same sums just failed or are 0), so the rest of the
+                 * descent is decided here, with the same arithmetic. */
+                uint32_t K = 0u;
+#pragma unroll
+                for (int e = 0; e < IPT; e++)
+                    if (key[e] != 0u && key[e] >> bit == T >> bit)
+                        K = key[e];
+                for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
+                    const uint32_t other = sparge_shfl_xor(K, o);
+                    K = other > K ? other : K;
+                }
+                const double mk = key_prob(K);
+                for (int b = bit - 1; b >= lo; b--)
+                    if (K >> b & 1u) {
+                        if (above + 1 >= least && (!use_p || above_mass + mk >= p.topp))
+                            T |= 1u << b;
+                        else {
+                            above += 1;
+                            above_mass += use_p ? mk : 0.0;
+                            break; /* no candidate left: the remaining bits of T stay 0 */
+                        }
+                    }
             }
             T |= key_and & ((1u << lo) - 1u); /* bits below lo: shared too */
         } else {
@@ -587,55 +619,76 @@ __global__ void __launch_bounds__(CSR_THREADS) csr_from_dense_kernel(sparge_mask
         m.counts[row] = c;
 }
 
-constexpr int T_THREADS = 256, T_WARPS = T_THREADS / SPARGE_WARP_SIZE, T_COLS = SPARGE_WARP_SIZE;
+/* 32 columns per block whatever the warp size: HIP's host pass sees a warp of
+ * 64 also when the device runs wave32. */
+constexpr int T_THREADS = 256, T_COLS = 32;
 
-/* Per (b,h,j) the ascending query blocks i that keep j. A block owns a warp's
- * width of columns (one per lane) and splits the rows into one consecutive
- * chunk per warp: each warp counts its chunk, the counts are scanned across
- * warps, and each warp writes its chunk's entries at its offset. */
+/* 64-bit shuffle as two 32-bit ones (ROCm 5.2 has no 64-bit integer overload). */
+__device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int src)
+{
+    const unsigned lo = sparge_shfl((unsigned)v, src), hi = sparge_shfl((unsigned)(v >> 32), src);
+    return (unsigned long long)hi << 32 | lo;
+}
+
+/* Per (b,h,j) the ascending query blocks i that keep j. A block owns T_COLS
+ * columns and walks the rows a block-width at a time, a warp's width
+ * of rows per warp: lane c reads column c of each of its warp's rows (one
+ * coalesced load per row, all in flight) into a bit per row; the per-column
+ * counts are scanned across warps and carried across chunks; then per column
+ * the warp's rows that keep it are stored as one contiguous run. */
 __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m)
 {
-    __shared__ int32_t offset[T_WARPS][T_COLS]; /* kept rows of column c in the earlier warps' chunks */
-    __shared__ int32_t total[T_COLS];
+    constexpr int W = SPARGE_WARP_SIZE, WARPS = T_THREADS / W;
+    __shared__ int32_t offset[WARPS][T_COLS]; /* this chunk: kept rows of column c in the earlier warps, plus running */
+    __shared__ int32_t running[T_COLS];       /* kept rows of column c in the earlier chunks */
+    const int lane = threadIdx.x % W, warp = threadIdx.x / W;
     const int64_t col_tiles = (m.Nkb + T_COLS - 1) / T_COLS, bh = blockIdx.x / col_tiles;
     const int64_t j0 = blockIdx.x % col_tiles * T_COLS;
-    const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
-    const int64_t j = j0 + lane, chunk = (m.Nqb + T_WARPS - 1) / T_WARPS;
-    const int64_t r0 = warp * chunk, r1 = r0 + chunk < m.Nqb ? r0 + chunk : m.Nqb;
-    const bool real = j < m.Nkb;
-    const uint8_t *column = m.dense + bh * m.Nqb * m.Nkb + j;
-    int32_t count = 0;
-    if (real) {
-#pragma unroll 8
-        for (int64_t i = r0; i < r1; i++)
-            count += column[i * m.Nkb] != 0;
-    }
-    offset[warp][lane] = count;
+    const int cols = m.Nkb - j0 < T_COLS ? (int)(m.Nkb - j0) : T_COLS;
+    const bool real = lane < cols;
+    const uint8_t *column = m.dense + bh * m.Nqb * m.Nkb + j0 + lane;
+    int32_t *t = m.t_indices + (bh * m.Nkb + j0) * m.Nqb;
+    const unsigned long long lower = (1ull << lane) - 1ull;
+    if (threadIdx.x < T_COLS)
+        running[threadIdx.x] = 0;
     __syncthreads();
-    if (threadIdx.x < T_COLS) {
-        int32_t run = 0;
-        for (int w = 0; w < T_WARPS; w++) {
-            const int32_t c = offset[w][threadIdx.x];
-            offset[w][threadIdx.x] = run;
-            run += c;
+    for (int64_t r0 = 0; r0 < m.Nqb; r0 += (int64_t)WARPS * W) {
+        const int64_t rw = r0 + (int64_t)warp * W; /* this warp's first row */
+        uint8_t flag[W];
+#pragma unroll
+        for (int k = 0; k < W; k++)
+            flag[k] = real && rw + k < m.Nqb ? column[(rw + k) * m.Nkb] : 0;
+        unsigned long long rows = 0; /* bit k: row rw + k keeps column j0 + lane */
+#pragma unroll
+        for (int k = 0; k < W; k++)
+            rows |= (unsigned long long)(flag[k] != 0) << k;
+        if (lane < T_COLS)
+            offset[warp][lane] = __popcll(rows);
+        __syncthreads();
+        if (threadIdx.x < T_COLS) {
+            int32_t run = running[threadIdx.x];
+            for (int v = 0; v < WARPS; v++) {
+                const int32_t c = offset[v][threadIdx.x];
+                offset[v][threadIdx.x] = run;
+                run += c;
+            }
+            running[threadIdx.x] = run;
         }
-        total[threadIdx.x] = run;
-    }
-    __syncthreads();
-    if (real) {
-        int32_t *t = m.t_indices + (bh * m.Nkb + j) * m.Nqb;
-        int32_t at = offset[warp][lane];
-        for (int64_t i = r0; i < r1; i++)
-            if (column[i * m.Nkb])
-                t[at++] = (int32_t)i;
+        __syncthreads();
+        for (int c = 0; c < cols; c++) {
+            const unsigned long long kept = shfl_u64(rows, c);
+            if (kept >> lane & 1ull)
+                t[c * m.Nqb + offset[warp][c] + __popcll(kept & lower)] = (int32_t)(rw + lane);
+        }
+        __syncthreads(); /* offset and running are rewritten by the next chunk */
     }
     /* -1 past each column's count, a warp per column so the stores coalesce. */
-    for (int c = warp; c < T_COLS && j0 + c < m.Nkb; c += T_WARPS) {
-        int32_t *t = m.t_indices + (bh * m.Nkb + j0 + c) * m.Nqb;
-        for (int64_t i = total[c] + lane; i < m.Nqb; i += SPARGE_WARP_SIZE)
-            t[i] = -1;
+    for (int c = warp; c < cols; c += WARPS) {
+        const int32_t total = running[c];
+        for (int64_t i = total + lane; i < m.Nqb; i += W)
+            t[c * m.Nqb + i] = -1;
         if (lane == 0)
-            m.t_counts[bh * m.Nkb + j0 + c] = total[c];
+            m.t_counts[bh * m.Nkb + j0 + c] = total;
     }
 }
 
@@ -764,7 +817,9 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
         fast_select_kernel<512><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
     else if (n <= 1024)
         fast_select_kernel<1024><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
-    else if (n <= 1536) /* Wan2.1-14B 720p: 1182 */
+    else if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
+        fast_select_kernel<1280><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 1536)
         fast_select_kernel<1536><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
     else
         fast_select_kernel<2048><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
