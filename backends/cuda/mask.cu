@@ -98,7 +98,7 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 
 /* ---------------------------------------------------------------- pooled map */
 
-constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 256;
+constexpr int MAP_TILE = 64, MAP_WIDE_TILE = 128, MAP_DCHUNK = 16, MAP_THREADS = 256;
 
 struct map_params {
     const float *q, *k;
@@ -109,18 +109,23 @@ struct map_params {
     float scale;
 };
 
-/* Logits map = scale · qbar kbarᵀ, a 64×64 tile per block, 4×4 per thread. */
-__global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
+/* Logits map = scale · qbar kbarᵀ, a TILE×TILE tile per block; thread (ty,tx)
+ * of the 16×16 grid owns rows ty·4 + 64g + r and columns tx·4 + 64g + s
+ * (conflict-free float4 reads). Each output sums over d in order, so both
+ * tile sizes give the same bits. */
+template <int TILE>
+__global__ void __launch_bounds__(MAP_THREADS, TILE > MAP_TILE ? 1 : 3) map_logits_kernel(map_params p)
 {
-    __shared__ __align__(16) float qs[MAP_DCHUNK][MAP_TILE + 4];
-    __shared__ __align__(16) float ks[MAP_DCHUNK][MAP_TILE + 4];
-    const int64_t ktiles = (p.Nkb + MAP_TILE - 1) / MAP_TILE, qtiles = (p.Nqb + MAP_TILE - 1) / MAP_TILE;
+    constexpr int R = TILE / 16, GROUPS = R / 4; /* outputs per thread along each side */
+    __shared__ __align__(16) float qs[MAP_DCHUNK][TILE + 4];
+    __shared__ __align__(16) float ks[MAP_DCHUNK][TILE + 4];
+    const int64_t ktiles = (p.Nkb + TILE - 1) / TILE, qtiles = (p.Nqb + TILE - 1) / TILE;
     const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
-    const int64_t i0 = tile / ktiles % qtiles * MAP_TILE, j0 = tile % ktiles * MAP_TILE;
+    const int64_t i0 = tile / ktiles % qtiles * TILE, j0 = tile % ktiles * TILE;
     const float *q = p.q + b * p.qb + h * p.qh, *k = p.k + b * p.kb + h * p.kh;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    constexpr int LOADS = MAP_TILE * MAP_DCHUNK / MAP_THREADS, ROW_STEP = MAP_THREADS / MAP_DCHUNK;
-    static_assert(LOADS * MAP_THREADS == MAP_TILE * MAP_DCHUNK, "the tile loads split evenly");
+    constexpr int LOADS = TILE * MAP_DCHUNK / MAP_THREADS, ROW_STEP = MAP_THREADS / MAP_DCHUNK;
+    static_assert(LOADS * MAP_THREADS == TILE * MAP_DCHUNK && R % 4 == 0, "the tile loads split evenly");
     /* Thread t loads column dd = t % 16 of rows t / 16 + 16u; the next D chunk
      * is fetched into registers while this one is multiplied. */
     const int dd_mine = threadIdx.x % MAP_DCHUNK, r_mine = threadIdx.x / MAP_DCHUNK;
@@ -135,7 +140,7 @@ __global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
             k_next[u] = d_ok && j0 + r < p.Nkb ? k_mine[u * ROW_STEP * p.kn + d0 * p.kd] : 0.0f;
         }
     };
-    float acc[4][4] = {};
+    float acc[R][R] = {};
     fetch(0);
     for (int64_t d0 = 0; d0 < p.D; d0 += MAP_DCHUNK) {
         for (int u = 0; u < LOADS; u++) {
@@ -147,19 +152,23 @@ __global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
             fetch(d0 + MAP_DCHUNK);
 #pragma unroll
         for (int dd = 0; dd < MAP_DCHUNK; dd++) {
-            const float4 a = *(const float4 *)&qs[dd][ty * 4];
-            const float4 c = *(const float4 *)&ks[dd][tx * 4];
-            const float av[4] = {a.x, a.y, a.z, a.w}, cv[4] = {c.x, c.y, c.z, c.w};
-            for (int r = 0; r < 4; r++)
-                for (int s = 0; s < 4; s++)
+            float av[R], cv[R];
+            for (int g = 0; g < GROUPS; g++) {
+                const float4 a = *(const float4 *)&qs[dd][g * 64 + ty * 4];
+                const float4 c = *(const float4 *)&ks[dd][g * 64 + tx * 4];
+                av[4 * g] = a.x, av[4 * g + 1] = a.y, av[4 * g + 2] = a.z, av[4 * g + 3] = a.w;
+                cv[4 * g] = c.x, cv[4 * g + 1] = c.y, cv[4 * g + 2] = c.z, cv[4 * g + 3] = c.w;
+            }
+            for (int r = 0; r < R; r++)
+                for (int s = 0; s < R; s++)
                     acc[r][s] += av[r] * cv[s];
         }
         __syncthreads();
     }
     float *m = p.map + b * p.mb + h * p.mh;
-    for (int r = 0; r < 4; r++)
-        for (int s = 0; s < 4; s++) {
-            const int64_t i = i0 + ty * 4 + r, j = j0 + tx * 4 + s;
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < R; s++) {
+            const int64_t i = i0 + r / 4 * 64 + ty * 4 + r % 4, j = j0 + s / 4 * 64 + tx * 4 + s % 4;
             if (i < p.Nqb && j < p.Nkb)
                 m[i * p.mn + j * p.md] = acc[r][s] * p.scale;
         }
@@ -404,6 +413,16 @@ template <typename T> __device__ __forceinline__ T warp_sum(T x)
     return x;
 }
 
+/* Integer warp sum: one redux instruction on sm_80+, the shuffles elsewhere. */
+__device__ __forceinline__ int warp_count(int x)
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return (int)__reduce_add_sync(SPARGE_FULL_MASK, (unsigned)x);
+#else
+    return warp_sum(x);
+#endif
+}
+
 template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row)
 {
     constexpr int IPT = CAP / SPARGE_WARP_SIZE;
@@ -500,7 +519,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
                         if (use_p)
                             m += key_prob(key[e]);
                     }
-                c = warp_sum(c);
+                c = warp_count(c);
                 if (use_p)
                     m = warp_sum(m);
                 if (above + c >= least && (!use_p || above_mass + m >= p.topp)) {
@@ -556,7 +575,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
 #pragma unroll
         for (int e = 0; e < IPT; e++)
             tied += key[e] == T;
-        tied = warp_sum(tied);
+        tied = warp_count(tied);
         if (tied == 0) { /* only if the total sat on p within rounding and the bits disagreed: keep the row */
             whole = true;
         } else {
@@ -788,12 +807,18 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map (after check_map). */
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). 128×128 tiles
+ * (8×8 outputs per thread: twice the FMAs per shared-memory read) once they
+ * still fill the device several times over, as at Wan2.1-14B. */
 sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
-    const int64_t tiles = q.B * q.H * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
-    map_logits_kernel<<<(unsigned)tiles, MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
+    auto tiles = [&](int64_t t) { return q.B * q.H * ((q.N + t - 1) / t) * ((k.N + t - 1) / t); };
+    if (tiles(MAP_WIDE_TILE) >= 1024)
+        map_logits_kernel<MAP_WIDE_TILE>
+            <<<(unsigned)tiles(MAP_WIDE_TILE), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
+    else
+        map_logits_kernel<MAP_TILE><<<(unsigned)tiles(MAP_TILE), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
     return GPU_CHECK_LAUNCH("pooled map kernel");
 }
 
