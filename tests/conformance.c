@@ -430,6 +430,56 @@ static void test_predict_wide_rows(void **state)
         }
 }
 
+/* A shape with many pooled-map tiles (the GPU's 128×128 logits tiles take over from 1024 of them) and
+ * query-block columns longer than one transpose chunk: 16 heads of 1000 × 1000 blocks (ragged tails). */
+static void test_predict_many_tiles(void **state)
+{
+    (void)state;
+    tu_rng rng = {20261202};
+    const int64_t B = 1, H = 16, Nq = 1999, Nk = 1999, D = 32;
+    const int bq = 2, bk = 2;
+    tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BHND, B, H, Nq, D), k = tu_alloc(dev, SPARGE_BF16, TU_BHND, B, H, Nk, D);
+    tu_tensor rq = tu_alloc(ref, SPARGE_BF16, TU_BHND, B, H, Nq, D), rk = tu_alloc(ref, SPARGE_BF16, TU_BHND, B, H, Nk, D);
+    double *v = malloc((size_t)(B * H * Nq * D) * sizeof *v);
+    for (int64_t i = 0; i < B * H * Nq * D; i++)
+        v[i] = tu_normal(&rng);
+    tu_set(&q, v);
+    tu_set(&rq, v);
+    for (int64_t i = 0; i < B * H * Nk * D; i++)
+        v[i] = tu_normal(&rng);
+    tu_set(&k, v);
+    tu_set(&rk, v);
+    sparge_mask_params mp = {bq, bk, 0.03, 0.2, 0.0f};
+    sparge_mask *m, *rm;
+    assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, bq, bk, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, bq, bk, &rm), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
+    const int64_t cells = B * H * ((Nq + bq - 1) / bq) * ((Nk + bk - 1) / bk);
+    float *map = malloc((size_t)cells * sizeof *map), *rmap = malloc((size_t)cells * sizeof *rmap);
+    double *mapd = malloc((size_t)cells * sizeof *mapd), *rmapd = malloc((size_t)cells * sizeof *rmapd);
+    assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_pooled_map(rm, rmap), SPARGE_OK);
+    for (int64_t i = 0; i < cells; i++) {
+        mapd[i] = map[i];
+        rmapd[i] = rmap[i];
+    }
+    assert_true(tu_rel_l2(mapd, rmapd, cells) <= 1e-5);
+    const shape s = {B, H, Nq, Nk, D, bq, bk};
+    compare_masks(m, rm, &mp, &s);
+    free(v);
+    free(map);
+    free(rmap);
+    free(mapd);
+    free(rmapd);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(rm);
+    tu_free(&q);
+    tu_free(&k);
+    tu_free(&rq);
+    tu_free(&rk);
+}
+
 int main(void)
 {
     if (sparge_backend_device_count(BACKEND) == 0) {
@@ -446,6 +496,7 @@ int main(void)
         cmocka_unit_test(test_pooled_vectors),
         cmocka_unit_test(test_grid),
         cmocka_unit_test(test_predict_wide_rows),
+        cmocka_unit_test(test_predict_many_tiles),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
     sparge_device_close(dev);
