@@ -14,6 +14,10 @@
  * where the atomic traffic of 64-key tiles costs about as much as the separate pass. SPARGE_CUDA_DQ=pass
  * selects the pass instead (for benchmarks).
  *
+ * On sm_90 the dK/dV pass runs backward_sm90.cu's wgmma kernel instead when the build has it (the other
+ * launches stay); SPARGE_CUDA_BWD_KERNEL=mma|wgmma forces either, SPARGE_CUDA_BWD_KEYS=64|128 picks the wgmma
+ * kernel's keys per CTA (128 applies to dense and bk = 128 masks).
+ *
  * Tile shapes (all architectures, sm_80/90/120; 256 threads, one CTA per SM):
  *   dK/dV: BN = bk keys per CTA; 8 warps as (BN/16 along keys) × (8·16/BN along queries), each warp owns
  *          16 keys × 64 queries, so a step covers BM = 64·(8·16/BN) query rows (64 for bk = 128, 128 for
@@ -569,9 +573,11 @@ sparge_status launch_order(gpu_ctx *ctx, const int32_t *counts, int64_t n, int m
     return GPU_CHECK_LAUNCH("backward tile-order kernel");
 }
 
-/* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes. */
+/* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes. wgmma_keys: 0 runs
+ * the mma.sync dK/dV kernel, 64 or 128 the wgmma one with that many keys per CTA (128 only where the key tiling
+ * allows it: dense or bk = 128; 64 otherwise). */
 template <typename T, int D>
-sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma, int32_t *order_kv,
+sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma_keys, int32_t *order_kv,
                   int32_t *order_q)
 {
     sparge_status s;
@@ -582,8 +588,9 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
     bwd_params pk = p;
     if (!p.t_counts)
         pk.Nkb = (p.Nk + bk - 1) / bk;
-    if (wgmma && !p.t_counts) /* the wgmma kernel's dense tiles are its 64-key CTAs */
-        pk.Nkb = (p.Nk + 63) / 64;
+    const int wide = wgmma_keys == 128 && (!p.t_counts || bk == 128);
+    if (wgmma_keys && !p.t_counts) /* the wgmma kernel's dense tiles are its CTAs */
+        pk.Nkb = (p.Nk + (wide ? 127 : 63)) / (wide ? 128 : 64);
     if (!atomic_dq)
         pk.dq_accum = nullptr;
     if (p.t_counts) {
@@ -593,7 +600,7 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
     }
     unsigned grid_kv = (unsigned)(BH * pk.Nkb);
     const sparge_dtype dtype = std::is_same<T, gpu_bf16>::value ? SPARGE_BF16 : SPARGE_F16;
-    s = wgmma   ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, p.t_counts && bk == 128 ? 1 : 0, dtype, D)
+    s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, p.t_counts && bk == 128 && !wide ? 1 : 0, wide, dtype, D)
         : bk == 64
             ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
             : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
@@ -671,7 +678,13 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     if (kernel_env && !strcmp(kernel_env, "wgmma") && !wgmma_ok)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: SPARGE_CUDA_BWD_KERNEL=wgmma needs an sm_90 device "
                            "and a build with 90 in --with-cuda-arch");
-    const int wgmma = kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok;
+    int wgmma_keys = (kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok) ? 64 : 0;
+    const char *keys_env = getenv("SPARGE_CUDA_BWD_KEYS");
+    if (keys_env && strcmp(keys_env, "64") && strcmp(keys_env, "128"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_BWD_KEYS must be 64 or 128, got \"%s\"",
+                           keys_env);
+    if (wgmma_keys && keys_env)
+        wgmma_keys = atoi(keys_env);
 
     bwd_params p;
     memset(&p, 0, sizeof p);
@@ -707,8 +720,8 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     int32_t *order_kv = (int32_t *)(p.lse2 + padded + accum), *order_q = order_kv + nkv;
 
     if (a->q.dtype == SPARGE_BF16)
-        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma, order_kv, order_q)
-                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma, order_kv, order_q);
-    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma, order_kv, order_q)
-                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma, order_kv, order_q);
+        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q)
+                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q);
+    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q)
+                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q);
 }

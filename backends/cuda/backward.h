@@ -43,9 +43,10 @@ __device__ __forceinline__ void red_add2(float *p, float x, float y)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx);
 /* The dK/dV pass (and, when p.dq_accum is set, the atomic dQ contributions) with wgmma, f16 or
- * bf16, D = 64 or 128: one CTA per 64 keys; p.Nkb counts key blocks of 64 << sub_shift keys (the
- * mask's bk, or 64 for dense), p.order (if set) orders those blocks. */
-sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
-                                     int D);
+ * bf16, D = 64 or 128: one CTA per 64 keys (wide = 0) or per 128 keys (wide = 1, two warpgroups);
+ * p.Nkb counts key blocks of that many keys << sub_shift (the mask's bk, or the CTA's keys when
+ * dense), p.order (if set) orders those blocks. */
+sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
+                                     sparge_dtype dt, int D);
 
 #endif

@@ -6,18 +6,24 @@
  * heavy-first launch order, the dQ conversion and the separate (deterministic) dQ pass.
  *
  * Design choices:
- * - One warpgroup (128 threads) per CTA owning 64 keys, two CTAs per SM. A 64-key CTA makes every
- *   product an m64 wgmma with the keys as M, so Pᵀ and dSᵀ leave the accumulators in exactly the
- *   register layout of the A operand of dV += Pᵀ·dO and dK += dSᵀ·Q (no shared-memory round trip),
- *   and a mask with bk = 128 simply gets two CTAs per key block (the same transposed list; the
- *   second reads Q/dO again from L2). dK and dV stay in registers (2 × D/2 fp32 per thread), which
- *   is why one warpgroup, not two, shares a key tile: 64 keys × D × 2 accumulators fill it.
+ * - Each warpgroup (128 threads) owns 64 keys: every product is an m64 wgmma with the keys as M,
+ *   so Pᵀ and dSᵀ leave the accumulators in exactly the register layout of the A operand of
+ *   dV += Pᵀ·dO and dK += dSᵀ·Q (no shared-memory round trip), and dK and dV stay in registers
+ *   (2 × D/2 fp32 per thread: a warpgroup cannot hold more keys).
+ * - Default: one warpgroup per CTA, two CTAs per SM, so one CTA's exponentials and barriers overlap
+ *   the other's MMAs without any intra-CTA scheduling; a mask with bk = 128 gets two CTAs per key
+ *   block (the same transposed list; the second reads Q/dO again from L2). The cost is the dQ
+ *   atomics: one 64 × D fp32 reduction per 64 keys. The "wide" variant (SPARGE_CUDA_BWD_KEYS=128,
+ *   dense or bk = 128) puts two warpgroups on 128 keys in one CTA per SM: Q/dO are loaded once for
+ *   both, and dQ += dS·K contracts over all 128 keys (each warpgroup one 64-column part at D = 128)
+ *   before the atomics, halving them, at the price of lock-step warpgroups. Which wins was not
+ *   measured when this was written.
  * - Query steps of 64 rows (half a mask block): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are m64n64 with both
  *   operands K-major in shared memory; dO and Q as the B operand of the register-A products are
  *   read MN-major (transpose bit), like V in forward_sm90.cu.
  * - dQ += dS·K needs dS with the queries as M, i.e. the transpose of what the registers hold, so
  *   dSᵀ goes to shared memory [key][query] (128-byte swizzle) and is read back as an MN-major A
- *   operand; K is the MN-major B operand. The 64 × D product runs in 64-column halves so that only
+ *   operand; K is the MN-major B operand. The 64 × D product runs in 64-column parts so that only
  *   32 more accumulators are live, and is added with fp32 vector reductions into backward.cu's
  *   padded accumulator (the same rows and scale convention as its atomic mode).
  * - Q/dO (and their 64 LSE / D_t values) are double-buffered with cp.async; every wgmma group is
@@ -33,7 +39,6 @@
  * list has 90, see m4/sparge_cuda.m4); without it the entry reports the kernel unavailable and
  * backward.cu keeps its mma.sync kernel. */
 #include <math.h>
-#include <type_traits>
 
 #include "backward.h"
 #include "mma.cuh"
@@ -47,17 +52,19 @@ using namespace sparge_wgmma;
 
 namespace {
 
-constexpr int KEYS = 64, QROWS = 64, THREADS = 128;
+constexpr int WG_KEYS = 64, QROWS = 64, WG_THREADS = 128;
 constexpr int PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PANEL_ROW_BYTES, PANEL_BYTES = 64 * PANEL_ROW_BYTES;
 constexpr int SUB_Q = BWD_BLOCK_Q / QROWS; /* query steps per mask block */
 
-template <int D>
+/* WGS warpgroups per CTA, each owning 64 keys. */
+template <int D, int WGS>
 struct bwd90_traits {
+    static constexpr int THREADS = WGS * WG_THREADS;
     static constexpr int TILE_BYTES = 64 * D * 2;                  /* 64 rows × D */
-    static constexpr int DS_BYTES = KEYS * QROWS * 2;              /* dSᵀ, one panel */
+    static constexpr int DS_BYTES = WG_KEYS * QROWS * 2;           /* a warpgroup's dSᵀ, one panel */
     static constexpr int VEC_BYTES = 2 * QROWS * (int)sizeof(float); /* LSE·log2e and D_t of a step */
-    /* K, V, two buffers of (Q, dO), dSᵀ, two buffers of LSE/D_t, alignment slack */
-    static constexpr int SMEM_BYTES = 2 * TILE_BYTES + 4 * TILE_BYTES + DS_BYTES + 2 * VEC_BYTES + 1024;
+    /* K, V (WGS tiles each), two buffers of (Q, dO), dSᵀ, two buffers of LSE/D_t, alignment slack */
+    static constexpr int SMEM_BYTES = 2 * WGS * TILE_BYTES + 4 * TILE_BYTES + WGS * DS_BYTES + 2 * VEC_BYTES + 1024;
 };
 
 /* Byte offset of 16-byte chunk `chunk` of row `row` (< 64) in a 64-row tile (layout above). */
@@ -66,40 +73,42 @@ __device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
     return (uint32_t)((chunk >> 3) * PANEL_BYTES + row * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
-/* cp.async 64 rows of D elements from row0 into a tile at dst; rows at or past `limit` are zero-filled. */
-template <typename T, int D>
+/* cp.async ROWS rows (64-row tiles one after the other) of D elements from row0 into dst, with
+ * THREADS threads; rows at or past `limit` are zero-filled. */
+template <typename T, int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
 {
-    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
-    static_assert(64 % ROW_STEP == 0, "bad tile split");
+    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS, TILE_BYTES = 64 * D * 2;
+    static_assert(64 % ROW_STEP == 0 && ROWS % 64 == 0, "bad tile split");
     const int ch = tid % ROW_CHUNKS;
     int r = tid / ROW_CHUNKS;
     const T *src = base + (int64_t)(row0 + r) * sn + ch * 8;
 #pragma unroll 1
-    for (; r < 64; r += ROW_STEP) {
+    for (; r < ROWS; r += ROW_STEP) {
         const bool ok = row0 + r < limit;
-        cp_async_16(dst + panel_offset(r, ch), ok ? src : base, ok);
+        cp_async_16(dst + (r / 64) * TILE_BYTES + panel_offset(r % 64, ch), ok ? src : base, ok);
         src += ROW_STEP * sn;
     }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(THREADS, 2) wgmma_dkdv_kernel(const bwd_params p, int sub_shift)
+template <typename T, int D, int WGS>
+__global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(const bwd_params p, int sub_shift)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using W = bwd90_traits<D>;
+    using W = bwd90_traits<D, WGS>;
+    constexpr int THREADS = W::THREADS, KEYS = WGS * WG_KEYS;
     constexpr int ACC = D / 2; /* fp32 accumulators per thread of a 64 × D product */
     extern __shared__ unsigned char smem_raw[];
     const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
     unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
-    const uint32_t k_smem = smem0, v_smem = k_smem + W::TILE_BYTES, ds_smem = v_smem + 5 * W::TILE_BYTES;
-    const uint32_t vec_off = 6 * W::TILE_BYTES + W::DS_BYTES;
-    auto q_smem = [&](int buf) { return v_smem + W::TILE_BYTES + buf * 2 * W::TILE_BYTES; };
+    const uint32_t k_smem = smem0, v_smem = k_smem + WGS * W::TILE_BYTES, ds_smem = v_smem + (WGS + 4) * W::TILE_BYTES;
+    const uint32_t vec_off = (2 * WGS + 4) * W::TILE_BYTES + WGS * W::DS_BYTES;
+    auto q_smem = [&](int buf) { return v_smem + WGS * W::TILE_BYTES + buf * 2 * W::TILE_BYTES; };
     auto do_smem = [&](int buf) { return q_smem(buf) + W::TILE_BYTES; };
     auto lse_vec = [&](int buf) { return (float *)(smem + vec_off + buf * W::VEC_BYTES); };
     auto dt_vec = [&](int buf) { return lse_vec(buf) + QROWS; };
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid / WG_THREADS, warp = (tid % WG_THREADS) >> 5;
     const int work = (int)(blockIdx.x >> sub_shift), half = (int)(blockIdx.x & ((1u << sub_shift) - 1));
     const int tile_id = p.order ? p.order[work] : work;
     const int bh = tile_id / p.Nkb, j = tile_id - bh * p.Nkb, b = bh / p.H, h = bh - b * p.H;
@@ -116,8 +125,8 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_dkdv_kernel(const bwd_params
     auto issue = [&](int n) { /* one commit group per step, empty past the end */
         if (n < nsteps) {
             const int buf = n & 1, r0 = step_row0(n);
-            load_tile<T, D>(q_smem(buf), q, p.q_sn, r0, p.Nq, tid);
-            load_tile<T, D>(do_smem(buf), d_o, p.do_sn, r0, p.Nq, tid);
+            load_tile<T, D, QROWS, THREADS>(q_smem(buf), q, p.q_sn, r0, p.Nq, tid);
+            load_tile<T, D, QROWS, THREADS>(do_smem(buf), d_o, p.do_sn, r0, p.Nq, tid);
             if (tid < QROWS / 4) /* the padded per-token arrays cover every row of a block */
                 cp_async_16(smem_addr(lse_vec(buf)) + 16 * tid, lse2 + r0 + 4 * tid, true);
             else if (tid < QROWS / 2)
@@ -127,14 +136,17 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_dkdv_kernel(const bwd_params
     };
 
     /* Group 0: K, V and step 0. */
-    load_tile<T, D>(k_smem, (const T *)p.k + b * p.k_sb + h * p.k_sh, p.k_sn, key0, p.Nk, tid);
-    load_tile<T, D>(v_smem, (const T *)p.v + b * p.v_sb + h * p.v_sh, p.v_sn, key0, p.Nk, tid);
+    load_tile<T, D, KEYS, THREADS>(k_smem, (const T *)p.k + b * p.k_sb + h * p.k_sh, p.k_sn, key0, p.Nk, tid);
+    load_tile<T, D, KEYS, THREADS>(v_smem, (const T *)p.v + b * p.v_sb + h * p.v_sh, p.v_sn, key0, p.Nk, tid);
     issue(0);
 
-    /* This thread's accumulator rows (keys of Sᵀ, dV, dK) row0 and row0 + 8, columns nt·8 + c2 (+1). */
+    /* This thread's accumulator rows (keys of Sᵀ, dV, dK inside its warpgroup's 64) row0 and row0 + 8,
+     * columns nt·8 + c2 (+1). */
     const int row0 = warp * 16 + frag_row(lane), c2 = frag_col(lane);
+    const uint32_t k_wg = k_smem + wg * W::TILE_BYTES, v_wg = v_smem + wg * W::TILE_BYTES;
     /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
-    const bool key_ok0 = key0 + row0 < p.Nk, key_ok1 = key0 + row0 + 8 < p.Nk;
+    const int wg_key0 = key0 + wg * WG_KEYS;
+    const bool key_ok0 = wg_key0 + row0 < p.Nk, key_ok1 = wg_key0 + row0 + 8 < p.Nk;
 
     float dv[ACC], dk[ACC];
 #pragma unroll
@@ -163,13 +175,13 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_dkdv_kernel(const bwd_params
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T, 0, 0>(s, sw128_desc(k_smem + off, 16, CORE_GROUP_BYTES),
+            wgmma_ss_n64<T, 0, 0>(s, sw128_desc(k_wg + off, 16, CORE_GROUP_BYTES),
                                   sw128_desc(q_tile + off, 16, CORE_GROUP_BYTES), 1);
         }
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T, 0, 0>(dp, sw128_desc(v_smem + off, 16, CORE_GROUP_BYTES),
+            wgmma_ss_n64<T, 0, 0>(dp, sw128_desc(v_wg + off, 16, CORE_GROUP_BYTES),
                                   sw128_desc(do_tile + off, 16, CORE_GROUP_BYTES), 1);
         }
         wgmma_commit();
@@ -232,7 +244,8 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_dkdv_kernel(const bwd_params
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int row = row0 + 8 * (e & 1), col = 16 * kk + 8 * (e >> 1) + c2;
-                    *(uint32_t *)(smem + (ds_smem - smem0) + panel_offset(row, col >> 3) + (col & 7) * 2) = dsa[kk][e];
+                    *(uint32_t *)(smem + (ds_smem - smem0) + wg * W::DS_BYTES + panel_offset(row, col >> 3) + (col & 7) * 2) =
+                        dsa[kk][e];
                 }
         }
         wgmma_wait<0>();
@@ -250,22 +263,25 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_dkdv_kernel(const bwd_params
             }
 
         if (p.dq_accum) {
-            /* dQ (64 queries × D) += dS·K in 64-column halves: A = dSᵀ read MN-major, B = K MN-major. */
+            /* dQ (64 queries × D) += dS·K over the CTA's keys (the warpgroups' dSᵀ tiles follow each other, as
+             * do the K tiles), in 64-column parts dealt round the warpgroups: A = dSᵀ read MN-major, B = K
+             * MN-major. */
             fence_proxy_async();
             __syncthreads();
             float *dst = p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n) + row0) * D + c2;
 #pragma unroll
-            for (int dh = 0; dh < D / 64; dh++) {
+            for (int dh = wg; dh < D / 64; dh += WGS) {
                 float dq[32];
 #pragma unroll
                 for (int i = 0; i < 32; i++)
                     fence_operand(dq[i] = 0.0f);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < 4; kk++)
+                for (int kk = 0; kk < KEYS / 16; kk++)
                     wgmma_ss_n64<T, 1, 1>(dq, sw128_desc(ds_smem + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES),
-                                          sw128_desc(k_smem + dh * PANEL_BYTES + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES,
-                                                     CORE_GROUP_BYTES),
+                                          sw128_desc(k_smem + (kk >> 2) * W::TILE_BYTES + dh * PANEL_BYTES +
+                                                         (kk & 3) * 2 * CORE_GROUP_BYTES,
+                                                     PANEL_BYTES, CORE_GROUP_BYTES),
                                           1);
                 wgmma_commit();
                 wgmma_wait<0>();
@@ -284,43 +300,45 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_dkdv_kernel(const bwd_params
     __syncthreads(); /* no wgmma reads K or V any more (and no copy is in flight): stage dV over V, dK over K */
 
     unsigned char *v_stage = smem + (v_smem - smem0), *k_stage = smem + (k_smem - smem0);
+    const uint32_t wg_off = wg * W::TILE_BYTES;
 #pragma unroll
     for (int nt = 0; nt < D / 8; nt++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int row = row0 + 8 * r, col = nt * 8 + c2;
-            const uint32_t off = panel_offset(row, col >> 3) + (col & 7) * 2;
+            const uint32_t off = wg_off + panel_offset(row, col >> 3) + (col & 7) * 2;
             *(uint32_t *)(v_stage + off) = pack2<T>(dv[nt * 4 + 2 * r], dv[nt * 4 + 2 * r + 1]);
             *(uint32_t *)(k_stage + off) = pack2<T>(dk[nt * 4 + 2 * r] * p.scale, dk[nt * 4 + 2 * r + 1] * p.scale);
         }
     __syncthreads();
     T *dv_out = (T *)p.dv + b * p.dv_sb + h * p.dv_sh, *dk_out = (T *)p.dk + b * p.dk_sb + h * p.dk_sh;
 #pragma unroll
-    for (int c = tid; c < 64 * (D / 8); c += THREADS) {
+    for (int c = tid; c < KEYS * (D / 8); c += THREADS) {
         const int r = c / (D / 8), ch = c % (D / 8), key = key0 + r;
+        const uint32_t off = (r / 64) * W::TILE_BYTES + panel_offset(r % 64, ch);
         if (key < p.Nk) {
-            *(uint4 *)(dv_out + (int64_t)key * p.dv_sn + ch * 8) = *(const uint4 *)(v_stage + panel_offset(r, ch));
-            *(uint4 *)(dk_out + (int64_t)key * p.dk_sn + ch * 8) = *(const uint4 *)(k_stage + panel_offset(r, ch));
+            *(uint4 *)(dv_out + (int64_t)key * p.dv_sn + ch * 8) = *(const uint4 *)(v_stage + off);
+            *(uint4 *)(dk_out + (int64_t)key * p.dk_sn + ch * 8) = *(const uint4 *)(k_stage + off);
         }
     }
 #endif
 }
 
-template <typename T, int D>
+template <typename T, int D, int WGS>
 sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift)
 {
-    constexpr int SMEM = bwd90_traits<D>::SMEM_BYTES;
+    constexpr int SMEM = bwd90_traits<D, WGS>::SMEM_BYTES;
     if ((size_t)SMEM > ctx->smem_optin)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma dK/dV kernel (D=%d) needs %d bytes of "
                            "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = wgmma_dkdv_kernel<T, D>;
+    auto kernel = wgmma_dkdv_kernel<T, D, WGS>;
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     const int64_t grid = (BH * p.Nkb) << sub_shift;
     if (grid == 0)
         return SPARGE_OK;
-    kernel<<<(unsigned)grid, THREADS, SMEM, ctx->stream>>>(p, sub_shift);
+    kernel<<<(unsigned)grid, bwd90_traits<D, WGS>::THREADS, SMEM, ctx->stream>>>(p, sub_shift);
     return GPU_CHECK_LAUNCH("wgmma backward dK/dV kernel");
 }
 
@@ -331,19 +349,24 @@ int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
     cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, wgmma_dkdv_kernel<gpu_bf16, 128>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, wgmma_dkdv_kernel<gpu_bf16, 128, 1>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }
     return 1;
 }
 
-sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
-                                     int D)
+sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
+                                     sparge_dtype dt, int D)
 {
+    if (wide) {
+        if (dt == SPARGE_BF16)
+            return D == 128 ? launch<gpu_bf16, 128, 2>(ctx, p, BH, sub_shift) : launch<gpu_bf16, 64, 2>(ctx, p, BH, sub_shift);
+        return D == 128 ? launch<gpu_half, 128, 2>(ctx, p, BH, sub_shift) : launch<gpu_half, 64, 2>(ctx, p, BH, sub_shift);
+    }
     if (dt == SPARGE_BF16)
-        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, BH, sub_shift) : launch<gpu_bf16, 64>(ctx, p, BH, sub_shift);
-    return D == 128 ? launch<gpu_half, 128>(ctx, p, BH, sub_shift) : launch<gpu_half, 64>(ctx, p, BH, sub_shift);
+        return D == 128 ? launch<gpu_bf16, 128, 1>(ctx, p, BH, sub_shift) : launch<gpu_bf16, 64, 1>(ctx, p, BH, sub_shift);
+    return D == 128 ? launch<gpu_half, 128, 1>(ctx, p, BH, sub_shift) : launch<gpu_half, 64, 1>(ctx, p, BH, sub_shift);
 }
 
 #else /* no sm_90a image in this build */
@@ -354,10 +377,10 @@ int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
     return 0;
 }
 
-sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
-                                     int D)
+sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
+                                     sparge_dtype dt, int D)
 {
-    (void)ctx, (void)p, (void)BH, (void)sub_shift, (void)dt, (void)D;
+    (void)ctx, (void)p, (void)BH, (void)sub_shift, (void)wide, (void)dt, (void)D;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma backward (configure "
                        "--with-cuda-arch with 90)");
 }
