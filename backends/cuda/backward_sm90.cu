@@ -144,6 +144,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
      * columns nt·8 + c2 (+1). */
     const int row0 = warp * 16 + frag_row(lane), c2 = frag_col(lane);
     const uint32_t k_wg = k_smem + wg * W::TILE_BYTES, v_wg = v_smem + wg * W::TILE_BYTES;
+    unsigned char *ds_wg = smem + (ds_smem - smem0) + wg * W::DS_BYTES; /* this warpgroup's dSᵀ */
     /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
     const int wg_key0 = key0 + wg * WG_KEYS;
     const bool key_ok0 = wg_key0 + row0 < p.Nk, key_ok1 = wg_key0 + row0 + 8 < p.Nk;
@@ -192,7 +193,8 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             fence_operand(dp[i]);
         }
 
-        /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) (0 for rows past Nq: LSE·log2e = +inf there), dSᵀ = Pᵀ∘(dPᵀ − D_t). */
+        /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) (0 for rows past Nq: LSE·log2e = +inf there),
+         * dSᵀ = Pᵀ∘(dPᵀ − D_t). */
         const float *lv = lse_vec(buf), *dv_t = dt_vec(buf);
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -214,6 +216,18 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             c_pair_to_a<T>(dsa[kk], dp + 8 * kk, dp + 8 * kk + 4);
         }
 
+        if (p.dq_accum) {
+            /* dSᵀ [key][query] to shared memory, before the products below (registers that a wgmma in
+             * flight reads must not be accessed): dsa[kk][0..3] hold (row0, 16kk + c2), (row0 + 8, 16kk + c2),
+             * (row0, 16kk + 8 + c2), (row0 + 8, 16kk + 8 + c2). */
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int row = row0 + 8 * (e & 1), col = 16 * kk + 8 * (e >> 1) + c2;
+                    *(uint32_t *)(ds_wg + panel_offset(row, col >> 3) + (col & 7) * 2) = dsa[kk][e];
+                }
+        }
         /* dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers, B MN-major (16 queries = 2048 bytes per k step). */
 #pragma unroll
         for (int i = 0; i < ACC; i++) {
@@ -230,24 +244,13 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_rs_t<T, D>(dv, pa[kk], sw128_desc(do_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+            wgmma_rs_t<T, D>(dv, pa[kk],
+                             sw128_desc(do_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_rs_t<T, D>(dk, dsa[kk], sw128_desc(q_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+            wgmma_rs_t<T, D>(dk, dsa[kk],
+                             sw128_desc(q_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
         wgmma_commit();
-
-        if (p.dq_accum) {
-            /* dSᵀ [key][query] to shared memory while the products run: register kk·4 + {0,1,2,3} of dsa
-             * holds (row0, 16kk + c2), (row0 + 8, 16kk + c2), (row0, 16kk + 8 + c2), (row0 + 8, 16kk + 8 + c2). */
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int row = row0 + 8 * (e & 1), col = 16 * kk + 8 * (e >> 1) + c2;
-                    *(uint32_t *)(smem + (ds_smem - smem0) + wg * W::DS_BYTES + panel_offset(row, col >> 3) + (col & 7) * 2) =
-                        dsa[kk][e];
-                }
-        }
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < ACC; i++) {
@@ -278,11 +281,12 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < KEYS / 16; kk++)
-                    wgmma_ss_n64<T, 1, 1>(dq, sw128_desc(ds_smem + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES),
-                                          sw128_desc(k_smem + (kk >> 2) * W::TILE_BYTES + dh * PANEL_BYTES +
-                                                         (kk & 3) * 2 * CORE_GROUP_BYTES,
-                                                     PANEL_BYTES, CORE_GROUP_BYTES),
-                                          1);
+                    wgmma_ss_n64<T, 1, 1>(
+                        dq, sw128_desc(ds_smem + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES),
+                        sw128_desc(k_smem + (kk >> 2) * W::TILE_BYTES + dh * PANEL_BYTES +
+                                       (kk & 3) * 2 * CORE_GROUP_BYTES,
+                                   PANEL_BYTES, CORE_GROUP_BYTES),
+                        1);
                 wgmma_commit();
                 wgmma_wait<0>();
 #pragma unroll
@@ -342,6 +346,16 @@ sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shif
     return GPU_CHECK_LAUNCH("wgmma backward dK/dV kernel");
 }
 
+template <int WGS>
+sparge_status dispatch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt, int D)
+{
+    if (dt == SPARGE_BF16)
+        return D == 128 ? launch<gpu_bf16, 128, WGS>(ctx, p, BH, sub_shift)
+                        : launch<gpu_bf16, 64, WGS>(ctx, p, BH, sub_shift);
+    return D == 128 ? launch<gpu_half, 128, WGS>(ctx, p, BH, sub_shift)
+                    : launch<gpu_half, 64, WGS>(ctx, p, BH, sub_shift);
+}
+
 } // namespace
 
 int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
@@ -359,14 +373,7 @@ int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
 sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
                                      sparge_dtype dt, int D)
 {
-    if (wide) {
-        if (dt == SPARGE_BF16)
-            return D == 128 ? launch<gpu_bf16, 128, 2>(ctx, p, BH, sub_shift) : launch<gpu_bf16, 64, 2>(ctx, p, BH, sub_shift);
-        return D == 128 ? launch<gpu_half, 128, 2>(ctx, p, BH, sub_shift) : launch<gpu_half, 64, 2>(ctx, p, BH, sub_shift);
-    }
-    if (dt == SPARGE_BF16)
-        return D == 128 ? launch<gpu_bf16, 128, 1>(ctx, p, BH, sub_shift) : launch<gpu_bf16, 64, 1>(ctx, p, BH, sub_shift);
-    return D == 128 ? launch<gpu_half, 128, 1>(ctx, p, BH, sub_shift) : launch<gpu_half, 64, 1>(ctx, p, BH, sub_shift);
+    return wide ? dispatch<2>(ctx, p, BH, sub_shift, dt, D) : dispatch<1>(ctx, p, BH, sub_shift, dt, D);
 }
 
 #else /* no sm_90a image in this build */
