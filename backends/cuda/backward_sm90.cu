@@ -109,10 +109,10 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     auto dt_vec = [&](int buf) { return lse_vec(buf) + QROWS; };
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid / WG_THREADS, warp = (tid % WG_THREADS) >> 5;
-    const int work = (int)(blockIdx.x >> sub_shift), half = (int)(blockIdx.x & ((1u << sub_shift) - 1));
+    const int work = (int)(blockIdx.x >> sub_shift), part = (int)(blockIdx.x & ((1u << sub_shift) - 1));
     const int tile_id = p.order ? p.order[work] : work;
     const int bh = tile_id / p.Nkb, j = tile_id - bh * p.Nkb, b = bh / p.H, h = bh - b * p.H;
-    const int key0 = ((j << sub_shift) + half) * KEYS;
+    const int key0 = ((j << sub_shift) + part) * KEYS;
     if (key0 >= p.Nk) /* the second half of a ragged last block */
         return;
     const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
