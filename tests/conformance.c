@@ -239,12 +239,30 @@ static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng
                              SPARGE_OK);
             tu_tensor *outs[3] = {&dq, &dk, &dv}, *refs[3] = {&rdq, &rdk, &rdv};
             static const char *names[3] = {"backward dQ", "backward dK", "backward dV"};
+            double *first[3];
             for (int i = 0; i < 3; i++) {
                 double *gg = tu_get(outs[i]), *ww = tu_get(refs[i]);
                 check_close(names[i], s, dt, lay, gg, ww, tu_numel(outs[i]), tu_tolerance(dt));
-                free(gg);
+                first[i] = gg;
                 free(ww);
             }
+            if (det) { /* deterministic: a second run gives bitwise the same gradients */
+                for (int i = 0; i < 3; i++)
+                    tu_poison(outs[i]);
+                assert_int_equal(sparge_attention_backward(dev, &q.t, &k.t, &v.t, &o.t, &d_o.t, lse, use, &ap, &dq.t,
+                                                           &dk.t, &dv.t),
+                                 SPARGE_OK);
+                for (int i = 0; i < 3; i++) {
+                    double *again = tu_get(outs[i]);
+                    if (memcmp(again, first[i], (size_t)tu_numel(outs[i]) * sizeof *again))
+                        fail_msg("%s: deterministic backward not reproducible (B=%lld H=%lld Nq=%lld Nk=%lld D=%lld)",
+                                 names[i], (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk,
+                                 (long long)s->D);
+                    free(again);
+                }
+            }
+            for (int i = 0; i < 3; i++)
+                free(first[i]);
         }
         ran++;
     }
