@@ -239,12 +239,30 @@ static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng
                              SPARGE_OK);
             tu_tensor *outs[3] = {&dq, &dk, &dv}, *refs[3] = {&rdq, &rdk, &rdv};
             static const char *names[3] = {"backward dQ", "backward dK", "backward dV"};
+            double *first[3];
             for (int i = 0; i < 3; i++) {
                 double *gg = tu_get(outs[i]), *ww = tu_get(refs[i]);
                 check_close(names[i], s, dt, lay, gg, ww, tu_numel(outs[i]), tu_tolerance(dt));
-                free(gg);
+                first[i] = gg;
                 free(ww);
             }
+            if (det) { /* deterministic: a second run gives bitwise the same gradients */
+                for (int i = 0; i < 3; i++)
+                    tu_poison(outs[i]);
+                assert_int_equal(sparge_attention_backward(dev, &q.t, &k.t, &v.t, &o.t, &d_o.t, lse, use, &ap, &dq.t,
+                                                           &dk.t, &dv.t),
+                                 SPARGE_OK);
+                for (int i = 0; i < 3; i++) {
+                    double *again = tu_get(outs[i]);
+                    if (memcmp(again, first[i], (size_t)tu_numel(outs[i]) * sizeof *again))
+                        fail_msg("%s: deterministic backward not reproducible (B=%lld H=%lld Nq=%lld Nk=%lld D=%lld)",
+                                 names[i], (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk,
+                                 (long long)s->D);
+                    free(again);
+                }
+            }
+            for (int i = 0; i < 3; i++)
+                free(first[i]);
         }
         ran++;
     }
@@ -430,6 +448,56 @@ static void test_predict_wide_rows(void **state)
         }
 }
 
+/* A shape with many pooled-map tiles (the GPU's 128×128 logits tiles take over from 1024 of them) and
+ * query-block columns longer than one transpose chunk: 16 heads of 1000 × 1000 blocks (ragged tails). */
+static void test_predict_many_tiles(void **state)
+{
+    (void)state;
+    tu_rng rng = {20261202};
+    const int64_t B = 1, H = 16, Nq = 1999, Nk = 1999, D = 32;
+    const int bq = 2, bk = 2;
+    tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BHND, B, H, Nq, D), k = tu_alloc(dev, SPARGE_BF16, TU_BHND, B, H, Nk, D);
+    tu_tensor rq = tu_alloc(ref, SPARGE_BF16, TU_BHND, B, H, Nq, D), rk = tu_alloc(ref, SPARGE_BF16, TU_BHND, B, H, Nk, D);
+    double *v = malloc((size_t)(B * H * Nq * D) * sizeof *v);
+    for (int64_t i = 0; i < B * H * Nq * D; i++)
+        v[i] = tu_normal(&rng);
+    tu_set(&q, v);
+    tu_set(&rq, v);
+    for (int64_t i = 0; i < B * H * Nk * D; i++)
+        v[i] = tu_normal(&rng);
+    tu_set(&k, v);
+    tu_set(&rk, v);
+    sparge_mask_params mp = {bq, bk, 0.03, 0.2, 0.0f};
+    sparge_mask *m, *rm;
+    assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, bq, bk, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, bq, bk, &rm), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
+    const int64_t cells = B * H * ((Nq + bq - 1) / bq) * ((Nk + bk - 1) / bk);
+    float *map = malloc((size_t)cells * sizeof *map), *rmap = malloc((size_t)cells * sizeof *rmap);
+    double *mapd = malloc((size_t)cells * sizeof *mapd), *rmapd = malloc((size_t)cells * sizeof *rmapd);
+    assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_pooled_map(rm, rmap), SPARGE_OK);
+    for (int64_t i = 0; i < cells; i++) {
+        mapd[i] = map[i];
+        rmapd[i] = rmap[i];
+    }
+    assert_true(tu_rel_l2(mapd, rmapd, cells) <= 1e-5);
+    const shape s = {B, H, Nq, Nk, D, bq, bk};
+    compare_masks(m, rm, &mp, &s);
+    free(v);
+    free(map);
+    free(rmap);
+    free(mapd);
+    free(rmapd);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(rm);
+    tu_free(&q);
+    tu_free(&k);
+    tu_free(&rq);
+    tu_free(&rk);
+}
+
 int main(void)
 {
     if (sparge_backend_device_count(BACKEND) == 0) {
@@ -446,6 +514,7 @@ int main(void)
         cmocka_unit_test(test_pooled_vectors),
         cmocka_unit_test(test_grid),
         cmocka_unit_test(test_predict_wide_rows),
+        cmocka_unit_test(test_predict_many_tiles),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
     sparge_device_close(dev);

@@ -14,6 +14,10 @@
  * where the atomic traffic of 64-key tiles costs about as much as the separate pass. SPARGE_CUDA_DQ=pass
  * selects the pass instead (for benchmarks).
  *
+ * On sm_90 the dK/dV pass runs backward_sm90.cu's wgmma kernel instead when the build has it (the other
+ * launches stay); SPARGE_CUDA_BWD_KERNEL=mma|wgmma forces either, SPARGE_CUDA_BWD_KEYS=64|128 picks the wgmma
+ * kernel's keys per CTA (128 applies to dense and bk = 128 masks).
+ *
  * Tile shapes (all architectures, sm_80/90/120; 256 threads, one CTA per SM):
  *   dK/dV: BN = bk keys per CTA; 8 warps as (BN/16 along keys) × (8·16/BN along queries), each warp owns
  *          16 keys × 64 queries, so a step covers BM = 64·(8·16/BN) query rows (64 for bk = 128, 128 for
@@ -28,7 +32,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu.h"
+#include <type_traits>
+
+#include "backward.h"
 #include "mma.cuh"
 
 namespace {
@@ -37,26 +43,8 @@ using namespace sparge_mma;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kBlockQ = 128; /* query block of the mask (bq) */
+constexpr int kBlockQ = BWD_BLOCK_Q;
 constexpr float kLog2e = 1.4426950408889634f;
-
-struct bwd_params {
-    const void *q, *k, *v, *o, *d_o;
-    void *dq, *dk, *dv;
-    int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn;
-    int64_t dq_sb, dq_sh, dq_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn;
-    int H, Nq, Nk;
-    int Nqb, Nkb;      /* blocks of the kernel's tiling (the mask's when a mask is given) */
-    int Nq_pad;        /* Nqb · 128: row stride of the padded per-token arrays */
-    float scale, scale_log2;
-    const float *lse;  /* [B·H·Nq], natural log (input) */
-    float *lse2;       /* [B·H·Nq_pad], LSE·log2(e), +inf past Nq */
-    float *dt;         /* [B·H·Nq_pad], rowsum(dO∘O), 0 past Nq */
-    float *dq_accum;   /* [B·H·Nq_pad·D] fp32, or NULL: no atomic dQ */
-    const int32_t *counts, *indices;     /* CSR rows (row stride Nkb), NULL: dense */
-    const int32_t *t_counts, *t_indices; /* transposed (row stride Nqb), NULL: dense */
-    const int32_t *order; /* CTA → tile (heavy tiles first), NULL: identity */
-};
 
 /* Copy `rows` rows of D elements starting at global row row0 (rows ≥ n are zero-filled) into the swizzled
  * tile at shared address `tile`, spread over the CTA's threads. */
@@ -144,17 +132,6 @@ __device__ __forceinline__ void gemm_rn_16x64(float (&acc)[D / 8][4], const floa
             mma_16816<T>(acc[2 * dp + 1], af, bf + 2);
         }
     }
-}
-
-/* fp32 atomic add of two adjacent elements (one vector reduction where the ISA has it). */
-__device__ __forceinline__ void red_add2(float *p, float x, float y)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-    atomicAdd(p, x);
-    atomicAdd(p + 1, y);
-#endif
 }
 
 /* ------------------------------------------------------------------------------------------ prep */
@@ -596,9 +573,12 @@ sparge_status launch_order(gpu_ctx *ctx, const int32_t *counts, int64_t n, int m
     return GPU_CHECK_LAUNCH("backward tile-order kernel");
 }
 
-/* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes. */
+/* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes. wgmma_keys: 0 runs
+ * the mma.sync dK/dV kernel, 64 or 128 the wgmma one with that many keys per CTA (128 only where the key tiling
+ * allows it: dense or bk = 128; 64 otherwise). */
 template <typename T, int D>
-sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int32_t *order_kv, int32_t *order_q)
+sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma_keys, int32_t *order_kv,
+                  int32_t *order_q)
 {
     sparge_status s;
     const int64_t rows = BH * p.Nq_pad;
@@ -608,6 +588,9 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
     bwd_params pk = p;
     if (!p.t_counts)
         pk.Nkb = (p.Nk + bk - 1) / bk;
+    const int wide = wgmma_keys == 128 && (!p.t_counts || bk == 128);
+    if (wgmma_keys && !p.t_counts) /* the wgmma kernel's dense tiles are its CTAs */
+        pk.Nkb = (p.Nk + (wide ? 127 : 63)) / (wide ? 128 : 64);
     if (!atomic_dq)
         pk.dq_accum = nullptr;
     if (p.t_counts) {
@@ -616,7 +599,9 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         pk.order = order_kv;
     }
     unsigned grid_kv = (unsigned)(BH * pk.Nkb);
-    s = bk == 64
+    const sparge_dtype dtype = std::is_same<T, gpu_bf16>::value ? SPARGE_BF16 : SPARGE_F16;
+    s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, p.t_counts && bk == 128 && !wide ? 1 : 0, wide, dtype, D)
+        : bk == 64
             ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
             : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
     if (s)
@@ -684,6 +669,22 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     const char *env = getenv("SPARGE_CUDA_DQ");
     if (atomic_dq && env && !strcmp(env, "pass"))
         atomic_dq = 0;
+    /* dK/dV kernel: the sm_90a wgmma one where the build and the device have it. */
+    const char *kernel_env = getenv("SPARGE_CUDA_BWD_KERNEL");
+    if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_BWD_KERNEL must be \"mma\" or \"wgmma\", "
+                           "got \"%s\"", kernel_env);
+    const int wgmma_ok = sparge_cuda_wgmma_backward_available(ctx);
+    if (kernel_env && !strcmp(kernel_env, "wgmma") && !wgmma_ok)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: SPARGE_CUDA_BWD_KERNEL=wgmma needs an sm_90 device "
+                           "and a build with 90 in --with-cuda-arch");
+    int wgmma_keys = (kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok) ? 64 : 0;
+    const char *keys_env = getenv("SPARGE_CUDA_BWD_KEYS");
+    if (keys_env && strcmp(keys_env, "64") && strcmp(keys_env, "128"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_BWD_KEYS must be 64 or 128, got \"%s\"",
+                           keys_env);
+    if (wgmma_keys && keys_env)
+        wgmma_keys = atoi(keys_env);
 
     bwd_params p;
     memset(&p, 0, sizeof p);
@@ -719,8 +720,8 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     int32_t *order_kv = (int32_t *)(p.lse2 + padded + accum), *order_q = order_kv + nkv;
 
     if (a->q.dtype == SPARGE_BF16)
-        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, order_kv, order_q)
-                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, order_kv, order_q);
-    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, order_kv, order_q)
-                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, order_kv, order_q);
+        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q)
+                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q);
+    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q)
+                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q);
 }

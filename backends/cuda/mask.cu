@@ -98,7 +98,7 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 
 /* ---------------------------------------------------------------- pooled map */
 
-constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 256;
+constexpr int MAP_TILE = 64, MAP_WIDE_TILE = 128, MAP_DCHUNK = 16, MAP_THREADS = 256;
 
 struct map_params {
     const float *q, *k;
@@ -109,18 +109,23 @@ struct map_params {
     float scale;
 };
 
-/* Logits map = scale · qbar kbarᵀ, a 64×64 tile per block, 4×4 per thread. */
-__global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
+/* Logits map = scale · qbar kbarᵀ, a TILE×TILE tile per block; thread (ty,tx)
+ * of the 16×16 grid owns rows ty·4 + 64g + r and columns tx·4 + 64g + s
+ * (conflict-free float4 reads). Each output sums over d in order, so both
+ * tile sizes give the same bits. */
+template <int TILE>
+__global__ void __launch_bounds__(MAP_THREADS, TILE > MAP_TILE ? 1 : 3) map_logits_kernel(map_params p)
 {
-    __shared__ __align__(16) float qs[MAP_DCHUNK][MAP_TILE + 4];
-    __shared__ __align__(16) float ks[MAP_DCHUNK][MAP_TILE + 4];
-    const int64_t ktiles = (p.Nkb + MAP_TILE - 1) / MAP_TILE, qtiles = (p.Nqb + MAP_TILE - 1) / MAP_TILE;
+    constexpr int R = TILE / 16, GROUPS = R / 4; /* outputs per thread along each side */
+    __shared__ __align__(16) float qs[MAP_DCHUNK][TILE + 4];
+    __shared__ __align__(16) float ks[MAP_DCHUNK][TILE + 4];
+    const int64_t ktiles = (p.Nkb + TILE - 1) / TILE, qtiles = (p.Nqb + TILE - 1) / TILE;
     const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
-    const int64_t i0 = tile / ktiles % qtiles * MAP_TILE, j0 = tile % ktiles * MAP_TILE;
+    const int64_t i0 = tile / ktiles % qtiles * TILE, j0 = tile % ktiles * TILE;
     const float *q = p.q + b * p.qb + h * p.qh, *k = p.k + b * p.kb + h * p.kh;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    constexpr int LOADS = MAP_TILE * MAP_DCHUNK / MAP_THREADS, ROW_STEP = MAP_THREADS / MAP_DCHUNK;
-    static_assert(LOADS * MAP_THREADS == MAP_TILE * MAP_DCHUNK, "the tile loads split evenly");
+    constexpr int LOADS = TILE * MAP_DCHUNK / MAP_THREADS, ROW_STEP = MAP_THREADS / MAP_DCHUNK;
+    static_assert(LOADS * MAP_THREADS == TILE * MAP_DCHUNK && R % 4 == 0, "the tile loads split evenly");
     /* Thread t loads column dd = t % 16 of rows t / 16 + 16u; the next D chunk
      * is fetched into registers while this one is multiplied. */
     const int dd_mine = threadIdx.x % MAP_DCHUNK, r_mine = threadIdx.x / MAP_DCHUNK;
@@ -135,7 +140,7 @@ __global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
             k_next[u] = d_ok && j0 + r < p.Nkb ? k_mine[u * ROW_STEP * p.kn + d0 * p.kd] : 0.0f;
         }
     };
-    float acc[4][4] = {};
+    float acc[R][R] = {};
     fetch(0);
     for (int64_t d0 = 0; d0 < p.D; d0 += MAP_DCHUNK) {
         for (int u = 0; u < LOADS; u++) {
@@ -147,19 +152,23 @@ __global__ void __launch_bounds__(MAP_THREADS) map_logits_kernel(map_params p)
             fetch(d0 + MAP_DCHUNK);
 #pragma unroll
         for (int dd = 0; dd < MAP_DCHUNK; dd++) {
-            const float4 a = *(const float4 *)&qs[dd][ty * 4];
-            const float4 c = *(const float4 *)&ks[dd][tx * 4];
-            const float av[4] = {a.x, a.y, a.z, a.w}, cv[4] = {c.x, c.y, c.z, c.w};
-            for (int r = 0; r < 4; r++)
-                for (int s = 0; s < 4; s++)
+            float av[R], cv[R];
+            for (int g = 0; g < GROUPS; g++) {
+                const float4 a = *(const float4 *)&qs[dd][g * 64 + ty * 4];
+                const float4 c = *(const float4 *)&ks[dd][g * 64 + tx * 4];
+                av[4 * g] = a.x, av[4 * g + 1] = a.y, av[4 * g + 2] = a.z, av[4 * g + 3] = a.w;
+                cv[4 * g] = c.x, cv[4 * g + 1] = c.y, cv[4 * g + 2] = c.z, cv[4 * g + 3] = c.w;
+            }
+            for (int r = 0; r < R; r++)
+                for (int s = 0; s < R; s++)
                     acc[r][s] += av[r] * cv[s];
         }
         __syncthreads();
     }
     float *m = p.map + b * p.mb + h * p.mh;
-    for (int r = 0; r < 4; r++)
-        for (int s = 0; s < 4; s++) {
-            const int64_t i = i0 + ty * 4 + r, j = j0 + tx * 4 + s;
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < R; s++) {
+            const int64_t i = i0 + r / 4 * 64 + ty * 4 + r % 4, j = j0 + s / 4 * 64 + tx * 4 + s % 4;
             if (i < p.Nqb && j < p.Nkb)
                 m[i * p.mn + j * p.md] = acc[r][s] * p.scale;
         }
@@ -404,6 +413,16 @@ template <typename T> __device__ __forceinline__ T warp_sum(T x)
     return x;
 }
 
+/* Integer warp sum: one redux instruction on sm_80+, the shuffles elsewhere. */
+__device__ __forceinline__ int warp_count(int x)
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return (int)__reduce_add_sync(SPARGE_FULL_MASK, (unsigned)x);
+#else
+    return warp_sum(x);
+#endif
+}
+
 template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row)
 {
     constexpr int IPT = CAP / SPARGE_WARP_SIZE;
@@ -487,7 +506,9 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         if (differ) {
             const int hi = 31 - __clz((int)differ), lo = __ffs((int)differ) - 1;
             T = key_and & ~(uint32_t)((2ull << hi) - 1u); /* bits above hi: shared by every key */
-            for (int bit = hi; bit >= lo; bit--) {
+            int64_t candidates = n; /* the keys that agree with T on the bits fixed so far */
+            int bit = hi;
+            for (; bit >= lo; bit--) {
                 const uint32_t high = T >> bit, with = T | (1u << bit);
                 int c = 0;
                 double m = 0.0;
@@ -498,15 +519,45 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
                         if (use_p)
                             m += key_prob(key[e]);
                     }
-                c = warp_sum(c);
+                c = warp_count(c);
                 if (use_p)
                     m = warp_sum(m);
-                if (above + c >= least && (!use_p || above_mass + m >= p.topp))
+                if (above + c >= least && (!use_p || above_mass + m >= p.topp)) {
                     T = with;
-                else {
+                    candidates = c;
+                } else {
                     above += c;
                     above_mass += m;
+                    candidates -= c;
                 }
+                if (candidates == 1)
+                    break;
+            }
+            if (candidates == 1 && bit > lo) {
+                /* One candidate K is left: each lower bit set in K would be tested
+                 * with c = 1, m = mass(K) (and one clear with c = 0, which never
+                 * passes: the same sums just failed or are 0), so the rest of the
+                 * descent is decided here, with the same arithmetic. */
+                uint32_t K = 0u;
+#pragma unroll
+                for (int e = 0; e < IPT; e++)
+                    if (key[e] != 0u && key[e] >> bit == T >> bit)
+                        K = key[e];
+                for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
+                    const uint32_t other = sparge_shfl_xor(K, o);
+                    K = other > K ? other : K;
+                }
+                const double mk = key_prob(K);
+                for (int b = bit - 1; b >= lo; b--)
+                    if (K >> b & 1u) {
+                        if (above + 1 >= least && (!use_p || above_mass + mk >= p.topp))
+                            T |= 1u << b;
+                        else {
+                            above += 1;
+                            above_mass += use_p ? mk : 0.0;
+                            break; /* no candidate left: the remaining bits of T stay 0 */
+                        }
+                    }
             }
             T |= key_and & ((1u << lo) - 1u); /* bits below lo: shared too */
         } else {
@@ -524,7 +575,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
 #pragma unroll
         for (int e = 0; e < IPT; e++)
             tied += key[e] == T;
-        tied = warp_sum(tied);
+        tied = warp_count(tied);
         if (tied == 0) { /* only if the total sat on p within rounding and the bits disagreed: keep the row */
             whole = true;
         } else {
@@ -587,55 +638,76 @@ __global__ void __launch_bounds__(CSR_THREADS) csr_from_dense_kernel(sparge_mask
         m.counts[row] = c;
 }
 
-constexpr int T_THREADS = 256, T_WARPS = T_THREADS / SPARGE_WARP_SIZE, T_COLS = SPARGE_WARP_SIZE;
+/* 32 columns per block whatever the warp size: HIP's host pass sees a warp of
+ * 64 also when the device runs wave32. */
+constexpr int T_THREADS = 256, T_COLS = 32;
 
-/* Per (b,h,j) the ascending query blocks i that keep j. A block owns a warp's
- * width of columns (one per lane) and splits the rows into one consecutive
- * chunk per warp: each warp counts its chunk, the counts are scanned across
- * warps, and each warp writes its chunk's entries at its offset. */
+/* 64-bit shuffle as two 32-bit ones (ROCm 5.2 has no 64-bit integer overload). */
+__device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int src)
+{
+    const unsigned lo = sparge_shfl((unsigned)v, src), hi = sparge_shfl((unsigned)(v >> 32), src);
+    return (unsigned long long)hi << 32 | lo;
+}
+
+/* Per (b,h,j) the ascending query blocks i that keep j. A block owns T_COLS
+ * columns and walks the rows a block-width at a time, a warp's width
+ * of rows per warp: lane c reads column c of each of its warp's rows (one
+ * coalesced load per row, all in flight) into a bit per row; the per-column
+ * counts are scanned across warps and carried across chunks; then per column
+ * the warp's rows that keep it are stored as one contiguous run. */
 __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m)
 {
-    __shared__ int32_t offset[T_WARPS][T_COLS]; /* kept rows of column c in the earlier warps' chunks */
-    __shared__ int32_t total[T_COLS];
+    constexpr int W = SPARGE_WARP_SIZE, WARPS = T_THREADS / W;
+    __shared__ int32_t offset[WARPS][T_COLS]; /* this chunk: kept rows of column c in the earlier warps, plus running */
+    __shared__ int32_t running[T_COLS];       /* kept rows of column c in the earlier chunks */
+    const int lane = threadIdx.x % W, warp = threadIdx.x / W;
     const int64_t col_tiles = (m.Nkb + T_COLS - 1) / T_COLS, bh = blockIdx.x / col_tiles;
     const int64_t j0 = blockIdx.x % col_tiles * T_COLS;
-    const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
-    const int64_t j = j0 + lane, chunk = (m.Nqb + T_WARPS - 1) / T_WARPS;
-    const int64_t r0 = warp * chunk, r1 = r0 + chunk < m.Nqb ? r0 + chunk : m.Nqb;
-    const bool real = j < m.Nkb;
-    const uint8_t *column = m.dense + bh * m.Nqb * m.Nkb + j;
-    int32_t count = 0;
-    if (real) {
-#pragma unroll 8
-        for (int64_t i = r0; i < r1; i++)
-            count += column[i * m.Nkb] != 0;
-    }
-    offset[warp][lane] = count;
+    const int cols = m.Nkb - j0 < T_COLS ? (int)(m.Nkb - j0) : T_COLS;
+    const bool real = lane < cols;
+    const uint8_t *column = m.dense + bh * m.Nqb * m.Nkb + j0 + lane;
+    int32_t *t = m.t_indices + (bh * m.Nkb + j0) * m.Nqb;
+    const unsigned long long lower = (1ull << lane) - 1ull;
+    if (threadIdx.x < T_COLS)
+        running[threadIdx.x] = 0;
     __syncthreads();
-    if (threadIdx.x < T_COLS) {
-        int32_t run = 0;
-        for (int w = 0; w < T_WARPS; w++) {
-            const int32_t c = offset[w][threadIdx.x];
-            offset[w][threadIdx.x] = run;
-            run += c;
+    for (int64_t r0 = 0; r0 < m.Nqb; r0 += (int64_t)WARPS * W) {
+        const int64_t rw = r0 + (int64_t)warp * W; /* this warp's first row */
+        uint8_t flag[W];
+#pragma unroll
+        for (int k = 0; k < W; k++)
+            flag[k] = real && rw + k < m.Nqb ? column[(rw + k) * m.Nkb] : 0;
+        unsigned long long rows = 0; /* bit k: row rw + k keeps column j0 + lane */
+#pragma unroll
+        for (int k = 0; k < W; k++)
+            rows |= (unsigned long long)(flag[k] != 0) << k;
+        if (lane < T_COLS)
+            offset[warp][lane] = __popcll(rows);
+        __syncthreads();
+        if (threadIdx.x < T_COLS) {
+            int32_t run = running[threadIdx.x];
+            for (int v = 0; v < WARPS; v++) {
+                const int32_t c = offset[v][threadIdx.x];
+                offset[v][threadIdx.x] = run;
+                run += c;
+            }
+            running[threadIdx.x] = run;
         }
-        total[threadIdx.x] = run;
-    }
-    __syncthreads();
-    if (real) {
-        int32_t *t = m.t_indices + (bh * m.Nkb + j) * m.Nqb;
-        int32_t at = offset[warp][lane];
-        for (int64_t i = r0; i < r1; i++)
-            if (column[i * m.Nkb])
-                t[at++] = (int32_t)i;
+        __syncthreads();
+        for (int c = 0; c < cols; c++) {
+            const unsigned long long kept = shfl_u64(rows, c);
+            if (kept >> lane & 1ull)
+                t[c * m.Nqb + offset[warp][c] + __popcll(kept & lower)] = (int32_t)(rw + lane);
+        }
+        __syncthreads(); /* offset and running are rewritten by the next chunk */
     }
     /* -1 past each column's count, a warp per column so the stores coalesce. */
-    for (int c = warp; c < T_COLS && j0 + c < m.Nkb; c += T_WARPS) {
-        int32_t *t = m.t_indices + (bh * m.Nkb + j0 + c) * m.Nqb;
-        for (int64_t i = total[c] + lane; i < m.Nqb; i += SPARGE_WARP_SIZE)
-            t[i] = -1;
+    for (int c = warp; c < cols; c += WARPS) {
+        const int32_t total = running[c];
+        for (int64_t i = total + lane; i < m.Nqb; i += W)
+            t[c * m.Nqb + i] = -1;
         if (lane == 0)
-            m.t_counts[bh * m.Nkb + j0 + c] = total[c];
+            m.t_counts[bh * m.Nkb + j0 + c] = total;
     }
 }
 
@@ -735,12 +807,18 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map (after check_map). */
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). 128×128 tiles
+ * (8×8 outputs per thread: twice the FMAs per shared-memory read) once they
+ * still fill the device several times over, as at Wan2.1-14B. */
 sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
-    const int64_t tiles = q.B * q.H * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
-    map_logits_kernel<<<(unsigned)tiles, MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
+    auto tiles = [&](int64_t t) { return q.B * q.H * ((q.N + t - 1) / t) * ((k.N + t - 1) / t); };
+    if (tiles(MAP_WIDE_TILE) >= 1024)
+        map_logits_kernel<MAP_WIDE_TILE>
+            <<<(unsigned)tiles(MAP_WIDE_TILE), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
+    else
+        map_logits_kernel<MAP_TILE><<<(unsigned)tiles(MAP_TILE), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
     return GPU_CHECK_LAUNCH("pooled map kernel");
 }
 
@@ -764,7 +842,9 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
         fast_select_kernel<512><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
     else if (n <= 1024)
         fast_select_kernel<1024><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
-    else if (n <= 1536) /* Wan2.1-14B 720p: 1182 */
+    else if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
+        fast_select_kernel<1280><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+    else if (n <= 1536)
         fast_select_kernel<1536><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
     else
         fast_select_kernel<2048><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);

@@ -1,0 +1,52 @@
+/* The tensor-core backward's kernel parameters and the entry of its Hopper tier (CUDA only):
+ * backward.cu validates the call, fills bwd_params, runs the prep / order / dQ kernels and the
+ * dK/dV pass either with its mma.sync kernel or with backward_sm90.cu's wgmma kernel. */
+#ifndef SPARGE_CUDA_BACKWARD_H
+#define SPARGE_CUDA_BACKWARD_H
+
+#include <stdint.h>
+
+#include "gpu.h"
+
+constexpr int BWD_BLOCK_Q = 128; /* query block of the mask (bq) */
+
+struct bwd_params {
+    const void *q, *k, *v, *o, *d_o;
+    void *dq, *dk, *dv;
+    int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn;
+    int64_t dq_sb, dq_sh, dq_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn;
+    int H, Nq, Nk;
+    int Nqb, Nkb;      /* blocks of the kernel's tiling (the mask's when a mask is given) */
+    int Nq_pad;        /* Nqb · 128: row stride of the padded per-token arrays */
+    float scale, scale_log2;
+    const float *lse;  /* [B·H·Nq], natural log (input) */
+    float *lse2;       /* [B·H·Nq_pad], LSE·log2(e), +inf past Nq */
+    float *dt;         /* [B·H·Nq_pad], rowsum(dO∘O), 0 past Nq */
+    float *dq_accum;   /* [B·H·Nq_pad·D] fp32, or NULL: no atomic dQ */
+    const int32_t *counts, *indices;     /* CSR rows (row stride Nkb), NULL: dense */
+    const int32_t *t_counts, *t_indices; /* transposed (row stride Nqb), NULL: dense */
+    const int32_t *order; /* CTA → tile (heavy tiles first), NULL: identity */
+};
+
+/* fp32 atomic add of two adjacent elements (one vector reduction where the ISA has it). */
+__device__ __forceinline__ void red_add2(float *p, float x, float y)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x);
+    atomicAdd(p + 1, y);
+#endif
+}
+
+/* 1 when this build holds the sm_90a wgmma dK/dV kernel (configure with 90 in --with-cuda-arch)
+ * and its image loads on the device of ctx. */
+int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx);
+/* The dK/dV pass (and, when p.dq_accum is set, the atomic dQ contributions) with wgmma, f16 or
+ * bf16, D = 64 or 128: one CTA per 64 keys (wide = 0) or per 128 keys (wide = 1, two warpgroups);
+ * p.Nkb counts key blocks of that many keys << sub_shift (the mask's bk, or the CTA's keys when
+ * dense), p.order (if set) orders those blocks. */
+sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
+                                     sparge_dtype dt, int D);
+
+#endif

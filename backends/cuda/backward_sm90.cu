@@ -1,0 +1,395 @@
+/* Block-sparse attention backward for Hopper (sm_90a): the dK/dV pass (with the atomic dQ
+ * contributions) on warpgroup MMA (wgmma.mma_async).
+ *
+ * Same contract and arithmetic as backward.cu's mma.sync dK/dV kernel, which it replaces on
+ * sm_90; backward.cu still runs the prep (D_t, LSE·log2e, zeroed dQ accumulator), the
+ * heavy-first launch order, the dQ conversion and the separate (deterministic) dQ pass.
+ *
+ * Design choices:
+ * - Each warpgroup (128 threads) owns 64 keys: every product is an m64 wgmma with the keys as M,
+ *   so Pᵀ and dSᵀ leave the accumulators in exactly the register layout of the A operand of
+ *   dV += Pᵀ·dO and dK += dSᵀ·Q (no shared-memory round trip), and dK and dV stay in registers
+ *   (2 × D/2 fp32 per thread: a warpgroup cannot hold more keys).
+ * - Default: one warpgroup per CTA, two CTAs per SM, so one CTA's exponentials and barriers overlap
+ *   the other's MMAs without any intra-CTA scheduling; a mask with bk = 128 gets two CTAs per key
+ *   block (the same transposed list; the second reads Q/dO again from L2). The cost is the dQ
+ *   atomics: one 64 × D fp32 reduction per 64 keys. The "wide" variant (SPARGE_CUDA_BWD_KEYS=128,
+ *   dense or bk = 128) puts two warpgroups on 128 keys in one CTA per SM: Q/dO are loaded once for
+ *   both, and dQ += dS·K contracts over all 128 keys (each warpgroup one 64-column part at D = 128)
+ *   before the atomics, halving them, at the price of lock-step warpgroups. Which wins was not
+ *   measured when this was written.
+ * - Query steps of 64 rows (half a mask block): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are m64n64 with both
+ *   operands K-major in shared memory; dO and Q as the B operand of the register-A products are
+ *   read MN-major (transpose bit), like V in forward_sm90.cu.
+ * - dQ += dS·K needs dS with the queries as M, i.e. the transpose of what the registers hold, so
+ *   dSᵀ goes to shared memory [key][query] (128-byte swizzle) and is read back as an MN-major A
+ *   operand; K is the MN-major B operand. The 64 × D product runs in 64-column parts so that only
+ *   32 more accumulators are live, and is added with fp32 vector reductions into backward.cu's
+ *   padded accumulator (the same rows and scale convention as its atomic mode).
+ * - Q/dO (and their 64 LSE / D_t values) are double-buffered with cp.async; every wgmma group is
+ *   waited for before the step ends, so buffer reuse needs only the barrier at the step start.
+ *   Overlapping the next step's Sᵀ with this step's dK/dV products (FA3's pipelining) is not done.
+ *
+ * Shared-memory layout (forward_sm90.cu's): a tile of 64 rows × D is D/64 panels of 64 rows ×
+ * 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r & 7), panels 8 KiB apart, tiles
+ * 1024-byte aligned; K-major descriptors step 32 bytes per 16 elements of k inside a panel (SBO =
+ * 1024), MN-major ones step 2048 bytes per 16 rows of k (SBO = 1024, LBO = the panel stride).
+ *
+ * The kernel body exists only in the sm_90a image (compiled for sm_90a alone when configure's arch
+ * list has 90, see m4/sparge_cuda.m4); without it the entry reports the kernel unavailable and
+ * backward.cu keeps its mma.sync kernel. */
+#include <math.h>
+
+#include "backward.h"
+#include "mma.cuh"
+
+#ifdef SPARGE_CUDA_SM90A
+
+#include "wgmma.cuh"
+
+using namespace sparge_mma;
+using namespace sparge_wgmma;
+
+namespace {
+
+constexpr int WG_KEYS = 64, QROWS = 64, WG_THREADS = 128;
+constexpr int PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PANEL_ROW_BYTES, PANEL_BYTES = 64 * PANEL_ROW_BYTES;
+constexpr int SUB_Q = BWD_BLOCK_Q / QROWS; /* query steps per mask block */
+
+/* WGS warpgroups per CTA, each owning 64 keys. */
+template <int D, int WGS>
+struct bwd90_traits {
+    static constexpr int THREADS = WGS * WG_THREADS;
+    static constexpr int TILE_BYTES = 64 * D * 2;                  /* 64 rows × D */
+    static constexpr int DS_BYTES = WG_KEYS * QROWS * 2;           /* a warpgroup's dSᵀ, one panel */
+    static constexpr int VEC_BYTES = 2 * QROWS * (int)sizeof(float); /* LSE·log2e and D_t of a step */
+    /* K, V (WGS tiles each), two buffers of (Q, dO), dSᵀ, two buffers of LSE/D_t, alignment slack */
+    static constexpr int SMEM_BYTES = 2 * WGS * TILE_BYTES + 4 * TILE_BYTES + WGS * DS_BYTES + 2 * VEC_BYTES + 1024;
+};
+
+/* Byte offset of 16-byte chunk `chunk` of row `row` (< 64) in a 64-row tile (layout above). */
+__device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
+{
+    return (uint32_t)((chunk >> 3) * PANEL_BYTES + row * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+/* cp.async ROWS rows (64-row tiles one after the other) of D elements from row0 into dst, with
+ * THREADS threads; rows at or past `limit` are zero-filled. */
+template <typename T, int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
+{
+    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS, TILE_BYTES = 64 * D * 2;
+    static_assert(64 % ROW_STEP == 0 && ROWS % 64 == 0, "bad tile split");
+    const int ch = tid % ROW_CHUNKS;
+    int r = tid / ROW_CHUNKS;
+    const T *src = base + (int64_t)(row0 + r) * sn + ch * 8;
+#pragma unroll 1
+    for (; r < ROWS; r += ROW_STEP) {
+        const bool ok = row0 + r < limit;
+        cp_async_16(dst + (r / 64) * TILE_BYTES + panel_offset(r % 64, ch), ok ? src : base, ok);
+        src += ROW_STEP * sn;
+    }
+}
+
+template <typename T, int D, int WGS>
+__global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(const bwd_params p, int sub_shift)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using W = bwd90_traits<D, WGS>;
+    constexpr int THREADS = W::THREADS, KEYS = WGS * WG_KEYS;
+    constexpr int ACC = D / 2; /* fp32 accumulators per thread of a 64 × D product */
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
+    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
+    const uint32_t k_smem = smem0, v_smem = k_smem + WGS * W::TILE_BYTES, ds_smem = v_smem + (WGS + 4) * W::TILE_BYTES;
+    const uint32_t vec_off = (2 * WGS + 4) * W::TILE_BYTES + WGS * W::DS_BYTES;
+    auto q_smem = [&](int buf) { return v_smem + WGS * W::TILE_BYTES + buf * 2 * W::TILE_BYTES; };
+    auto do_smem = [&](int buf) { return q_smem(buf) + W::TILE_BYTES; };
+    auto lse_vec = [&](int buf) { return (float *)(smem + vec_off + buf * W::VEC_BYTES); };
+    auto dt_vec = [&](int buf) { return lse_vec(buf) + QROWS; };
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid / WG_THREADS, warp = (tid % WG_THREADS) >> 5;
+    const int work = (int)(blockIdx.x >> sub_shift), part = (int)(blockIdx.x & ((1u << sub_shift) - 1));
+    const int tile_id = p.order ? p.order[work] : work;
+    const int bh = tile_id / p.Nkb, j = tile_id - bh * p.Nkb, b = bh / p.H, h = bh - b * p.H;
+    const int key0 = ((j << sub_shift) + part) * KEYS;
+    if (key0 >= p.Nk) /* the second half of a ragged last block */
+        return;
+    const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
+    const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb) * SUB_Q;
+
+    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
+    const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh;
+    const float *lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, *dt = p.dt + (int64_t)bh * p.Nq_pad;
+    auto step_row0 = [&](int n) { return (list ? list[n / SUB_Q] : n / SUB_Q) * BWD_BLOCK_Q + (n % SUB_Q) * QROWS; };
+    auto issue = [&](int n) { /* one commit group per step, empty past the end */
+        if (n < nsteps) {
+            const int buf = n & 1, r0 = step_row0(n);
+            load_tile<T, D, QROWS, THREADS>(q_smem(buf), q, p.q_sn, r0, p.Nq, tid);
+            load_tile<T, D, QROWS, THREADS>(do_smem(buf), d_o, p.do_sn, r0, p.Nq, tid);
+            if (tid < QROWS / 4) /* the padded per-token arrays cover every row of a block */
+                cp_async_16(smem_addr(lse_vec(buf)) + 16 * tid, lse2 + r0 + 4 * tid, true);
+            else if (tid < QROWS / 2)
+                cp_async_16(smem_addr(dt_vec(buf)) + 16 * (tid - QROWS / 4), dt + r0 + 4 * (tid - QROWS / 4), true);
+        }
+        cp_async_commit();
+    };
+
+    /* Group 0: K, V and step 0. */
+    load_tile<T, D, KEYS, THREADS>(k_smem, (const T *)p.k + b * p.k_sb + h * p.k_sh, p.k_sn, key0, p.Nk, tid);
+    load_tile<T, D, KEYS, THREADS>(v_smem, (const T *)p.v + b * p.v_sb + h * p.v_sh, p.v_sn, key0, p.Nk, tid);
+    issue(0);
+
+    /* This thread's accumulator rows (keys of Sᵀ, dV, dK inside its warpgroup's 64) row0 and row0 + 8,
+     * columns nt·8 + c2 (+1). */
+    const int row0 = warp * 16 + frag_row(lane), c2 = frag_col(lane);
+    const uint32_t k_wg = k_smem + wg * W::TILE_BYTES, v_wg = v_smem + wg * W::TILE_BYTES;
+    unsigned char *ds_wg = smem + (ds_smem - smem0) + wg * W::DS_BYTES; /* this warpgroup's dSᵀ */
+    /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
+    const int wg_key0 = key0 + wg * WG_KEYS;
+    const bool key_ok0 = wg_key0 + row0 < p.Nk, key_ok1 = wg_key0 + row0 + 8 < p.Nk;
+
+    float dv[ACC], dk[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; i++) {
+        dv[i] = 0.0f;
+        dk[i] = 0.0f;
+    }
+
+    for (int n = 0; n < nsteps; n++) {
+        const int buf = n & 1;
+        /* Step n landed; every wgmma of step n-1 completed, so its buffers and dSᵀ are free. */
+        cp_async_wait<0>();
+        fence_proxy_async();
+        __syncthreads();
+        issue(n + 1);
+        const uint32_t q_tile = q_smem(buf), do_tile = do_smem(buf);
+
+        /* Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys × 64 queries). */
+        float s[32], dp[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            fence_operand(s[i] = 0.0f);
+            fence_operand(dp[i] = 0.0f);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
+            wgmma_ss_n64<T, 0, 0>(s, sw128_desc(k_wg + off, 16, CORE_GROUP_BYTES),
+                                  sw128_desc(q_tile + off, 16, CORE_GROUP_BYTES), 1);
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
+            wgmma_ss_n64<T, 0, 0>(dp, sw128_desc(v_wg + off, 16, CORE_GROUP_BYTES),
+                                  sw128_desc(do_tile + off, 16, CORE_GROUP_BYTES), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            fence_operand(s[i]);
+            fence_operand(dp[i]);
+        }
+
+        /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) (0 for rows past Nq: LSE·log2e = +inf there),
+         * dSᵀ = Pᵀ∘(dPᵀ − D_t). */
+        const float *lv = lse_vec(buf), *dv_t = dt_vec(buf);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const float2 l = *(const float2 *)(lv + nt * 8 + c2), d = *(const float2 *)(dv_t + nt * 8 + c2);
+            float *x = s + nt * 4, *y = dp + nt * 4;
+            x[0] = key_ok0 ? exp2f(fmaf(x[0], p.scale_log2, -l.x)) : 0.0f;
+            x[1] = key_ok0 ? exp2f(fmaf(x[1], p.scale_log2, -l.y)) : 0.0f;
+            x[2] = key_ok1 ? exp2f(fmaf(x[2], p.scale_log2, -l.x)) : 0.0f;
+            x[3] = key_ok1 ? exp2f(fmaf(x[3], p.scale_log2, -l.y)) : 0.0f;
+            y[0] = x[0] * (y[0] - d.x);
+            y[1] = x[1] * (y[1] - d.y);
+            y[2] = x[2] * (y[2] - d.x);
+            y[3] = x[3] * (y[3] - d.y);
+        }
+        uint32_t pa[4][4], dsa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            c_pair_to_a<T>(pa[kk], s + 8 * kk, s + 8 * kk + 4);
+            c_pair_to_a<T>(dsa[kk], dp + 8 * kk, dp + 8 * kk + 4);
+        }
+
+        if (p.dq_accum) {
+            /* dSᵀ [key][query] to shared memory, before the products below (registers that a wgmma in
+             * flight reads must not be accessed): dsa[kk][0..3] hold (row0, 16kk + c2), (row0 + 8, 16kk + c2),
+             * (row0, 16kk + 8 + c2), (row0 + 8, 16kk + 8 + c2). */
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int row = row0 + 8 * (e & 1), col = 16 * kk + 8 * (e >> 1) + c2;
+                    *(uint32_t *)(ds_wg + panel_offset(row, col >> 3) + (col & 7) * 2) = dsa[kk][e];
+                }
+        }
+        /* dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers, B MN-major (16 queries = 2048 bytes per k step). */
+#pragma unroll
+        for (int i = 0; i < ACC; i++) {
+            fence_operand(dv[i]);
+            fence_operand(dk[i]);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                fence_operand(pa[kk][e]);
+                fence_operand(dsa[kk][e]);
+            }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_rs_t<T, D>(dv, pa[kk],
+                             sw128_desc(do_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_rs_t<T, D>(dk, dsa[kk],
+                             sw128_desc(q_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < ACC; i++) {
+            fence_operand(dv[i]);
+            fence_operand(dk[i]);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                fence_operand(pa[kk][e]);
+                fence_operand(dsa[kk][e]);
+            }
+
+        if (p.dq_accum) {
+            /* dQ (64 queries × D) += dS·K over the CTA's keys (the warpgroups' dSᵀ tiles follow each other, as
+             * do the K tiles), in 64-column parts dealt round the warpgroups: A = dSᵀ read MN-major, B = K
+             * MN-major. */
+            fence_proxy_async();
+            __syncthreads();
+            float *dst = p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n) + row0) * D + c2;
+#pragma unroll
+            for (int dh = wg; dh < D / 64; dh += WGS) {
+                float dq[32];
+#pragma unroll
+                for (int i = 0; i < 32; i++)
+                    fence_operand(dq[i] = 0.0f);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < KEYS / 16; kk++)
+                    wgmma_ss_n64<T, 1, 1>(
+                        dq, sw128_desc(ds_smem + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES),
+                        sw128_desc(k_smem + (kk >> 2) * W::TILE_BYTES + dh * PANEL_BYTES +
+                                       (kk & 3) * 2 * CORE_GROUP_BYTES,
+                                   PANEL_BYTES, CORE_GROUP_BYTES),
+                        1);
+                wgmma_commit();
+                wgmma_wait<0>();
+#pragma unroll
+                for (int i = 0; i < 32; i++)
+                    fence_operand(dq[i]);
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++) {
+                    red_add2(dst + dh * 64 + nt * 8, dq[nt * 4], dq[nt * 4 + 1]);
+                    red_add2(dst + 8 * D + dh * 64 + nt * 8, dq[nt * 4 + 2], dq[nt * 4 + 3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads(); /* no wgmma reads K or V any more (and no copy is in flight): stage dV over V, dK over K */
+
+    unsigned char *v_stage = smem + (v_smem - smem0), *k_stage = smem + (k_smem - smem0);
+    const uint32_t wg_off = wg * W::TILE_BYTES;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = row0 + 8 * r, col = nt * 8 + c2;
+            const uint32_t off = wg_off + panel_offset(row, col >> 3) + (col & 7) * 2;
+            *(uint32_t *)(v_stage + off) = pack2<T>(dv[nt * 4 + 2 * r], dv[nt * 4 + 2 * r + 1]);
+            *(uint32_t *)(k_stage + off) = pack2<T>(dk[nt * 4 + 2 * r] * p.scale, dk[nt * 4 + 2 * r + 1] * p.scale);
+        }
+    __syncthreads();
+    T *dv_out = (T *)p.dv + b * p.dv_sb + h * p.dv_sh, *dk_out = (T *)p.dk + b * p.dk_sb + h * p.dk_sh;
+#pragma unroll
+    for (int c = tid; c < KEYS * (D / 8); c += THREADS) {
+        const int r = c / (D / 8), ch = c % (D / 8), key = key0 + r;
+        const uint32_t off = (r / 64) * W::TILE_BYTES + panel_offset(r % 64, ch);
+        if (key < p.Nk) {
+            *(uint4 *)(dv_out + (int64_t)key * p.dv_sn + ch * 8) = *(const uint4 *)(v_stage + off);
+            *(uint4 *)(dk_out + (int64_t)key * p.dk_sn + ch * 8) = *(const uint4 *)(k_stage + off);
+        }
+    }
+#endif
+}
+
+template <typename T, int D, int WGS>
+sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift)
+{
+    constexpr int SMEM = bwd90_traits<D, WGS>::SMEM_BYTES;
+    if ((size_t)SMEM > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma dK/dV kernel (D=%d) needs %d bytes of "
+                           "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
+    sparge_status s;
+    auto kernel = wgmma_dkdv_kernel<T, D, WGS>;
+    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
+        return s;
+    const int64_t grid = (BH * p.Nkb) << sub_shift;
+    if (grid == 0)
+        return SPARGE_OK;
+    kernel<<<(unsigned)grid, bwd90_traits<D, WGS>::THREADS, SMEM, ctx->stream>>>(p, sub_shift);
+    return GPU_CHECK_LAUNCH("wgmma backward dK/dV kernel");
+}
+
+template <int WGS>
+sparge_status dispatch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt, int D)
+{
+    if (dt == SPARGE_BF16)
+        return D == 128 ? launch<gpu_bf16, 128, WGS>(ctx, p, BH, sub_shift)
+                        : launch<gpu_bf16, 64, WGS>(ctx, p, BH, sub_shift);
+    return D == 128 ? launch<gpu_half, 128, WGS>(ctx, p, BH, sub_shift)
+                    : launch<gpu_half, 64, WGS>(ctx, p, BH, sub_shift);
+}
+
+} // namespace
+
+int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
+{
+    if (ctx->cc_major != 9 || ctx->cc_minor != 0)
+        return 0;
+    cudaFuncAttributes attr;
+    if (cudaFuncGetAttributes(&attr, wgmma_dkdv_kernel<gpu_bf16, 128, 1>) != cudaSuccess) {
+        (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
+        return 0;
+    }
+    return 1;
+}
+
+sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
+                                     sparge_dtype dt, int D)
+{
+    return wide ? dispatch<2>(ctx, p, BH, sub_shift, dt, D) : dispatch<1>(ctx, p, BH, sub_shift, dt, D);
+}
+
+#else /* no sm_90a image in this build */
+
+int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
+{
+    (void)ctx;
+    return 0;
+}
+
+sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
+                                     sparge_dtype dt, int D)
+{
+    (void)ctx, (void)p, (void)BH, (void)sub_shift, (void)wide, (void)dt, (void)D;
+    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma backward (configure "
+                       "--with-cuda-arch with 90)");
+}
+
+#endif
