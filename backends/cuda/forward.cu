@@ -15,14 +15,12 @@
  *
  * Layers: kernel (templated on dtype, D, warps, stages, score split) → launcher → entry point.
  *
- * On sm_90 a wgmma kernel of forward_sm90.cu runs instead when the build has it (tiles.h,
- * fwd_use_wgmma and fwd_sm90_kernel_for); this file then only validates, orders and fills the
- * parameters.
+ * On sm_90 the wgmma kernel of forward_sm90.cu runs instead when the build has it (tiles.h,
+ * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
  *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
  * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off;
- * SPARGE_CUDA_FWD_KERNEL=mma|wgmma|wgmma-ws|wgmma-ws-pp|wgmma-ws128|wgmma-ws128-pp forces a kernel; SPARGE_CUDA_FWD_PERSISTENT=n
- * launches the warp-specialized kernels with n CTAs (0: one per work item) instead of one per SM. */
+ * SPARGE_CUDA_FWD_KERNEL=mma|wgmma forces either kernel. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -449,7 +447,7 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     p.k_sb = a->k.sb, p.k_sh = a->k.sh, p.k_sn = a->k.sn;
     p.v_sb = a->v.sb, p.v_sh = a->v.sh, p.v_sn = a->v.sn;
     p.o_sb = a->o.sb, p.o_sh = a->o.sh, p.o_sn = a->o.sn;
-    p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk, p.Nqb = (int)Nqb, p.n_items = (int)n_items;
+    p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk, p.Nqb = (int)Nqb;
     p.lse = a->lse;
     p.scale_log2 = a->scale * 1.4426950408889634f;
     if (m) {
@@ -471,31 +469,16 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
     }
 
-    static const struct {
-        const char *name;
-        fwd_sm90_kernel kind;
-    } sm90_kernels[] = {{"wgmma", FWD_SM90_WGMMA},
-                        {"wgmma-ws", FWD_SM90_WS},
-                        {"wgmma-ws-pp", FWD_SM90_WS_PINGPONG},
-                        {"wgmma-ws128", FWD_SM90_WS_128},
-                        {"wgmma-ws128-pp", FWD_SM90_WS_128_PINGPONG}};
     const char *kernel_env = getenv("SPARGE_CUDA_FWD_KERNEL");
-    int env_sm90 = -1; /* index in sm90_kernels when the environment forces one */
-    for (int i = 0; kernel_env && i < (int)(sizeof sm90_kernels / sizeof sm90_kernels[0]); i++)
-        if (!strcmp(kernel_env, sm90_kernels[i].name))
-            env_sm90 = i;
-    if (kernel_env && strcmp(kernel_env, "mma") && env_sm90 < 0)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_KERNEL must be \"mma\", \"wgmma\", "
-                           "\"wgmma-ws\", \"wgmma-ws-pp\", \"wgmma-ws128\" or \"wgmma-ws128-pp\", got \"%s\"",
-                           kernel_env);
+    if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_KERNEL must be \"mma\" or \"wgmma\", got "
+                           "\"%s\"", kernel_env);
     const int wgmma_ok = sparge_cuda_wgmma_forward_available(ctx);
-    if (env_sm90 >= 0 && !wgmma_ok)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: SPARGE_CUDA_FWD_KERNEL=%s needs an sm_90 device and a "
-                           "build with sm_90a (device is sm_%d%d)", kernel_env, ctx->cc_major, ctx->cc_minor);
-    if (env_sm90 >= 0)
-        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, sm90_kernels[env_sm90].kind);
-    if (!kernel_env && wgmma_ok && fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, (int)D))
-        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, fwd_sm90_kernel_for((int)D));
+    if (kernel_env && !strcmp(kernel_env, "wgmma") && !wgmma_ok)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: SPARGE_CUDA_FWD_KERNEL=wgmma needs an sm_90 device and a "
+                           "build with sm_90a (device is sm_%d%d)", ctx->cc_major, ctx->cc_minor);
+    if (kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok && fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, (int)D))
+        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D);
 
     fwd_tile tile = fwd_tile_for(ctx->cc_major, ctx->cc_minor, (int)D);
     const char *tile_env = getenv("SPARGE_CUDA_FWD_TILE");

@@ -7,7 +7,6 @@
 #include <stdint.h>
 
 #include "gpu.h"
-#include "tiles.h"
 
 constexpr int FWD_BLOCK_Q = 128; /* query rows per CTA (= the mask's bq) */
 constexpr int FWD_TILE_K = 64;   /* keys per compute tile */
@@ -22,7 +21,6 @@ struct fwd_params {
     int sub_shift; /* log2(bk / 64): compute tiles per kept block */
     const int32_t *counts, *indices; /* NULL: dense */
     const int32_t *order;            /* launch order of (bh, i) work items; NULL: identity */
-    int n_items;                     /* work items: B·H·Nqb */
     float *lse;
     float scale_log2; /* softmax scale · log2(e): scores are exponentiated with exp2 */
 };
@@ -30,8 +28,7 @@ struct fwd_params {
 /* 1 when this build holds the sm_90a wgmma kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx);
-/* Runs the wgmma forward `kind` (tiles.h; f16 or bf16, D = 64 or 128) over n_items query blocks. */
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        fwd_sm90_kernel kind);
+/* Runs the wgmma forward (f16 or bf16, D = 64 or 128) over n_items query blocks. */
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D);
 
 #endif

@@ -24,10 +24,7 @@
  * The kernel body exists only in the sm_90a image (this file is compiled for sm_90a alone when
  * configure's arch list has 90, see m4/sparge_cuda.m4); without it the entry reports the
  * kernel unavailable and forward.cu keeps its mma.sync kernel. */
-#include <limits.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "forward.h"
 #include "mma.cuh"
@@ -52,21 +49,20 @@ struct wg_traits {
     static_assert(TILE_K == WG_ROWS, "a K or V tile is one 64-row region");
 };
 
-/* Byte offset of 16-byte chunk `chunk` of row `row` in a tile of REGION_ROWS-row regions (layout
- * above: 64-row regions; wgmma_ws_fwd_kernel's 128-key tiles are one 128-row region). */
-template <int D, int REGION_ROWS = WG_ROWS>
+/* Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 64-row regions (layout above). */
+template <int D>
 __device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
 {
-    return (uint32_t)((row / REGION_ROWS) * REGION_ROWS * D * 2 + (chunk >> 3) * REGION_ROWS * PANEL_ROW_BYTES +
-                      (row % REGION_ROWS) * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
+    return (uint32_t)((row / WG_ROWS) * wg_traits<D>::REGION_BYTES + (chunk >> 3) * wg_traits<D>::PANEL_BYTES +
+                      (row % WG_ROWS) * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
 /* cp.async ROWS rows of D elements from row0 into a tile at dst; rows at or past `limit` are
  * zero-filled. Not unrolled, like forward.cu's load_rows (address registers). */
-template <typename T, int D, int ROWS, int NTHREADS = THREADS, int REGION_ROWS = WG_ROWS>
+template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
 {
-    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = NTHREADS / ROW_CHUNKS;
+    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
     static_assert(ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "bad tile split");
     const int ch = tid % ROW_CHUNKS;
     int r = tid / ROW_CHUNKS;
@@ -74,7 +70,7 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t s
 #pragma unroll 1
     for (; r < ROWS; r += ROW_STEP) {
         const bool ok = row0 + r < limit;
-        cp_async_16(dst + panel_offset<D, REGION_ROWS>(r, ch), ok ? src : base, ok);
+        cp_async_16(dst + panel_offset<D>(r, ch), ok ? src : base, ok);
         src += ROW_STEP * sn;
     }
 }
@@ -161,30 +157,6 @@ __device__ __forceinline__ void wgmma_rs_t<gpu_half, 128>(float d[64], const uin
                  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-/* d (64×128 f32) = (accumulate ? d : 0) + A·Bᵀ, A and B K-major in shared memory. */
-template <typename T>
-__device__ __forceinline__ void wgmma_ss_n128(float d[64], uint64_t desc_a, uint64_t desc_b, int accumulate);
-
-template <>
-__device__ __forceinline__ void wgmma_ss_n128<gpu_bf16>(float d[64], uint64_t desc_a, uint64_t desc_b, int accumulate)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_ss_n128<gpu_half>(float d[64], uint64_t desc_a, uint64_t desc_b, int accumulate)
-{
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
 /* ---------------------------------------------------------------- kernel */
@@ -383,462 +355,19 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
 #endif
 }
 
-/* ---------------------------------------------------------------- warp-specialized kernel */
-
-/* wgmma_ws_fwd_kernel: the same arithmetic, with FlashAttention-3's split of the work, and compute
- * tiles of KT = 64 keys (as above) or 128 (see ws_traits).
- * Three warpgroups, one CTA per SM: a producer warpgroup walks the kept tiles of the CSR row and
- * fills a ring of STAGES K/V slots by cp.async; two consumer warpgroups (64 query rows each, Q
- * loaded by themselves) only compute. The producer gives its registers to the consumers
- * (setmaxnreg), so a consumer keeps S(t+1) and P(t)·V(t) in flight during the softmax of tile
- * t+1 without spilling, and the two consumers are no longer held in step by CTA barriers: one's
- * softmax overlaps the other's MMAs.
- *
- * Ring protocol, per slot: full[slot] (128 arrivals: every producer thread, after its own copies
- * of the tile completed and a proxy fence made them visible to wgmma) and empty[slot] (8
- * arrivals: one per consumer warp, after the wgmma that read the slot completed). Phases
- * alternate per pass over the ring; tile t waits for parity (t / STAGES) & 1 on full and its
- * producer for the opposite parity on empty (the phase before the first counts as complete).
- * The producer keeps LAG = STAGES − 2 tiles in flight before it waits for the oldest one: a
- * consumer holds slot t while it waits for tile t+1, so full(t+1) must not depend on freeing
- * more than slot t−1.
- *
- * PINGPONG (FlashAttention-3's inter-warpgroup schedule): the consumers take turns to issue
- * their wgmma (named barriers 3 and 4, one per warpgroup's turn, 256 threads), so one's softmax
- * runs while the other's MMAs occupy the tensor cores. Warpgroup 1 opens warpgroup 0's first turn
- * and warpgroup 0 takes one extra turn at the end, so every barrier ends with no pending arrival
- * (both consumers issue the same number of turns: n_tiles + 1 per item, same query blocks).
- *
- * Persistent: a CTA walks work items blockIdx.x, + gridDim.x, ... of the launch order (the grid
- * is one CTA per SM; SPARGE_CUDA_FWD_PERSISTENT overrides it), so the ring runs on
- * across items and the next item's Q loads during the current one: one CTA per SM would
- * otherwise leave the SM idle in every CTA's prologue and epilogue. */
-constexpr int WS_THREADS = 3 * 128, WS_CONSUMER_WARPS = 8;
-constexpr int WS_PRODUCER_REGS = 56, WS_CONSUMER_REGS = 224; /* 128·56 + 256·224 = 64512 ≤ 64 K */
-constexpr int WS_MAX_STAGES = 8;
-
-/* KT: keys per compute tile, 64 (one 64-key tile of the mask) or 128 (two consecutive ones of the
- * row's kept list, not necessarily adjacent keys: S is m64n128, a half Q re-read per key). */
-template <int D, int KT>
-struct ws_traits {
-    static constexpr int KV_BYTES = KT * D * 2; /* one K or V tile */
-    /* 192 KB of shared memory at D = 128, 128 KB at D = 64 */
-    static constexpr int STAGES = (D == 128 ? 4 : 6) * 64 / KT;
-    static constexpr int LAG = STAGES - 2;
-    static constexpr int SMEM_BYTES = 2 * wg_traits<D>::Q_BYTES + STAGES * 2 * KV_BYTES + 1024;
-    static_assert(STAGES >= 2 && STAGES <= WS_MAX_STAGES, "bad ring depth");
-};
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar)
-{
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
-{
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-/* Barrier of the 128 threads of consumer warpgroup wg (ids 1 and 2; 0 is __syncthreads). */
-__device__ __forceinline__ void warpgroup_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
-/* Turn barriers of the ping-pong schedule: 3 + wg is warpgroup wg's turn. */
-__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + wg) : "memory"); }
-__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - wg) : "memory"); }
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-
-template <typename T, int D, bool PINGPONG, int KT>
-__global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_fwd_kernel(const fwd_params p)
-{
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using W = wg_traits<D>;
-    using WS = ws_traits<D, KT>;
-    constexpr int STAGES = WS::STAGES, LAG = WS::LAG, HALVES = KT / TILE_K;
-    constexpr int N_TILES = KT / 8, D_TILES = D / 8;
-    extern __shared__ unsigned char smem_raw[];
-    __shared__ __align__(8) uint64_t ring_bars[2 * WS_MAX_STAGES];
-    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
-    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
-    const uint32_t full_bar = smem_addr(ring_bars), empty_bar = full_bar + 8 * STAGES;
-    /* Shared memory: two Q buffers (work items alternate), then the ring of K/V slots. */
-    auto k_smem = [&](int g) { return smem0 + 2 * W::Q_BYTES + (g % STAGES) * 2 * WS::KV_BYTES; };
-    auto v_smem = [&](int g) { return k_smem(g) + WS::KV_BYTES; };
-
-    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
-    const int sub_mask = (1 << p.sub_shift) - 1;
-    /* Work item i (in launch order): its (b, h, query block) and kept tiles. */
-    struct item_view {
-        int bh, q0, n64, n_tiles, b, h; /* n64 tiles of 64 keys in n_tiles compute tiles */
-        const int32_t *row_blocks; /* NULL: dense */
-    };
-    auto item_at = [&](int i) {
-        item_view it;
-        const int work = p.order ? p.order[i] : i;
-        it.bh = work / p.Nqb;
-        it.q0 = (work - it.bh * p.Nqb) * BLOCK_Q;
-        it.b = it.bh / p.H;
-        it.h = it.bh - it.b * p.H;
-        it.row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
-        it.n64 = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
-        it.n_tiles = (it.n64 + HALVES - 1) / HALVES;
-        return it;
-    };
-    auto tile_key0 = [&](const item_view &it, int t) { /* t: a 64-key tile */
-        int block = it.row_blocks ? it.row_blocks[t >> p.sub_shift] : t;
-        return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
-    };
-    /* Valid keys of each 64-key half of compute tile t (0 for a missing last half). */
-    struct tile_keys {
-        int key0[HALVES], valid[HALVES];
-    };
-    auto keys_of = [&](const item_view &it, int t) {
-        tile_keys k;
-#pragma unroll
-        for (int u = 0; u < HALVES; u++) {
-            const bool present = t * HALVES + u < it.n64;
-            k.key0[u] = present ? tile_key0(it, t * HALVES + u) : 0;
-            k.valid[u] = present ? p.Nk - k.key0[u] : 0;
-        }
-        return k;
-    };
-
-    if (tid == 0) {
-#pragma unroll
-        for (int i = 0; i < STAGES; i++) {
-            mbar_init(full_bar + 8 * i, 128);
-            mbar_init(empty_bar + 8 * i, WS_CONSUMER_WARPS);
-        }
-    }
-    __syncthreads();
-
-    /* Every role walks the same items (blockIdx.x, + gridDim.x, ...) and numbers their tiles
-     * consecutively (g): ring slot g % STAGES, pass g / STAGES. */
-    if (wg == 2) { /* producer */
-        setmaxnreg_dec<WS_PRODUCER_REGS>();
-        auto tile_landed = [&](int g) { mbar_arrive(full_bar + 8 * (g % STAGES)); };
-        int g = 0;
-#pragma unroll 1
-        for (int i = blockIdx.x; i < p.n_items; i += gridDim.x) {
-            const item_view it = item_at(i);
-            const T *k = (const T *)p.k + it.b * p.k_sb + it.h * p.k_sh;
-            const T *v = (const T *)p.v + it.b * p.v_sb + it.h * p.v_sh;
-#pragma unroll 1
-            for (int t = 0; t < it.n_tiles; t++, g++) {
-                mbar_wait(empty_bar + 8 * (g % STAGES), ((g / STAGES) & 1) ^ 1);
-                const tile_keys tk = keys_of(it, t);
-#pragma unroll
-                for (int u = 0; u < HALVES; u++) { /* a missing half is zero-filled (P·V reads it) */
-                    const uint32_t half = u * TILE_K * PANEL_ROW_BYTES;
-                    load_tile<T, D, TILE_K, 128, KT>(k_smem(g) + half, k, p.k_sn, tk.key0[u], tk.key0[u] + tk.valid[u],
-                                                     wg_tid);
-                    load_tile<T, D, TILE_K, 128, KT>(v_smem(g) + half, v, p.v_sn, tk.key0[u], tk.key0[u] + tk.valid[u],
-                                                     wg_tid);
-                }
-                cp_async_commit();
-                if (g >= LAG) {
-                    cp_async_wait<LAG>(); /* tile g − LAG */
-                    fence_proxy_async();
-                    tile_landed(g - LAG);
-                }
-            }
-        }
-        cp_async_wait<0>();
-        fence_proxy_async();
-#pragma unroll 1
-        for (int t = g > LAG ? g - LAG : 0; t < g; t++)
-            tile_landed(t);
-        return;
-    }
-
-    /* Consumers: warpgroup wg owns query rows q0 + 64·wg ... + 63 of each item. Each loads its
-     * own Q rows, the next item's during the current one (double buffer; the buffer also stages
-     * O in the epilogue). */
-    setmaxnreg_inc<WS_CONSUMER_REGS>();
-    auto q_region = [&](int n) { return smem0 + (n & 1) * W::Q_BYTES + wg * W::REGION_BYTES; };
-    auto load_q = [&](int i, int n) {
-        if (i < p.n_items) {
-            const item_view it = item_at(i);
-            load_tile<T, D, WG_ROWS, 128>(q_region(n), (const T *)p.q + it.b * p.q_sb + it.h * p.q_sh, p.q_sn,
-                                          it.q0 + wg * WG_ROWS, p.Nq, wg_tid);
-        }
-        cp_async_commit();
-    };
-    auto wait_tile = [&](int g) { mbar_wait(full_bar + 8 * (g % STAGES), (g / STAGES) & 1); };
-    auto release_tile = [&](int g) { /* after the wgmma that read the slot completed */
-        if (lane == 0)
-            mbar_arrive(empty_bar + 8 * (g % STAGES));
-    };
-    auto take_turn = [&]() {
-        if constexpr (PINGPONG)
-            turn_wait(wg);
-    };
-    auto end_turn = [&]() {
-        if constexpr (PINGPONG)
-            turn_pass(wg);
-    };
-    if (PINGPONG && wg == 1)
-        turn_pass(wg); /* warpgroup 0 has the first turn */
-
-    /* This thread's accumulator rows inside the warpgroup's 64: r0 and r0 + 8 (e = 0,1 and 2,3). */
-    const int row0 = (wg_tid >> 5) * 16 + frag_row(lane);
-    float o_acc[D_TILES][4];
-    float s[N_TILES][4];         /* scores of one tile, then its probabilities */
-    uint32_t pa[KT / 16][4]; /* P as 16-bit A fragments for P·V */
-    float row_max[2], row_sum[2]; /* row_max in the exp2 domain */
-    float alpha[2];
-    uint32_t q_wg;
-
-    /* S = Q·K(g)ᵀ into s, issued and committed as one wgmma group. */
-    auto issue_scores = [&](int g) {
-        const uint32_t k_tile = k_smem(g);
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(s[nt][e] = 0.0f);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            const uint64_t desc_q = sw128_desc(q_wg + (kk >> 2) * W::PANEL_BYTES + (kk & 3) * 32, 16, CORE_GROUP_BYTES);
-            const uint64_t desc_k = sw128_desc(k_tile + (kk >> 2) * KT * PANEL_ROW_BYTES + (kk & 3) * 32, 16,
-                                               CORE_GROUP_BYTES);
-            if constexpr (KT == 128)
-                wgmma_ss_n128<T>(&s[0][0], desc_q, desc_k, 1);
-            else
-                wgmma_ss_n64<T>(&s[0][0], desc_q, desc_k, 1);
-        }
-        wgmma_commit();
-    };
-    /* P(g)·V(g) into O, issued and committed as one wgmma group. */
-    auto issue_pv = [&](int g) {
-        const uint32_t v_tile = v_smem(g);
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(o_acc[dt][e]);
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(pa[kk][e]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; kk++)
-            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], sw128_desc(v_tile + kk * 2 * CORE_GROUP_BYTES,
-                                                               KT * PANEL_ROW_BYTES, CORE_GROUP_BYTES));
-        wgmma_commit();
-    };
-    /* Online softmax of the scores of a tile whose halves hold tk.valid[u] keys (forward.cu's
-     * arithmetic), rows r0 (e = 0,1) and r0 + 8 (e = 2,3): s becomes exp2(s·scale − max), the
-     * statistics advance, alpha is the factor O must be rescaled by before P·V of the tile
-     * accumulates. O is not touched. */
-    auto softmax = [&](const tile_keys &tk) {
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(s[nt][e]);
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; nt++) {
-            const int u = nt / (TILE_K / 8), col0 = (nt % (TILE_K / 8)) * 8 + frag_col(lane);
-            if (tk.valid[u] < TILE_K) /* ragged last block or missing half: these keys do not exist */
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (col0 + (e & 1) >= tk.valid[u])
-                        s[nt][e] = -INFINITY;
-        }
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < N_TILES; nt++)
-                mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = quad_max(mx) * p.scale_log2;
-            const float m_new = fmaxf(row_max[r], mx);
-            const float m_use = m_new == -INFINITY ? 0.0f : m_new; /* no (-inf) - (-inf) */
-            alpha[r] = exp2f(row_max[r] - m_use);
-            row_max[r] = m_new;
-            float sum = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; e++) {
-                    s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -m_use));
-                    sum += s[nt][e];
-                }
-            row_sum[r] = row_sum[r] * alpha[r] + sum;
-        }
-    };
-    /* After the previous P·V completed: O *= alpha, P = s packed to 16 bits. */
-    auto rescale_and_pack = [&]() {
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                fence_operand(o_acc[dt][e]);
-                o_acc[dt][e] *= alpha[e >> 1];
-            }
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; kk++)
-            c_pair_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-    };
-
-    int g = 0, n = 0; /* ring tiles and items so far */
-    load_q(blockIdx.x, 0);
-#pragma unroll 1
-    for (int i = blockIdx.x; i < p.n_items; i += gridDim.x, n++) {
-        const item_view it = item_at(i);
-        /* Q(n) landed; every thread of the warpgroup is done with item n−1 (its epilogue read the
-         * other buffer), so the next Q may go there. */
-        cp_async_wait<0>();
-        fence_proxy_async();
-        warpgroup_barrier(wg);
-        load_q(i + gridDim.x, n + 1);
-        q_wg = q_region(n);
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                o_acc[dt][e] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 2; r++)
-            row_max[r] = -INFINITY, row_sum[r] = 0.0f;
-
-        /* Tile t (ring tile g + t): issue S(t+1), then P(t)·V(t); the softmax of tile t+1 runs
-         * while P(t)·V(t) is on the tensor cores; O *= alpha and P(t+1) once P(t)·V(t) completed. */
-        if (it.n_tiles > 0) {
-            const tile_keys tk = keys_of(it, 0);
-            wait_tile(g);
-            take_turn();
-            issue_scores(g);
-            end_turn();
-            wgmma_wait<0>();
-            softmax(tk);
-            rescale_and_pack();
-        }
-#pragma unroll 1
-        for (int t = 0; t + 1 < it.n_tiles; t++, g++) {
-            const tile_keys tk = keys_of(it, t + 1); /* read before the waits, off the softmax's path */
-            wait_tile(g + 1);
-            take_turn();
-            issue_scores(g + 1);
-            issue_pv(g);
-            end_turn();
-            wgmma_wait<1>(); /* S(t+1); P(t)·V(t) may still run */
-            softmax(tk);
-            wgmma_wait<0>();
-            release_tile(g);
-#pragma unroll
-            for (int kk = 0; kk < KT / 16; kk++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    fence_operand(pa[kk][e]);
-            rescale_and_pack();
-        }
-        if (it.n_tiles > 0) { /* the last tile: P·V alone */
-            take_turn();
-            issue_pv(g);
-            end_turn();
-            wgmma_wait<0>();
-            release_tile(g);
-            g++;
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    fence_operand(o_acc[dt][e]);
-        }
-
-        /* Epilogue (wgmma_fwd_kernel's): normalize, LSE, stage O through this warpgroup's Q rows
-         * of this item (only its own wgmma read them; the barrier: every warp's wait for them
-         * returned) for 16-byte coalesced stores. */
-        warpgroup_barrier(wg);
-        unsigned char *o_stage = smem + (q_wg - smem0);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const float l = quad_sum(row_sum[r]);
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            const int row_local = row0 + 8 * r;
-            const int row = it.q0 + wg * WG_ROWS + row_local;
-            if (p.lse && (lane & 3) == 0 && row < p.Nq)
-                p.lse[(int64_t)it.bh * p.Nq + row] =
-                    l > 0.0f ? (row_max[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
-#pragma unroll
-            for (int dt = 0; dt < D_TILES; dt++)
-                *reinterpret_cast<uint32_t *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
-                    pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
-        }
-        warpgroup_barrier(wg);
-        T *o = (T *)p.o + it.b * p.o_sb + it.h * p.o_sh;
-#pragma unroll
-        for (int c0 = 0; c0 < WG_ROWS * W::ROW_CHUNKS; c0 += 128) {
-            const int c = c0 + wg_tid;
-            const int row_local = c / W::ROW_CHUNKS, ch = c % W::ROW_CHUNKS;
-            const int row = it.q0 + wg * WG_ROWS + row_local;
-            if (row < p.Nq)
-                *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
-                    *reinterpret_cast<const uint4 *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, ch));
-        }
-    }
-    if (PINGPONG && wg == 0)
-        turn_wait(wg); /* warpgroup 1's last pass: no arrival left pending */
-#endif
-}
-
-template <typename Kernel>
-sparge_status launch_kernel(gpu_ctx *ctx, const fwd_params &p, int64_t grid, Kernel kernel, int threads, int smem,
-                            const char *name, int D)
-{
-    if ((size_t)smem > ctx->smem_optin)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: %s (D=%d) needs %d bytes of shared memory, the device "
-                           "allows %zu", name, D, smem, ctx->smem_optin);
-    sparge_status s;
-    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, smem))))
-        return s;
-    kernel<<<(unsigned)grid, threads, smem, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH(name);
-}
-
 template <typename T, int D>
-sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, fwd_sm90_kernel kind)
+sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
-    /* SPARGE_CUDA_FWD_PERSISTENT=n: n CTAs (tests: several items per CTA on small shapes), 0: one
-     * per item; default one per SM. */
-    int64_t ws_grid = ctx->sm_count;
-    const char *persistent_env = getenv("SPARGE_CUDA_FWD_PERSISTENT");
-    if (persistent_env) {
-        char *end;
-        const long n = strtol(persistent_env, &end, 10);
-        if (end == persistent_env || *end || n < 0 || n > INT_MAX)
-            return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_PERSISTENT must be a CTA count "
-                               "(0: one per work item), got \"%s\"", persistent_env);
-        ws_grid = n ? n : n_items;
-    }
-    if (ws_grid > n_items)
-        ws_grid = n_items;
-    if (kind == FWD_SM90_WS)
-        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, false, 64>, WS_THREADS,
-                             ws_traits<D, 64>::SMEM_BYTES, "wgmma_ws_fwd_kernel", D);
-    if (kind == FWD_SM90_WS_PINGPONG)
-        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, true, 64>, WS_THREADS,
-                             ws_traits<D, 64>::SMEM_BYTES, "wgmma_ws_fwd_kernel (ping-pong)", D);
-    if (kind == FWD_SM90_WS_128)
-        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, false, 128>, WS_THREADS,
-                             ws_traits<D, 128>::SMEM_BYTES, "wgmma_ws_fwd_kernel (128-key tiles)", D);
-    if (kind == FWD_SM90_WS_128_PINGPONG)
-        return launch_kernel(ctx, p, ws_grid, wgmma_ws_fwd_kernel<T, D, true, 128>, WS_THREADS,
-                             ws_traits<D, 128>::SMEM_BYTES, "wgmma_ws_fwd_kernel (128-key tiles, ping-pong)", D);
-    return launch_kernel(ctx, p, n_items, wgmma_fwd_kernel<T, D>, THREADS, wg_traits<D>::SMEM_BYTES,
-                         "wgmma_fwd_kernel", D);
+    constexpr int SMEM = wg_traits<D>::SMEM_BYTES;
+    if ((size_t)SMEM > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward (D=%d) needs %d bytes of shared memory, "
+                           "the device allows %zu", D, SMEM, ctx->smem_optin);
+    sparge_status s;
+    auto kernel = wgmma_fwd_kernel<T, D>;
+    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
+        return s;
+    kernel<<<(unsigned)n_items, THREADS, SMEM, ctx->stream>>>(p);
+    return GPU_CHECK_LAUNCH("wgmma_fwd_kernel");
 }
 
 } // namespace
@@ -848,20 +377,18 @@ int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
     cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess ||
-        cudaFuncGetAttributes(&attr, wgmma_ws_fwd_kernel<gpu_bf16, 128, false, 64>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }
     return 1;
 }
 
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        fwd_sm90_kernel kind)
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
 {
     if (dt == SPARGE_BF16)
-        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, n_items, kind) : launch<gpu_bf16, 64>(ctx, p, n_items, kind);
-    return D == 128 ? launch<gpu_half, 128>(ctx, p, n_items, kind) : launch<gpu_half, 64>(ctx, p, n_items, kind);
+        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, n_items) : launch<gpu_bf16, 64>(ctx, p, n_items);
+    return D == 128 ? launch<gpu_half, 128>(ctx, p, n_items) : launch<gpu_half, 64>(ctx, p, n_items);
 }
 
 #else /* no sm_90a image in this build */
@@ -872,10 +399,9 @@ int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
     return 0;
 }
 
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        fwd_sm90_kernel kind)
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
 {
-    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)kind;
+    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma forward (configure "
                        "--with-cuda-arch with 90)");
 }

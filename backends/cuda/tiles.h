@@ -60,11 +60,9 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
     return (fwd_tile){4, 3, 0};
 }
 
-/* 1: run one of forward_sm90.cu's wgmma kernels (when the build has its sm_90a image) instead of
- * the mma.sync tile above; fwd_sm90_kernel_for says which. Only sm_90 (H100/H200) has wgmma;
- * sm_100/sm_120 have none of it (sm_120 keeps mma.sync, sm_100's tcgen05 is not written).
- *
- * FWD_SM90_WGMMA (SPARGE_CUDA_FWD_KERNEL=wgmma): two 64-row warpgroups per CTA (bq = 128), 64-key
+/* 1: run forward_sm90.cu's wgmma kernel (when the build has its sm_90a image) instead of the
+ * mma.sync tile above. Only sm_90 (H100/H200) has wgmma; sm_100/sm_120 have none of it (sm_120
+ * keeps mma.sync, sm_100's tcgen05 is not written). Two 64-row warpgroups per CTA (bq = 128), 64-key
  * tiles, one 2-stage K/V ring, 128 registers (D = 128: 8 bytes spilled; D = 64: 113), two CTAs per
  * SM. The mma.sync kernel is issue-bound on sm_90 (ldmatrix + 16×8 MMAs, tensor pipe 47.5 % busy);
  * wgmma reads Q, K and V from shared memory itself. Measured on the H200 (B=1 H=12 N=32760 bf16,
@@ -79,34 +77,6 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
 static inline int fwd_use_wgmma(int cc_major, int cc_minor, int D)
 {
     return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128);
-}
-
-typedef enum {
-    FWD_SM90_WGMMA,
-    FWD_SM90_WS,
-    FWD_SM90_WS_PINGPONG,
-    FWD_SM90_WS_128,
-    FWD_SM90_WS_128_PINGPONG
-} fwd_sm90_kernel;
-
-/* The sm_90a kernel for head dim D. FWD_SM90_WS (SPARGE_CUDA_FWD_KERNEL=wgmma-ws) is FA3's recipe
- * without TMA: a producer warpgroup fills a K/V ring by cp.async (4 slots at D = 128, 6 at D = 64;
- * mbarriers), two consumer warpgroups with S(t+1) and P(t)·V(t) in flight during the softmax; the
- * producer hands its registers to the consumers (setmaxnreg 56 / 224), one persistent CTA of 384
- * threads per SM (it walks work items, so the ring and the next item's Q load run through each
- * item's epilogue), no spills (the wgmma kernel's intra-warpgroup overlap spilled at ≤ 128
- * registers and lost to CTA-wide barriers at 255). FWD_SM90_WS_PINGPONG (wgmma-ws-pp) adds FA3's
- * ping-pong: the consumers take turns to issue their wgmma. cp.async, not TMA: it keeps every
- * stride and alignment the API accepts (a tensor map needs 16-byte strides) and zero-fills ragged
- * tails the same way, so no fallback is needed. FWD_SM90_WS_128 / _128_PINGPONG (wgmma-ws128,
- * wgmma-ws128-pp): compute tiles of 128 keys, two consecutive 64-key tiles of the row's kept list
- * (S is m64n128: per key, half the Q reads from shared memory and half the wgmma issues and
- * row reductions; 2 ring slots at D = 128, 3 at D = 64). NOT MEASURED YET: the default is the
- * plain warp-specialized kernel until the H200 says which is fastest at D = 64 and 128. */
-static inline fwd_sm90_kernel fwd_sm90_kernel_for(int D)
-{
-    (void)D;
-    return FWD_SM90_WS;
 }
 
 #endif
