@@ -16,8 +16,8 @@
  *   atomics: one 64 × D fp32 reduction per 64 keys. The "wide" variant (SPARGE_CUDA_BWD_KEYS=128,
  *   dense or bk = 128) puts two warpgroups on 128 keys in one CTA per SM: Q/dO are loaded once for
  *   both, and dQ += dS·K contracts over all 128 keys (each warpgroup one 64-column part at D = 128)
- *   before the atomics, halving them, at the price of lock-step warpgroups. Which wins was not
- *   measured when this was written.
+ *   before the atomics, halving them, at the price of lock-step warpgroups. The wide variant is the
+ *   default where it applies: dense 47.2 ms against 59.7 ms on the H200 (B=1 H=12 N=32760 D=128).
  * - Query steps of 64 rows (half a mask block): Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ are m64n64 with both
  *   operands K-major in shared memory; dO and Q as the B operand of the register-A products are
  *   read MN-major (transpose bit), like V in forward_sm90.cu.
