@@ -1,6 +1,4 @@
-/* Hopper warpgroup MMA (wgmma.mma_async, sm_90a) wrappers for the backward (backward_sm90.cu).
- * forward_sm90.cu keeps its own copies of sw128_desc, the fences and the K-major / register-A
- * shapes (it is being edited on another branch); fold them into this header when both land. */
+/* Hopper warpgroup MMA (wgmma.mma_async, sm_90a) wrappers shared by forward_sm90.cu and backward_sm90.cu. */
 #ifndef SPARGE_CUDA_WGMMA_CUH
 #define SPARGE_CUDA_WGMMA_CUH
 
