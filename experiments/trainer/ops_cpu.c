@@ -9,6 +9,7 @@
 #include "exp.h"
 #include "ops.h"
 #include "sparge.h"
+#include "trainer.h"
 
 typedef struct {
     tr_ops ops;
@@ -294,14 +295,7 @@ static void class_embedding_backward(tr_ops *o, float *dtable, float *dcs, const
 static void mse(tr_ops *o, float *du, const float *u, const float *target, size_t n, double *loss)
 {
     mark(o, TR_PART_OTHER);
-    double ss = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double e = (double)u[i] - target[i];
-        ss += e * e;
-        if (du)
-            du[i] = (float)(2.0 * e / (double)n);
-    }
-    *loss = ss / (double)n;
+    *loss = tr_mse(u, target, n, du);
 }
 
 static void abs_diff_sums(tr_ops *o, const float *a, const float *ref, size_t n, double *diff, double *refsum)
