@@ -215,6 +215,21 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             c_pair_to_a<T>(pa[kk], s + 8 * kk, s + 8 * kk + 4);
             c_pair_to_a<T>(dsa[kk], dp + 8 * kk, dp + 8 * kk + 4);
         }
+        /* The operands of the dV/dK products, pinned on both sides of them. */
+        auto fence_dkdv_operands = [&]() {
+#pragma unroll
+            for (int i = 0; i < ACC; i++) {
+                fence_operand(dv[i]);
+                fence_operand(dk[i]);
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    fence_operand(pa[kk][e]);
+                    fence_operand(dsa[kk][e]);
+                }
+        };
 
         if (p.dq_accum) {
             /* dSᵀ [key][query] to shared memory, before the products below (registers that a wgmma in
@@ -229,18 +244,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
                 }
         }
         /* dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers, B MN-major (16 queries = 2048 bytes per k step). */
-#pragma unroll
-        for (int i = 0; i < ACC; i++) {
-            fence_operand(dv[i]);
-            fence_operand(dk[i]);
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                fence_operand(pa[kk][e]);
-                fence_operand(dsa[kk][e]);
-            }
+        fence_dkdv_operands();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
@@ -252,18 +256,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
                              sw128_desc(q_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < ACC; i++) {
-            fence_operand(dv[i]);
-            fence_operand(dk[i]);
-        }
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                fence_operand(pa[kk][e]);
-                fence_operand(dsa[kk][e]);
-            }
+        fence_dkdv_operands();
 
         if (p.dq_accum) {
             /* dQ (64 queries × D) += dS·K over the CTA's keys (the warpgroups' dSᵀ tiles follow each other, as
