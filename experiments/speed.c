@@ -3,8 +3,10 @@
  * wall clock after a synchronize on CPUs). Median of --reps runs after
  * --warmup runs, for: dense attention (mask NULL), mask prediction (pool +
  * map + select) and the block-sparse forward (optionally the backward).
- * Masks are Top-k masks (k = 1 − sparsity) predicted from uniform-family
- * inputs, so every row keeps the same count and the sparsity is exact. */
+ * Levels are Top-k masks (k = 1 − sparsity: every row keeps the same count, so
+ * the sparsity is exact) and, with --hybrid, the paper's hybrid masks, whose
+ * rows keep uneven counts; inputs come from one synthetic family (--family,
+ * default uniform; video gives the hybrid k = 0.03, p = 0.2 about 94.5 %). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,46 +15,16 @@
 
 static void usage(void)
 {
-    fputs("usage: exp_speed [--batch B] [--heads H] [--tokens N] [--dim D] [--sparsities s1,s2,...]\n"
-          "                 [--reps R] [--warmup W] [--backward] [--export-masks PREFIX] [options]\n"
+    fputs("usage: exp_speed [--batch B] [--heads H] [--tokens N] [--dim D] [--sparsities s1,s2,...|none]\n"
+          "                 [--hybrid k:p,...] [--family uniform|sink|video] [--reps R] [--warmup W]\n"
+          "                 [--backward] [--export-masks PREFIX] [options]\n"
           "  defaults: B=1 H=2 N=4096 D=64, sparsities 0,0.5,0.75,0.9,0.95,0.97,0.98, reps 10, warmup 2\n"
+          "  --hybrid k:p,...        also time hybrid masks (Top-k ∪ Top-p) with these parameters\n"
+          "  --family NAME           synthetic inputs of that family (default uniform; see --grid for video)\n"
           "  --export-masks PREFIX  write each level's mask as PREFIX-sNN.NN.{json,u8} (the format of\n"
           "                         `sparge bench --export-mask`, read by experiments/peers/peer_bench.py)\n",
           stderr);
     exp_opts_usage(stderr);
-}
-
-/* The mask as dense uint8 [B,H,Nqb,Nkb] plus a JSON description, for peer scripts. */
-static int export_mask(const sparge_mask *m, const char *prefix, double sparsity, int64_t D, sparge_dtype t)
-{
-    sparge_mask_shape ms;
-    if (exp_check(sparge_mask_get_shape(m, &ms), "sparge_mask_get_shape"))
-        return -1;
-    size_t cells = (size_t)(ms.B * ms.H * ms.Nqb * ms.Nkb);
-    uint8_t *dense = malloc(cells);
-    char path[1024];
-    int ok = dense && !exp_check(sparge_mask_get_dense(m, dense), "sparge_mask_get_dense");
-    snprintf(path, sizeof path, "%s-s%05.2f.u8", prefix, 100.0 * sparsity);
-    FILE *f = ok ? fopen(path, "wb") : NULL;
-    ok = f && fwrite(dense, 1, cells, f) == cells;
-    if (f)
-        ok &= fclose(f) == 0;
-    free(dense);
-    snprintf(path, sizeof path, "%s-s%05.2f.json", prefix, 100.0 * sparsity);
-    FILE *j = ok ? fopen(path, "w") : NULL;
-    if (j) {
-        fprintf(j, "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, "
-                   "\"block_k\": %d, \"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
-                   "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
-                (long long)ms.B, (long long)ms.H, (long long)ms.Nq, (long long)ms.Nk, (long long)D, ms.block_q,
-                ms.block_k, (long long)ms.Nqb, (long long)ms.Nkb, sparsity, sparge_dtype_name(t));
-        ok = fclose(j) == 0;
-    } else {
-        ok = 0;
-    }
-    if (!ok)
-        fprintf(stderr, "exp_speed: cannot write %s-s%05.2f.{u8,json}\n", prefix, 100.0 * sparsity);
-    return ok ? 0 : -1;
 }
 
 static int cmp_double(const void *a, const void *b)
@@ -123,14 +95,33 @@ static int time_ops(bench *b, int op_a, int op_b, int warmup, int reps, double *
     return rc;
 }
 
+/* "k:p,k:p,..." into pairs; returns their count, or -1 (with a message) on a malformed entry. */
+static int parse_hybrid(const char *list, double *pairs, int max)
+{
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", list);
+    int n = 0;
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        double k, p;
+        char end;
+        if (n == max || sscanf(tok, "%lf:%lf%c", &k, &p, &end) != 2 || !(k >= 0.0 && k <= 1.0 && p >= 0.0 && p <= 1.0)) {
+            fprintf(stderr, "exp_speed: --hybrid wants up to %d k:p pairs with k, p in [0, 1], not '%s'\n", max, tok);
+            return -1;
+        }
+        pairs[2 * n] = k;
+        pairs[2 * n + 1] = p;
+        n++;
+    }
+    return n;
+}
+
 int main(int argc, char **argv)
 {
     exp_opts o;
     exp_opts_init(&o);
-    exp_gen_params *g = &o.gen[EXP_UNIFORM];
-    g->N = 4096;
-    double sp[32] = {0.0, 0.5, 0.75, 0.9, 0.95, 0.97, 0.98}, paper_speedup = 16.2;
-    int nsp = 7, reps = 10, warmup = 2, backward = 0;
+    o.gen[EXP_UNIFORM].N = 4096;
+    double sp[32] = {0.0, 0.5, 0.75, 0.9, 0.95, 0.97, 0.98}, hyb[2 * 16], paper_speedup = 16.2;
+    int nsp = 7, nhyb = 0, reps = 10, warmup = 2, backward = 0, family = EXP_UNIFORM;
     const char *export_prefix = NULL;
     int64_t batch = 1;
     for (int i = 1; i < argc; i++) {
@@ -140,7 +131,16 @@ int main(int argc, char **argv)
         if (r)
             continue;
         if (!strcmp(argv[i], "--sparsities") && i + 1 < argc)
-            nsp = exp_parse_numbers(argv[++i], sp, 32);
+            nsp = strcmp(argv[++i], "none") ? exp_parse_numbers(argv[i], sp, 32) : 0;
+        else if (!strcmp(argv[i], "--hybrid") && i + 1 < argc) {
+            if ((nhyb = parse_hybrid(argv[++i], hyb, 16)) < 0)
+                return 2;
+        } else if (!strcmp(argv[i], "--family") && i + 1 < argc) {
+            if ((family = exp_family_parse(argv[++i])) < 0 || family == EXP_FILE) {
+                fprintf(stderr, "exp_speed: --family must be uniform, sink or video\n");
+                return 2;
+            }
+        }
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
             reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc)
@@ -158,10 +158,11 @@ int main(int argc, char **argv)
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
-    if (reps < 1 || warmup < 0 || batch < 1) {
+    if (reps < 1 || warmup < 0 || batch < 1 || nsp + nhyb == 0) {
         usage();
         return 2;
     }
+    exp_gen_params *g = &o.gen[family];
     g->B = batch;
     exp_qkv x;
     if (o.input ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(g, &x))
@@ -213,7 +214,7 @@ int main(int argc, char **argv)
     if (csv)
         fprintf(csv, "backend,device,dtype,B,H,N,D,target_sparsity,sparsity,token_density,mask_ms,fwd_ms,total_ms,"
                      "dense_ms,speedup_fwd,speedup_total,dense_equiv_tflops,effective_tflops,bwd_ms,dense_bwd_ms,"
-                     "speedup_bwd\n");
+                     "speedup_bwd,rule,topk,topp,min_row_blocks,max_row_blocks\n");
     fprintf(md, "Device: %s (%s). Shape B=%lld H=%lld N=%lld D=%lld, %s, blocks %dx%d. Median of %d runs after %d "
                 "warm-up; timer: sparge_timer_start/stop. Each sparse forward is timed alternately with a dense "
                 "forward (mask NULL) and compared with that dense median, so a shared machine's drifting load "
@@ -224,20 +225,31 @@ int main(int argc, char **argv)
             flops / t_dense * 1e-9);
     if (backward)
         fprintf(md, "Dense backward: %.3f ms.\n\n", t_dense_bwd);
-    fprintf(md, "| sparsity | token density | mask prediction ms | sparse forward ms | dense forward ms (paired) "
-                "| total ms | speedup (forward) | speedup (with mask) | dense-equiv. TFLOP/s | effective TFLOP/s |%s\n"
-                "|---|---|---|---|---|---|---|---|---|---|%s\n",
+    fprintf(md, "| mask | sparsity | rows' kept blocks (min–max) | token density | mask prediction ms | sparse forward ms "
+                "| dense forward ms (paired) | total ms | speedup (forward) | speedup (with mask) | dense-equiv. TFLOP/s "
+                "| effective TFLOP/s |%s\n|---|---|---|---|---|---|---|---|---|---|---|---|%s\n",
             backward ? " backward ms | speedup (backward) |" : "", backward ? "---|---|" : "");
     double speedup_at_95 = NAN;
     int64_t nkb = (x.N + g->block_k - 1) / g->block_k, last_count = -1;
-    for (int i = 0; i < nsp; i++) {
-        /* Top-k with exactly `count` blocks per row; targets rounding to the same count are run once */
-        int64_t count = (int64_t)floor((1.0 - sp[i]) * (double)nkb + 1e-6);
-        count = count < 1 ? 1 : count > nkb ? nkb : count;
-        if (count == last_count)
-            continue;
-        last_count = count;
-        b.mp = (sparge_mask_params){g->block_q, g->block_k, exp_topk_for_count(count, nkb), 0.0, 0.0f};
+    for (int i = 0; i < nsp + nhyb; i++) {
+        double topk, topp = 0.0, target = -1.0; /* target: the Top-k level's sparsity, -1 for hybrid masks */
+        char rule[64], prefix[1024];
+        if (i < nsp) {
+            /* Top-k with exactly `count` blocks per row; targets rounding to the same count are run once */
+            int64_t count = (int64_t)floor((1.0 - sp[i]) * (double)nkb + 1e-6);
+            count = count < 1 ? 1 : count > nkb ? nkb : count;
+            if (count == last_count)
+                continue;
+            last_count = count;
+            topk = exp_topk_for_count(count, nkb);
+            target = sp[i];
+            snprintf(rule, sizeof rule, "Top-k");
+        } else {
+            topk = hyb[2 * (i - nsp)];
+            topp = hyb[2 * (i - nsp) + 1];
+            snprintf(rule, sizeof rule, "hybrid k=%g p=%g", topk, topp);
+        }
+        b.mp = (sparge_mask_params){g->block_q, g->block_k, topk, topp, 0.0f};
         sparge_mask_stats st;
         double t_mask, t_fwd, t_bwd = -1.0;
         if (time_ops(&b, OP_MASK, -1, warmup, reps, &t_mask, NULL) ||
@@ -245,27 +257,33 @@ int main(int argc, char **argv)
             time_ops(&b, OP_DENSE, OP_SPARSE, warmup, reps, &t_dense, &t_fwd) ||
             (backward && time_ops(&b, OP_DENSE_BWD, OP_SPARSE_BWD, warmup, reps, &t_dense_bwd, &t_bwd)))
             return 1;
-        if (export_prefix && export_mask(b.mask, export_prefix, st.sparsity, x.D, o.dtype))
+        if (i < nsp)
+            snprintf(prefix, sizeof prefix, "%s-s%05.2f", export_prefix, 100.0 * st.sparsity);
+        else
+            snprintf(prefix, sizeof prefix, "%s-k%g-p%g", export_prefix, topk, topp);
+        if (export_prefix && exp_check(sparge_mask_export(b.mask, prefix, x.D, o.dtype), "sparge_mask_export"))
             return 1;
         double total = t_mask + t_fwd;
-        if (fabs(st.sparsity - 0.95) < 0.01)
+        if (i < nsp && fabs(st.sparsity - 0.95) < 0.01)
             speedup_at_95 = t_dense / total;
-        fprintf(md, "| %.2f %% | %.4f | %.3f | %.3f | %.3f | %.3f | %.2f× | %.2f× | %.3f | %.3f |", 100.0 * st.sparsity,
-                st.token_density, t_mask, t_fwd, t_dense, total, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
+        fprintf(md, "| %s | %.2f %% | %d–%d | %.4f | %.3f | %.3f | %.3f | %.3f | %.2f× | %.2f× | %.3f | %.3f |", rule,
+                100.0 * st.sparsity, st.min_row_blocks, st.max_row_blocks, st.token_density, t_mask, t_fwd, t_dense,
+                total, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
                 flops * (1.0 - st.sparsity) / t_fwd * 1e-9);
         if (backward)
             fprintf(md, " %.3f | %.2f× |", t_bwd, t_dense_bwd / t_bwd);
         fprintf(md, "\n");
         if (csv)
             fprintf(csv, "%s,%s,%s,%lld,%lld,%lld,%lld,%.4f,%.6f,%.6f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,"
-                         "%.4f,%.4f\n",
+                         "%.4f,%.4f,%s,%g,%g,%d,%d\n",
                     sparge_device_backend(b.dev), sparge_device_name(b.dev), sparge_dtype_name(o.dtype), (long long)x.B,
-                    (long long)x.H, (long long)x.N, (long long)x.D, sp[i], st.sparsity, st.token_density, t_mask, t_fwd,
+                    (long long)x.H, (long long)x.N, (long long)x.D, target, st.sparsity, st.token_density, t_mask, t_fwd,
                     total, t_dense, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
                     flops * (1.0 - st.sparsity) / t_fwd * 1e-9, t_bwd, t_dense_bwd,
-                    backward ? t_dense_bwd / t_bwd : -1.0);
-        exp_progress(&o, "speed", "  sparsity %.4f: mask %.3f ms, sparse forward %.3f ms, speedup %.2fx (%.2fx with "
-                     "mask)", st.sparsity, t_mask, t_fwd, t_dense / t_fwd, t_dense / total);
+                    backward ? t_dense_bwd / t_bwd : -1.0, i < nsp ? "topk" : "hybrid", topk, topp, st.min_row_blocks,
+                    st.max_row_blocks);
+        exp_progress(&o, "speed", "  %s, sparsity %.4f: mask %.3f ms, sparse forward %.3f ms, speedup %.2fx (%.2fx with "
+                     "mask)", rule, st.sparsity, t_mask, t_fwd, t_dense / t_fwd, t_dense / total);
     }
     if (!isnan(speedup_at_95))
         fprintf(md, "\nAt 95 %% sparsity: %.2f× over dense (mask prediction included); paper: %.1f× (RTX 5090, "

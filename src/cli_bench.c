@@ -96,44 +96,6 @@ static sparge_status op_bwd(void *p)
                                      &c->dk, &c->dv);
 }
 
-static sparge_status export_mask(const sparge_mask *m, const char *prefix, sparge_dtype dt, int64_t D, double sparsity)
-{
-    sparge_mask_shape ms;
-    sparge_status s = sparge_mask_get_shape(m, &ms);
-    if (s)
-        return s;
-    size_t cells = (size_t)(ms.B * ms.H * ms.Nqb * ms.Nkb);
-    uint8_t *dense = malloc(cells);
-    if (!dense)
-        return SPARGE_ERR_OUT_OF_MEMORY;
-    if ((s = sparge_mask_get_dense(m, dense))) {
-        free(dense);
-        return s;
-    }
-    char path[4096];
-    snprintf(path, sizeof path, "%s.u8", prefix);
-    FILE *f = fopen(path, "wb");
-    int ok = f && fwrite(dense, 1, cells, f) == cells;
-    if (f)
-        ok &= fclose(f) == 0;
-    free(dense);
-    snprintf(path, sizeof path, "%s.json", prefix);
-    FILE *j = ok ? fopen(path, "w") : NULL;
-    if (j) {
-        fprintf(j,
-                "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, \"block_k\": %d, "
-                "\"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", \"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
-                (long long)ms.B, (long long)ms.H, (long long)ms.Nq, (long long)ms.Nk, (long long)D, ms.block_q,
-                ms.block_k, (long long)ms.Nqb, (long long)ms.Nkb, sparsity, sparge_dtype_name(dt));
-        ok &= fclose(j) == 0;
-    }
-    if (!ok || !j) {
-        fprintf(stderr, "sparge: cannot write %s.{u8,json}\n", prefix);
-        return SPARGE_ERR_INVALID;
-    }
-    return SPARGE_OK;
-}
-
 int cli_bench(int argc, char **argv)
 {
     const char *backend = "auto", *levels = "dense,hybrid", *ops = "mask,fwd,bwd", *output = NULL, *export_pfx = NULL,
@@ -277,7 +239,7 @@ int cli_bench(int argc, char **argv)
                r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), dense_fwd / total);
         fflush(stdout);
         nrows++;
-        if (export_pfx && !dense && (s = export_mask(mask, export_pfx, dt, D, r->sparsity)))
+        if (export_pfx && !dense && (s = sparge_mask_export(mask, export_pfx, D, dt)))
             return cli_fail("exporting the mask", s);
     }
     free(list);

@@ -1,5 +1,7 @@
 /* Mask objects: allocation on the device, prediction, import and export. */
+#include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -344,4 +346,53 @@ sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *
     free(dense);
     free(mass);
     return SPARGE_OK;
+}
+
+sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, int64_t head_dim, sparge_dtype dtype)
+{
+    if (!prefix)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_export: prefix is NULL");
+    sparge_mask_stats st;
+    sparge_status s = sparge_mask_get_stats(mask, &st, NULL, NULL);
+    if (s)
+        return s;
+    const sparge_mask_view *m = &mask->v;
+    const size_t cells = (size_t)(m->B * m->H * m->Nqb * m->Nkb);
+    uint8_t *dense = malloc(cells);
+    if (!dense)
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_export: out of host memory");
+    if ((s = to_host(mask, dense, m->dense, (int64_t)cells))) {
+        free(dense);
+        return s;
+    }
+    const size_t len = strlen(prefix) + 6;
+    char *path = malloc(len);
+    if (!path) {
+        free(dense);
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_export: out of host memory");
+    }
+    snprintf(path, len, "%s.u8", prefix);
+    FILE *f = fopen(path, "wb");
+    int ok = f && fwrite(dense, 1, cells, f) == cells;
+    if (f)
+        ok &= fclose(f) == 0;
+    free(dense);
+    if (ok) {
+        snprintf(path, len, "%s.json", prefix);
+        FILE *j = fopen(path, "w");
+        ok = j != NULL;
+        if (j) {
+            fprintf(j,
+                    "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, \"block_k\": %d, "
+                    "\"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
+                    "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
+                    (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk, (long long)head_dim, m->bq,
+                    m->bk, (long long)m->Nqb, (long long)m->Nkb, st.sparsity, sparge_dtype_name(dtype));
+            ok = fclose(j) == 0;
+        }
+    }
+    s = ok ? SPARGE_OK
+           : SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_export: cannot write %s (%s)", path, strerror(errno));
+    free(path);
+    return s;
 }

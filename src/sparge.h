@@ -154,6 +154,11 @@ sparge_status sparge_mask_get_dense(const sparge_mask *mask, uint8_t *dense_host
 /* Pooled map [B,H,Nqb,Nkb] f32 of the last prediction. */
 sparge_status sparge_mask_get_pooled_map(const sparge_mask *mask, float *map_host);
 
+/* Write the dense view as PREFIX.u8 (uint8 [B,H,Nqb,Nkb]) and its description
+ * (shape, blocks, sparsity, and the attention's head_dim and dtype) as PREFIX.json,
+ * the files peer benchmark scripts read. Synchronizes. */
+sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, int64_t head_dim, sparge_dtype dtype);
+
 typedef struct {
     int64_t kept_blocks, total_blocks;
     double sparsity;       /* 1 − kept/total block pairs */

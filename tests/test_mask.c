@@ -1,9 +1,11 @@
 /* Hand-computed mask selections (DESIGN.md §1), statistics, the transpose and
- * imported masks, on both CPU tiers. */
+ * imported and exported masks, on both CPU tiers. */
+#define _POSIX_C_SOURCE 200809L /* mkstemp */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -140,9 +142,53 @@ static void test_row_mass(void **state)
     sparge_device_close(dev);
 }
 
+/* sparge_mask_export writes the dense view byte for byte and a JSON description
+ * with the shape; bad arguments fail with a message and write nothing. */
+static void test_export(void **state)
+{
+    (void)state;
+    static const uint8_t dense[1 * 2 * 2 * 3] = {1, 0, 1, 0, 1, 0, 0, 0, 1, 1, 1, 1};
+    sparge_device *dev = tu_open_or_null("cpu");
+    sparge_mask *m;
+    assert_int_equal(sparge_mask_create(dev, 1, 2, 5, 9, 4, 4, &m), SPARGE_OK);
+    char prefix[] = "/tmp/sparge-test-export-XXXXXX";
+    int fd = mkstemp(prefix);
+    assert_true(fd >= 0);
+    close(fd);
+    remove(prefix);
+    assert_int_equal(sparge_mask_export(m, prefix, 64, SPARGE_BF16), SPARGE_ERR_MASK); /* nothing selected yet */
+    assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
+    assert_int_equal(sparge_mask_export(m, NULL, 64, SPARGE_BF16), SPARGE_ERR_NULL);
+    assert_int_equal(sparge_mask_export(m, "/nonexistent-dir/mask", 64, SPARGE_BF16), SPARGE_ERR_INVALID);
+    assert_non_null(strstr(sparge_last_error(), "/nonexistent-dir/mask.u8"));
+    assert_int_equal(sparge_mask_export(m, prefix, 64, SPARGE_BF16), SPARGE_OK);
+    char path[64], text[512] = {0};
+    snprintf(path, sizeof path, "%s.u8", prefix);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    uint8_t back[16];
+    assert_int_equal(fread(back, 1, sizeof back, f), sizeof dense);
+    fclose(f);
+    remove(path);
+    assert_memory_equal(back, dense, sizeof dense);
+    snprintf(path, sizeof path, "%s.json", prefix);
+    f = fopen(path, "r");
+    assert_non_null(f);
+    assert_true(fread(text, 1, sizeof text - 1, f) > 0);
+    fclose(f);
+    remove(path);
+    static const char *const want[] = {"\"B\": 1,", "\"H\": 2,", "\"Nq\": 5,", "\"Nk\": 9,", "\"D\": 64,",
+                                       "\"Nqb\": 2,", "\"Nkb\": 3,", "\"sparsity\": 0.416667", "\"dtype\": \"bf16\""};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        if (!strstr(text, want[i]))
+            fail_msg("export JSON lacks %s: %s", want[i], text);
+    sparge_mask_destroy(m);
+    sparge_device_close(dev);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_hand_cases), cmocka_unit_test(test_stats_and_transpose),
-                                       cmocka_unit_test(test_row_mass)};
+                                       cmocka_unit_test(test_row_mass), cmocka_unit_test(test_export)};
     return cmocka_run_group_tests_name("mask", tests, NULL, NULL);
 }

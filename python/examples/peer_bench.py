@@ -170,11 +170,20 @@ def run_level(level, q, k, v, d_o, flex, scale, record, failed, args):
             flex_attend = None
     del ref, o_sparge
 
+    # Flex's forward is timed now: its backward attempts below may take minutes to compile and fail.
+    nan = float("nan")
+    f_fwd = f_bwd = nan
+    if flex_attend is not None:
+        with torch.no_grad():
+            f_fwd = cuda_time(lambda: flex_attend(q, k, v), args.warmup, args.iters)
+
     sparge_attend = lambda a, b, c: sparge.sparge_attention(a, b, c, mask=mask, block_q=bq, block_k=bk)  # noqa: E731
     grads_s = torch.autograd.grad(sparge_attend(q, k, v), (q, k, v), d_o)
     flex_bwd_ok = False
     flex_bwd_attend = None
-    if flex_attend is not None:
+    if flex_attend is not None and args.no_flex_backward:
+        checks.append("flex backward not run (--no-flex-backward)")
+    elif flex_attend is not None:
         # The backward's default tiles can exceed the 128x64 mask blocks (no valid kernel choice);
         # then retry with backward tiles that divide them.
         failures = []
@@ -200,16 +209,11 @@ def run_level(level, q, k, v, d_o, flex, scale, record, failed, args):
     if not ok:
         failed.append(f"{tag}: {check}")
 
-    nan = float("nan")
     s_fwd, s_bwd = time_fwd_bwd(sparge_attend, q, k, v, d_o, args) if ok else (nan, nan)
-    f_fwd = f_bwd = nan
-    if flex_attend is not None:
-        with torch.no_grad():
-            f_fwd = cuda_time(lambda: flex_attend(q, k, v), args.warmup, args.iters)
-        if flex_bwd_ok:
-            out = flex_bwd_attend(q, k, v)
-            f_bwd = cuda_time(lambda: torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True), args.warmup,
-                              args.iters)
+    if flex_bwd_ok:
+        out = flex_bwd_attend(q, k, v)
+        f_bwd = cuda_time(lambda: torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True), args.warmup,
+                          args.iters)
     record(level, st.sparsity, st.token_density, "sparge-mask", "predict", mask_ms)
     record(level, st.sparsity, st.token_density, "sparge", "forward", s_fwd, check)
     record(level, st.sparsity, st.token_density, "sparge", "backward", s_bwd, check)
@@ -233,6 +237,9 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--csv", default=os.path.join(os.environ.get("OUT", "."), "peer_bench.csv"))
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse, if any)")
+    parser.add_argument("--no-flex-backward", action="store_true",
+                        help="skip FlexAttention's backward (torch 2.11 cannot compile it for 128x64 blocks; each "
+                             "failed attempt costs about a minute of compilation)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("peer_bench: needs a CUDA GPU")
