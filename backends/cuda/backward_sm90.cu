@@ -3,7 +3,8 @@
  *
  * Same contract and arithmetic as backward.cu's mma.sync dK/dV kernel, which it replaces on
  * sm_90; backward.cu still runs the prep (D_t, LSE·log2e, zeroed dQ accumulator), the
- * heavy-first launch order, the dQ conversion and the separate (deterministic) dQ pass.
+ * heavy-first launch order and the dQ conversion; the separate (deterministic) dQ pass is
+ * dq_sm90.cu's.
  *
  * Design choices:
  * - Each warpgroup (128 threads) owns 64 keys: every product is an m64 wgmma with the keys as M,

@@ -14,13 +14,14 @@
  * (deterministic). Two warpgroups of 128 threads each own 64 query rows (their Q, dO, LSE, D_t and
  * the 64 × D fp32 dQ accumulator stay put for the whole row); the K/V tiles are shared.
  *
- * Pipeline: K/V tiles are cp.async-prefetched AHEAD = 2 tiles ahead into STAGES = 4 buffers. Per
- * tile, each warpgroup commits S and dP as two wgmma groups and computes P while dP runs; the
- * dQ += dS·K product is left in flight across the next tile's barrier and S/dP issue (waited for
- * with S), which is why a stage more than the prefetch needs is kept: the prefetch at tile t reuses
- * the buffers of tile t − 2, whose dQ product every warpgroup waited for during tile t − 1.
+ * Pipeline: K/V tiles are cp.async-prefetched AHEAD = 2 tiles ahead into STAGES = 4 buffers, the
+ * copies issued while S and dP run. Per tile, each warpgroup commits S and dP as two wgmma groups
+ * and computes P while dP runs; the dQ += dS·K product is left in flight across the next tile's
+ * barrier and S/dP issue (waited for with S), which is why a stage more than the prefetch needs is
+ * kept: the prefetch at tile t reuses the buffers of tile t − 2, whose dQ product every warpgroup
+ * waited for during tile t − 1.
  * One CTA per SM: the two warpgroups' MMAs overlap each other's exponentials. At D = 128 the dQ
- * accumulator alone is 64 registers per thread, S and dP 32 each (178 registers in all, 193 KiB of
+ * accumulator alone is 64 registers per thread, S and dP 32 each (190 registers in all, 193 KiB of
  * shared memory); D = 64 needs 158 registers, so two CTAs per SM (≤ 128) would make ptxas serialize
  * the wgmma pipeline.
  *
@@ -138,7 +139,6 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         cp_async_wait<AHEAD - 1>();
         fence_proxy_async();
         __syncthreads();
-        issue_tile(t + AHEAD);
         const uint32_t k_tile = k_smem(stage), v_tile = v_smem(stage);
 
         float s[N_TILES][4], dp[N_TILES][4];
@@ -164,6 +164,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
                                   sw128_desc(v_tile + off, 16, CORE_GROUP_BYTES), 1);
         }
         wgmma_commit();
+        issue_tile(t + AHEAD); /* under the MMAs (its list entry may miss in cache) */
         wgmma_wait<1>(); /* S and the previous tile's dQ product are done; dP may still run */
         fence_dq_operands();
 #pragma unroll
