@@ -25,8 +25,8 @@
  *          bk = 64). Per warp: Sᵀ and dPᵀ 16×64 (32 fp32 registers each), dK and dV 16×D (D/2 each).
  *   dQ pass: 8 warps × 16 query rows = one query block of 128; keys in steps of 64 (S, dP 16×64, dQ 16×D)
  *            (the wgmma pass: two warpgroups × 64 rows, same steps).
- * Shared memory at D = 128: dK/dV 145 KiB (bk = 128) or 178 KiB (bk = 64), dQ pass 128 KiB; at D = 64
- * about half. That fits sm_90 (227 KiB); sm_80 (163 KiB) refuses D = 128 with bk = 64, and sm_120
+ * Shared memory at D = 128: dK/dV 145 KiB (bk = 128) or 178 KiB (bk = 64), dQ pass 128 KiB (the wgmma one
+ * 193 KiB); at D = 64 about half. That fits sm_90 (227 KiB); sm_80 (163 KiB) refuses D = 128 with bk = 64, and sm_120
  * (99 KiB) refuses D = 128 altogether, with SPARGE_ERR_UNSUPPORTED naming the limit (neither was run here).
  * Shared-memory tiles are rows of 16-byte chunks with chunk' = chunk ^ (row mod 8), so the 8 row
  * addresses of every ldmatrix and cp.async phase fall into distinct banks. */
