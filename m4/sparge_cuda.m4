@@ -36,7 +36,7 @@ AC_DEFUN([SPARGE_CUDA], [
               [NVCC_GENCODE="$NVCC_GENCODE -gencode arch=compute_$a,code=sm_$a"],
               [AC_MSG_ERROR([--with-cuda-arch: '$a' is not a compute capability like 80, 90 or 120])])
     done
-    dnl The Hopper kernels (forward_sm90.cu, backward_sm90.cu) are built for sm_90a alone when 90 is
+    dnl The Hopper kernels (forward_sm90.cu, backward_sm90.cu, dq_sm90.cu) are built for sm_90a alone when 90 is
     dnl in the list; the define tells their host code that the kernel image exists. Without 90 they
     dnl compile to stubs.
     NVCC_GENCODE_SM90A=

@@ -8,23 +8,25 @@
  *             accumulators straight into the A operand of dV += Pᵀ dO and dK += dSᵀ Q;
  *   3. dQ:    either fp32 atomics from the dK/dV pass (dQ += dS K per tile, then one conversion kernel), or
  *             a separate pass with one CTA per query block over its CSR row (no atomics: bitwise
- *             reproducible, used when deterministic is set).
- * Atomics are the default when deterministic is 0: on the H200 (experiments/BENCHMARKS.md, cuda-bwd) they
- * took 64.3 ms against 76.1 ms dense, and were within 0.7 % of the pass on bk = 64 masks at 3–10 % density,
- * where the atomic traffic of 64-key tiles costs about as much as the separate pass. SPARGE_CUDA_DQ=pass
- * selects the pass instead (for benchmarks).
+ *             reproducible, used when deterministic is set; the prep then leaves out the fp32 accumulator).
+ * Atomics are the default when deterministic is 0: with the mma.sync kernels on the H200
+ * (experiments/BENCHMARKS.md, cuda-bwd) they took 64.3 ms against 76.1 ms dense, and were within 0.7 % of
+ * the pass on bk = 64 masks at 3–10 % density, where the atomic traffic of 64-key tiles costs about as much
+ * as the separate pass. SPARGE_CUDA_DQ=pass|atomic picks either when deterministic is 0 (for benchmarks).
  *
- * On sm_90 the dK/dV pass runs backward_sm90.cu's wgmma kernel instead when the build has it (the other
- * launches stay); SPARGE_CUDA_BWD_KERNEL=mma|wgmma forces either, SPARGE_CUDA_BWD_KEYS=64|128 picks the wgmma
- * kernel's keys per CTA (default 128, which applies to dense and bk = 128 masks; bk = 64 masks take 64).
+ * On sm_90, when the build has the sm_90a image, the dK/dV pass runs backward_sm90.cu's wgmma kernel and the
+ * separate dQ pass dq_sm90.cu's (prep, launch order and conversion stay here); SPARGE_CUDA_BWD_KERNEL=mma|wgmma
+ * forces either tier for both passes, SPARGE_CUDA_BWD_KEYS=64|128 picks the wgmma dK/dV kernel's keys per CTA
+ * (default 128, which applies to dense and bk = 128 masks; bk = 64 masks take 64).
  *
  * Tile shapes (all architectures, sm_80/90/120; 256 threads, one CTA per SM):
  *   dK/dV: BN = bk keys per CTA; 8 warps as (BN/16 along keys) × (8·16/BN along queries), each warp owns
  *          16 keys × 64 queries, so a step covers BM = 64·(8·16/BN) query rows (64 for bk = 128, 128 for
  *          bk = 64). Per warp: Sᵀ and dPᵀ 16×64 (32 fp32 registers each), dK and dV 16×D (D/2 each).
- *   dQ pass: 8 warps × 16 query rows = one query block of 128; keys in steps of 64 (S, dP 16×64, dQ 16×D).
- * Shared memory at D = 128: dK/dV 145 KiB (bk = 128) or 178 KiB (bk = 64), dQ pass 128 KiB; at D = 64
- * about half. That fits sm_90 (227 KiB); sm_80 (163 KiB) refuses D = 128 with bk = 64, and sm_120
+ *   dQ pass: 8 warps × 16 query rows = one query block of 128; keys in steps of 64 (S, dP 16×64, dQ 16×D)
+ *            (the wgmma pass: two warpgroups × 64 rows, same steps).
+ * Shared memory at D = 128: dK/dV 145 KiB (bk = 128) or 178 KiB (bk = 64), dQ pass 128 KiB (the wgmma one
+ * 193 KiB); at D = 64 about half. That fits sm_90 (227 KiB); sm_80 (163 KiB) refuses D = 128 with bk = 64, and sm_120
  * (99 KiB) refuses D = 128 altogether, with SPARGE_ERR_UNSUPPORTED naming the limit (neither was run here).
  * Shared-memory tiles are rows of 16-byte chunks with chunk' = chunk ^ (row mod 8), so the 8 row
  * addresses of every ldmatrix and cp.async phase fall into distinct banks. */
@@ -574,8 +576,8 @@ sparge_status launch_order(gpu_ctx *ctx, const int32_t *counts, int64_t n, int m
 }
 
 /* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes. wgmma_keys: 0 runs
- * the mma.sync dK/dV kernel, 64 or 128 the wgmma one with that many keys per CTA (128 only where the key tiling
- * allows it: dense or bk = 128; 64 otherwise). */
+ * the mma.sync kernels, 64 or 128 the wgmma dK/dV kernel with that many keys per CTA (128 only where the key tiling
+ * allows it: dense or bk = 128; 64 otherwise) and the wgmma dQ pass. */
 template <typename T, int D>
 sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma_keys, int32_t *order_kv,
                   int32_t *order_q)
@@ -618,6 +620,8 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
             return s;
         pq.order = order_q;
     }
+    if (wgmma_keys)
+        return sparge_cuda_wgmma_dq(ctx, pq, BH, bkq == 128 ? 1 : 0, dtype, D);
     unsigned grid_q = (unsigned)(BH * pq.Nqb);
     return bkq == 64 ? launch(ctx, bwd_dq_kernel<T, D, 64>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel")
                      : launch(ctx, bwd_dq_kernel<T, D, 128>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel");
@@ -664,11 +668,13 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
         if ((s = check_view(views[i], kView[i])))
             return s;
 
-    /* Variant of dQ: the separate pass is deterministic; atomics are the default otherwise. */
-    int atomic_dq = !a->deterministic;
-    const char *env = getenv("SPARGE_CUDA_DQ");
-    if (atomic_dq && env && !strcmp(env, "pass"))
-        atomic_dq = 0;
+    /* Variant of dQ: the separate pass is deterministic; atomics are the default otherwise. SPARGE_CUDA_DQ picks
+     * either where deterministic is 0. */
+    const char *dq_env = getenv("SPARGE_CUDA_DQ");
+    if (dq_env && strcmp(dq_env, "pass") && strcmp(dq_env, "atomic"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_DQ must be \"pass\" or \"atomic\", got "
+                           "\"%s\"", dq_env);
+    const int atomic_dq = !a->deterministic && (dq_env ? !strcmp(dq_env, "atomic") : 1);
     /* dK/dV kernel: the sm_90a wgmma one where the build and the device have it. */
     const char *kernel_env = getenv("SPARGE_CUDA_BWD_KERNEL");
     if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))

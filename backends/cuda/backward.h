@@ -1,6 +1,7 @@
-/* The tensor-core backward's kernel parameters and the entry of its Hopper tier (CUDA only):
- * backward.cu validates the call, fills bwd_params, runs the prep / order / dQ kernels and the
- * dK/dV pass either with its mma.sync kernel or with backward_sm90.cu's wgmma kernel. */
+/* The tensor-core backward's kernel parameters and the entries of its Hopper tier (CUDA only):
+ * backward.cu validates the call, fills bwd_params, runs the prep / order / dQ conversion kernels,
+ * and the dK/dV pass and the separate dQ pass either with its mma.sync kernels or with the wgmma
+ * kernels of backward_sm90.cu and dq_sm90.cu. */
 #ifndef SPARGE_CUDA_BACKWARD_H
 #define SPARGE_CUDA_BACKWARD_H
 
@@ -48,5 +49,10 @@ int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx);
  * dense), p.order (if set) orders those blocks. */
 sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
                                      sparge_dtype dt, int D);
+/* The separate dQ pass with wgmma (dq_sm90.cu; available with the dK/dV kernel above), f16 or bf16,
+ * D = 64 or 128: one CTA per query block, p.Nkb counts key blocks of 64 keys << sub_shift (the mask's
+ * bk, or 64 when dense), p.order (if set) orders the query blocks. No atomics. */
+sparge_status sparge_cuda_wgmma_dq(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
+                                   int D);
 
 #endif

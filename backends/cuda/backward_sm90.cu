@@ -3,7 +3,8 @@
  *
  * Same contract and arithmetic as backward.cu's mma.sync dK/dV kernel, which it replaces on
  * sm_90; backward.cu still runs the prep (D_t, LSE·log2e, zeroed dQ accumulator), the
- * heavy-first launch order, the dQ conversion and the separate (deterministic) dQ pass.
+ * heavy-first launch order and the dQ conversion; the separate (deterministic) dQ pass is
+ * dq_sm90.cu's.
  *
  * Design choices:
  * - Each warpgroup (128 threads) owns 64 keys: every product is an m64 wgmma with the keys as M,
@@ -30,10 +31,9 @@
  *   waited for before the step ends, so buffer reuse needs only the barrier at the step start.
  *   Overlapping the next step's Sᵀ with this step's dK/dV products (FA3's pipelining) is not done.
  *
- * Shared-memory layout (forward_sm90.cu's): a tile of 64 rows × D is D/64 panels of 64 rows ×
- * 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r & 7), panels 8 KiB apart, tiles
- * 1024-byte aligned; K-major descriptors step 32 bytes per 16 elements of k inside a panel (SBO =
- * 1024), MN-major ones step 2048 bytes per 16 rows of k (SBO = 1024, LBO = the panel stride).
+ * Shared-memory layout: sm90_tile.cuh's (forward_sm90.cu's) 64-row regions of 128-byte swizzled
+ * panels; K-major descriptors step 32 bytes per 16 elements of k inside a panel (SBO = 1024),
+ * MN-major ones step 2048 bytes per 16 rows of k (SBO = 1024, LBO = the panel stride).
  *
  * The kernel body exists only in the sm_90a image (compiled for sm_90a alone when configure's arch
  * list has 90, see m4/sparge_cuda.m4); without it the entry reports the kernel unavailable and
@@ -45,15 +45,16 @@
 
 #ifdef SPARGE_CUDA_SM90A
 
+#include "sm90_tile.cuh"
 #include "wgmma.cuh"
 
 using namespace sparge_mma;
+using namespace sparge_sm90;
 using namespace sparge_wgmma;
 
 namespace {
 
 constexpr int WG_KEYS = 64, QROWS = 64, WG_THREADS = 128;
-constexpr int PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PANEL_ROW_BYTES, PANEL_BYTES = 64 * PANEL_ROW_BYTES;
 constexpr int SUB_Q = BWD_BLOCK_Q / QROWS; /* query steps per mask block */
 
 /* WGS warpgroups per CTA, each owning 64 keys. */
@@ -66,30 +67,6 @@ struct bwd90_traits {
     /* K, V (WGS tiles each), two buffers of (Q, dO), dSᵀ, two buffers of LSE/D_t, alignment slack */
     static constexpr int SMEM_BYTES = 2 * WGS * TILE_BYTES + 4 * TILE_BYTES + WGS * DS_BYTES + 2 * VEC_BYTES + 1024;
 };
-
-/* Byte offset of 16-byte chunk `chunk` of row `row` (< 64) in a 64-row tile (layout above). */
-__device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
-{
-    return (uint32_t)((chunk >> 3) * PANEL_BYTES + row * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
-/* cp.async ROWS rows (64-row tiles one after the other) of D elements from row0 into dst, with
- * THREADS threads; rows at or past `limit` are zero-filled. */
-template <typename T, int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
-{
-    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS, TILE_BYTES = 64 * D * 2;
-    static_assert(64 % ROW_STEP == 0 && ROWS % 64 == 0, "bad tile split");
-    const int ch = tid % ROW_CHUNKS;
-    int r = tid / ROW_CHUNKS;
-    const T *src = base + (int64_t)(row0 + r) * sn + ch * 8;
-#pragma unroll 1
-    for (; r < ROWS; r += ROW_STEP) {
-        const bool ok = row0 + r < limit;
-        cp_async_16(dst + (r / 64) * TILE_BYTES + panel_offset(r % 64, ch), ok ? src : base, ok);
-        src += ROW_STEP * sn;
-    }
-}
 
 template <typename T, int D, int WGS>
 __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(const bwd_params p, int sub_shift)
@@ -312,7 +289,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
 #pragma unroll
     for (int c = tid; c < KEYS * (D / 8); c += THREADS) {
         const int r = c / (D / 8), ch = c % (D / 8), key = key0 + r;
-        const uint32_t off = (r / 64) * W::TILE_BYTES + panel_offset(r % 64, ch);
+        const uint32_t off = tile_offset<D>(r, ch);
         if (key < p.Nk) {
             *(uint4 *)(dv_out + (int64_t)key * p.dv_sn + ch * 8) = *(const uint4 *)(v_stage + off);
             *(uint4 *)(dk_out + (int64_t)key * p.dk_sn + ch * 8) = *(const uint4 *)(k_stage + off);

@@ -28,12 +28,14 @@
 
 #include "forward.h"
 #include "mma.cuh"
+#include "sm90_tile.cuh"
 #include "wgmma.cuh"
 
 #ifdef SPARGE_CUDA_SM90A
 
 using namespace sparge_mma;
 using namespace sparge_wgmma;
+using sparge_sm90::load_tile;
 
 namespace {
 
@@ -50,32 +52,6 @@ struct wg_traits {
     static constexpr int SMEM_BYTES = Q_BYTES + STAGES * 2 * REGION_BYTES + 1024; /* + alignment slack */
     static_assert(TILE_K == WG_ROWS, "a K or V tile is one 64-row region");
 };
-
-/* Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 64-row regions (layout above). */
-template <int D>
-__device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
-{
-    return (uint32_t)((row / WG_ROWS) * wg_traits<D>::REGION_BYTES + (chunk >> 3) * wg_traits<D>::PANEL_BYTES +
-                      (row % WG_ROWS) * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
-/* cp.async ROWS rows of D elements from row0 into a tile at dst; rows at or past `limit` are
- * zero-filled. Not unrolled, like forward.cu's load_rows (address registers). */
-template <typename T, int D, int ROWS>
-__device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
-{
-    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
-    static_assert(ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "bad tile split");
-    const int ch = tid % ROW_CHUNKS;
-    int r = tid / ROW_CHUNKS;
-    const T *src = base + (int64_t)(row0 + r) * sn + ch * 8;
-#pragma unroll 1
-    for (; r < ROWS; r += ROW_STEP) {
-        const bool ok = row0 + r < limit;
-        cp_async_16(dst + panel_offset<D>(r, ch), ok ? src : base, ok);
-        src += ROW_STEP * sn;
-    }
-}
 
 /* ---------------------------------------------------------------- kernel */
 

@@ -1,0 +1,272 @@
+/* Block-sparse attention backward for Hopper (sm_90a): the separate dQ pass on warpgroup MMA
+ * (wgmma.mma_async).
+ *
+ * Same contract and arithmetic as backward.cu's mma.sync bwd_dq_kernel, which it replaces on sm_90:
+ * one CTA per (b, h, query block of 128 rows) over the kept key blocks of its CSR row (every key
+ * when dense) in tiles of 64 keys (two per block when bk = 128), recomputing
+ *   S  = Q·Kᵀ            m64n64k16, Q and K K-major in shared memory (forward_sm90.cu's S),
+ *   P  = exp2(S·scale·log2e − LSE·log2e),
+ *   dP = dO·Vᵀ           m64n64k16, dO and V K-major in shared memory,
+ *   dS = P∘(dP − D_t),
+ *   dQ += dS·K           m64nDk16, dS from registers (the accumulator layout packed to 16 bits is
+ *                        the A-fragment layout, as P in forward_sm90.cu's P·V), K MN-major,
+ * and writes scale·dQ in the input dtype. No atomics: the result does not depend on scheduling
+ * (deterministic). Two warpgroups of 128 threads each own 64 query rows (their Q, dO, LSE, D_t and
+ * the 64 × D fp32 dQ accumulator stay put for the whole row); the K/V tiles are shared.
+ *
+ * Pipeline: K/V tiles are cp.async-prefetched AHEAD = 2 tiles ahead into STAGES = 4 buffers, the
+ * copies issued while S and dP run. Per tile, each warpgroup commits S and dP as two wgmma groups
+ * and computes P while dP runs; the dQ += dS·K product is left in flight across the next tile's
+ * barrier and S/dP issue (waited for with S), which is why a stage more than the prefetch needs is
+ * kept: the prefetch at tile t reuses the buffers of tile t − 2, whose dQ product every warpgroup
+ * waited for during tile t − 1.
+ * One CTA per SM: the two warpgroups' MMAs overlap each other's exponentials. At D = 128 the dQ
+ * accumulator alone is 64 registers per thread, S and dP 32 each (190 registers in all, 193 KiB of
+ * shared memory); D = 64 needs 158 registers, so two CTAs per SM (≤ 128) would make ptxas serialize
+ * the wgmma pipeline.
+ *
+ * Shared-memory layout: sm90_tile.cuh's 64-row regions of 128-byte swizzled panels, 1024-byte
+ * aligned: Q (two regions, one per warpgroup), dO (two), then STAGES × (K, V).
+ *
+ * The kernel body exists only in the sm_90a image (compiled for sm_90a alone when configure's arch
+ * list has 90, see m4/sparge_cuda.m4), like backward_sm90.cu's; backward.cu uses it where
+ * sparge_cuda_wgmma_backward_available() says that image loads. */
+#include <math.h>
+
+#include "backward.h"
+#include "mma.cuh"
+
+#ifdef SPARGE_CUDA_SM90A
+
+#include "sm90_tile.cuh"
+#include "wgmma.cuh"
+
+using namespace sparge_mma;
+using namespace sparge_sm90;
+using namespace sparge_wgmma;
+
+namespace {
+
+constexpr int THREADS = 256, WG_ROWS = 64, TILE_K = 64;
+constexpr int STAGES = 4, AHEAD = STAGES - 2;
+
+template <int D>
+struct dq90_traits {
+    static constexpr int TILE_BYTES = REGION_ROWS * D * 2; /* 64 rows × D */
+    /* Q and dO (two regions each), STAGES × (K, V), alignment slack */
+    static constexpr int SMEM_BYTES = 4 * TILE_BYTES + STAGES * 2 * TILE_BYTES + 1024;
+    static_assert(BWD_BLOCK_Q == 2 * WG_ROWS && TILE_K == REGION_ROWS, "two warpgroups, 64-key tiles");
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p, int sub_shift)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using W = dq90_traits<D>;
+    constexpr int N_TILES = TILE_K / 8, D_TILES = D / 8;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
+    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
+    const uint32_t q_smem = smem0, do_smem = q_smem + 2 * W::TILE_BYTES;
+    auto k_smem = [&](int stage) { return do_smem + 2 * W::TILE_BYTES + stage * 2 * W::TILE_BYTES; };
+    auto v_smem = [&](int stage) { return k_smem(stage) + W::TILE_BYTES; };
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
+    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
+    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
+    const int b = bh / p.H, h = bh - b * p.H;
+    const int q0 = qblock * BWD_BLOCK_Q;
+
+    const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
+    const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+    const int32_t *row_blocks = p.counts ? p.indices + (int64_t)work * p.Nkb : nullptr;
+    const int n_tiles = p.counts ? p.counts[work] << sub_shift : p.Nkb;
+    const int sub_mask = (1 << sub_shift) - 1;
+    auto tile_key0 = [&](int t) {
+        const int block = row_blocks ? row_blocks[t >> sub_shift] : t;
+        return ((block << sub_shift) + (t & sub_mask)) * TILE_K;
+    };
+    auto issue_tile = [&](int t) { /* one commit group per tile, empty past the last */
+        if (t < n_tiles) {
+            const int key0 = tile_key0(t), stage = t % STAGES;
+            load_tile<T, D, TILE_K, THREADS>(k_smem(stage), k, p.k_sn, key0, p.Nk, tid);
+            load_tile<T, D, TILE_K, THREADS>(v_smem(stage), v, p.v_sn, key0, p.Nk, tid);
+        }
+        cp_async_commit();
+    };
+
+    /* Groups in commit order: Q, dO and tile 0; tile 1; ... */
+    load_tile<T, D, BWD_BLOCK_Q, THREADS>(q_smem, (const T *)p.q + b * p.q_sb + h * p.q_sh, p.q_sn, q0, p.Nq, tid);
+    load_tile<T, D, BWD_BLOCK_Q, THREADS>(do_smem, (const T *)p.d_o + b * p.do_sb + h * p.do_sh, p.do_sn, q0, p.Nq,
+                                          tid);
+#pragma unroll
+    for (int t = 0; t < AHEAD; t++)
+        issue_tile(t);
+
+    /* This thread's accumulator rows inside the warpgroup's 64: row0 (e = 0, 1) and row0 + 8 (e = 2, 3),
+     * columns nt·8 + c2 (+1). Rows past Nq have LSE·log2e = +inf (P = 0) and D_t = 0 in the padded arrays. */
+    const int row0 = (wg_tid >> 5) * 16 + frag_row(lane), c2 = frag_col(lane);
+    const int64_t row = (int64_t)bh * p.Nq_pad + q0 + wg * WG_ROWS + row0;
+    const float lse_0 = p.lse2[row], lse_1 = p.lse2[row + 8], dt_0 = p.dt[row], dt_1 = p.dt[row + 8];
+    const uint32_t q_wg = q_smem + wg * W::TILE_BYTES, do_wg = do_smem + wg * W::TILE_BYTES;
+
+    float dq[D_TILES * 4];
+    uint32_t dsa[TILE_K / 16][4]; /* dS as the A operand; read by the dQ product until the next tile's S wait */
+#pragma unroll
+    for (int i = 0; i < D_TILES * 4; i++)
+        dq[i] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < TILE_K / 16; kk++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            dsa[kk][e] = 0u;
+    /* The registers the dQ product reads and writes, pinned where it is issued and where it is known done. */
+    auto fence_dq_operands = [&]() {
+#pragma unroll
+        for (int i = 0; i < D_TILES * 4; i++)
+            fence_operand(dq[i]);
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(dsa[kk][e]);
+    };
+
+    for (int t = 0; t < n_tiles; t++) {
+        const int stage = t % STAGES;
+        /* K/V(t) landed; every warpgroup finished tile t − 2's dQ product (it waited for it with tile t − 1's
+         * S), so the prefetch may overwrite that stage. */
+        cp_async_wait<AHEAD - 1>();
+        fence_proxy_async();
+        __syncthreads();
+        const uint32_t k_tile = k_smem(stage), v_tile = v_smem(stage);
+
+        float s[N_TILES][4], dp[N_TILES][4];
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                fence_operand(s[nt][e] = 0.0f);
+                fence_operand(dp[nt][e] = 0.0f);
+            }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
+            wgmma_ss_n64<T, 0, 0>(&s[0][0], sw128_desc(q_wg + off, 16, CORE_GROUP_BYTES),
+                                  sw128_desc(k_tile + off, 16, CORE_GROUP_BYTES), 1);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
+            wgmma_ss_n64<T, 0, 0>(&dp[0][0], sw128_desc(do_wg + off, 16, CORE_GROUP_BYTES),
+                                  sw128_desc(v_tile + off, 16, CORE_GROUP_BYTES), 1);
+        }
+        wgmma_commit();
+        issue_tile(t + AHEAD); /* under the MMAs (its list entry may miss in cache) */
+        wgmma_wait<1>(); /* S and the previous tile's dQ product are done; dP may still run */
+        fence_dq_operands();
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                fence_operand(s[nt][e]);
+
+        /* P; keys past Nk (ragged last block, zero-filled K and V) get P = 0. */
+        const int key0 = tile_key0(t);
+        const bool ragged = key0 + TILE_K > p.Nk;
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const bool ok = !ragged || key0 + nt * 8 + c2 + (e & 1) < p.Nk;
+                s[nt][e] = ok ? exp2f(fmaf(s[nt][e], p.scale_log2, -(e < 2 ? lse_0 : lse_1))) : 0.0f;
+            }
+
+        wgmma_wait<0>();
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                fence_operand(dp[nt][e]);
+                dp[nt][e] = s[nt][e] * (dp[nt][e] - (e < 2 ? dt_0 : dt_1));
+            }
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+            c_pair_to_a<T>(dsa[kk], dp[2 * kk], dp[2 * kk + 1]);
+
+        /* dQ += dS·K: K as the MN-major B operand (16 keys = 2048 bytes per k step), left in flight. */
+        fence_dq_operands();
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < TILE_K / 16; kk++)
+            wgmma_rs_t<T, D>(dq, dsa[kk], sw128_desc(k_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+        wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_dq_operands();
+    cp_async_wait<0>();
+    __syncthreads(); /* every copy landed (Q, when no tile ran) and no wgmma reads Q before dQ is staged over it */
+
+    /* Epilogue: stage scale·dQ (row-major rows of D, mma.cuh's swizzle) through this warpgroup's own Q
+     * region, which only its own wgmma read, for 16-byte coalesced stores. */
+    unsigned char *dq_stage = smem + wg * W::TILE_BYTES;
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int dt = 0; dt < D_TILES; dt++)
+            *reinterpret_cast<uint32_t *>(dq_stage + swizzle<D / 8>(row0 + 8 * r, dt) + (lane & 3) * 4) =
+                pack2<T>(dq[dt * 4 + 2 * r] * p.scale, dq[dt * 4 + 2 * r + 1] * p.scale);
+    __syncthreads();
+    T *out = (T *)p.dq + b * p.dq_sb + h * p.dq_sh;
+#pragma unroll
+    for (int it = 0; it < WG_ROWS * (D / 8) / 128; it++) {
+        const int c = it * 128 + wg_tid, row_local = c / (D / 8), ch = c % (D / 8);
+        const int q = q0 + wg * WG_ROWS + row_local;
+        if (q < p.Nq)
+            *reinterpret_cast<uint4 *>(out + (int64_t)q * p.dq_sn + ch * 8) =
+                *reinterpret_cast<const uint4 *>(dq_stage + swizzle<D / 8>(row_local, ch));
+    }
+#endif
+}
+
+template <typename T, int D>
+sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift)
+{
+    constexpr int SMEM = dq90_traits<D>::SMEM_BYTES;
+    if ((size_t)SMEM > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma dQ kernel (D=%d) needs %d bytes of "
+                           "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
+    sparge_status s;
+    auto kernel = wgmma_dq_kernel<T, D>;
+    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
+        return s;
+    const int64_t grid = BH * p.Nqb;
+    if (grid == 0)
+        return SPARGE_OK;
+    kernel<<<(unsigned)grid, THREADS, SMEM, ctx->stream>>>(p, sub_shift);
+    return GPU_CHECK_LAUNCH("wgmma backward dQ kernel");
+}
+
+} // namespace
+
+sparge_status sparge_cuda_wgmma_dq(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
+                                   int D)
+{
+    if (dt == SPARGE_BF16)
+        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, BH, sub_shift) : launch<gpu_bf16, 64>(ctx, p, BH, sub_shift);
+    return D == 128 ? launch<gpu_half, 128>(ctx, p, BH, sub_shift) : launch<gpu_half, 64>(ctx, p, BH, sub_shift);
+}
+
+#else /* no sm_90a image in this build */
+
+sparge_status sparge_cuda_wgmma_dq(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
+                                   int D)
+{
+    (void)ctx, (void)p, (void)BH, (void)sub_shift, (void)dt, (void)D;
+    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma backward (configure "
+                       "--with-cuda-arch with 90)");
+}
+
+#endif

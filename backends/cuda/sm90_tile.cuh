@@ -1,0 +1,56 @@
+/* Shared-memory tiles of the Hopper (sm_90a) wgmma kernels: forward_sm90.cu, backward_sm90.cu, dq_sm90.cu.
+ *
+ * A tile is a run of 64-row regions; a region holds D/64 panels of 64 rows × 128 bytes (64 elements of
+ * one row), each in the 128-byte swizzle (16-byte chunk c of row r at chunk position c ^ (r & 7)), and
+ * starts 1024-byte aligned. That is the canonical SWIZZLE_128B layout of the PTX ISA's matrix descriptors:
+ *   K-major operand: 8-row core groups CORE_GROUP_BYTES apart (SBO); a 16-wide k step is +32 bytes
+ *     inside a panel, panels are k steps 4 apart;
+ *   MN-major operand: 8-row groups CORE_GROUP_BYTES apart (SBO), 64-column panels PANEL_BYTES apart
+ *     (LBO), so 16 rows of k are 2 · CORE_GROUP_BYTES. */
+#ifndef SPARGE_CUDA_SM90_TILE_CUH
+#define SPARGE_CUDA_SM90_TILE_CUH
+
+#include <stdint.h>
+
+#include "mma.cuh"
+
+namespace sparge_sm90 {
+
+constexpr int REGION_ROWS = 64, PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PANEL_ROW_BYTES,
+              PANEL_BYTES = REGION_ROWS * PANEL_ROW_BYTES;
+
+/* Byte offset of 16-byte chunk `chunk` of row `row` (< 64) inside one region. */
+__device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
+{
+    return (uint32_t)((chunk >> 3) * PANEL_BYTES + row * PANEL_ROW_BYTES + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+/* Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 64-row regions with rows of D elements. */
+template <int D>
+__device__ __forceinline__ uint32_t tile_offset(int row, int chunk)
+{
+    return (uint32_t)((row / REGION_ROWS) * (REGION_ROWS * D * 2)) + panel_offset(row % REGION_ROWS, chunk);
+}
+
+/* cp.async ROWS rows of D elements from global row row0 (row stride sn) into the tile at dst, spread
+ * over THREADS threads (tid: this thread's index among them); rows at or past `limit` are zero-filled.
+ * Not unrolled (address registers). */
+template <typename T, int D, int ROWS, int THREADS = 256>
+__device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
+{
+    constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
+    static_assert(REGION_ROWS % ROW_STEP == 0 && ROWS % REGION_ROWS == 0, "bad tile split");
+    const int ch = tid % ROW_CHUNKS;
+    int r = tid / ROW_CHUNKS;
+    const T *src = base + (int64_t)(row0 + r) * sn + ch * 8;
+#pragma unroll 1
+    for (; r < ROWS; r += ROW_STEP) {
+        const bool ok = row0 + r < limit;
+        sparge_mma::cp_async_16(dst + tile_offset<D>(r, ch), ok ? src : base, ok);
+        src += ROW_STEP * sn;
+    }
+}
+
+} // namespace sparge_sm90
+
+#endif
