@@ -9,10 +9,11 @@
  *   3. dQ:    either fp32 atomics from the dK/dV pass (dQ += dS K per tile, then one conversion kernel), or
  *             a separate pass with one CTA per query block over its CSR row (no atomics: bitwise
  *             reproducible, used when deterministic is set; the prep then leaves out the fp32 accumulator).
- * Atomics are the default when deterministic is 0: with the mma.sync kernels on the H200
- * (experiments/BENCHMARKS.md, cuda-bwd) they took 64.3 ms against 76.1 ms dense, and were within 0.7 % of
- * the pass on bk = 64 masks at 3–10 % density, where the atomic traffic of 64-key tiles costs about as much
- * as the separate pass. SPARGE_CUDA_DQ=pass|atomic picks either when deterministic is 0 (for benchmarks).
+ * When deterministic is 0, atomics are the default except with the wgmma kernels on bk = 64 masks: with the
+ * mma.sync kernels on the H200 (experiments/BENCHMARKS.md, cuda-bwd) they took 64.3 ms against 76.1 ms dense
+ * and were within 0.7 % of the pass on bk = 64 masks at 3–10 % density; with the wgmma kernels they are 3.5 %
+ * faster dense (128 keys per dK/dV CTA) but 15 % slower at 95 % on bk = 64 masks (64 keys per CTA: twice the
+ * reductions per FLOP), where the wgmma pass wins. SPARGE_CUDA_DQ=pass|atomic overrides the choice.
  *
  * On sm_90, when the build has the sm_90a image, the dK/dV pass runs backward_sm90.cu's wgmma kernel and the
  * separate dQ pass dq_sm90.cu's (prep, launch order and conversion stay here); SPARGE_CUDA_BWD_KERNEL=mma|wgmma
@@ -668,13 +669,6 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
         if ((s = check_view(views[i], kView[i])))
             return s;
 
-    /* Variant of dQ: the separate pass is deterministic; atomics are the default otherwise. SPARGE_CUDA_DQ picks
-     * either where deterministic is 0. */
-    const char *dq_env = getenv("SPARGE_CUDA_DQ");
-    if (dq_env && strcmp(dq_env, "pass") && strcmp(dq_env, "atomic"))
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_DQ must be \"pass\" or \"atomic\", got "
-                           "\"%s\"", dq_env);
-    const int atomic_dq = !a->deterministic && (dq_env ? !strcmp(dq_env, "atomic") : 1);
     /* dK/dV kernel: the sm_90a wgmma one where the build and the device have it. */
     const char *kernel_env = getenv("SPARGE_CUDA_BWD_KERNEL");
     if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))
@@ -692,6 +686,18 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
                            keys_env);
     if (wgmma_keys && keys_env)
         wgmma_keys = atoi(keys_env);
+    const int bk = a->mask ? a->bk : 128;
+
+    /* Variant of dQ: the separate pass is deterministic. Otherwise atomics, except where the wgmma dK/dV kernel
+     * takes 64 keys per CTA (bk = 64 masks): there its 64 × D reductions per step cost more than the wgmma pass
+     * (H200, 1.3B shape, 95 %: 3.241 against 2.771 ms; dense, 128 keys per CTA: 46.98 against 48.66 ms).
+     * SPARGE_CUDA_DQ=pass|atomic overrides the choice where deterministic is 0. */
+    const char *dq_env = getenv("SPARGE_CUDA_DQ");
+    if (dq_env && strcmp(dq_env, "pass") && strcmp(dq_env, "atomic"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_DQ must be \"pass\" or \"atomic\", got "
+                           "\"%s\"", dq_env);
+    const int narrow_wgmma = wgmma_keys == 64 || (wgmma_keys && a->mask && bk != 128);
+    const int atomic_dq = !a->deterministic && (dq_env ? !strcmp(dq_env, "atomic") : !narrow_wgmma);
 
     bwd_params p;
     memset(&p, 0, sizeof p);
@@ -707,9 +713,7 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     p.Nq_pad = p.Nqb * kBlockQ;
     p.scale = a->scale, p.scale_log2 = a->scale * kLog2e;
     p.lse = a->lse;
-    int bk = 128;
     if (a->mask) {
-        bk = a->bk;
         p.Nkb = (int)a->mask->Nkb;
         p.counts = a->mask->counts, p.indices = a->mask->indices;
         p.t_counts = a->mask->t_counts, p.t_indices = a->mask->t_indices;
