@@ -44,18 +44,17 @@ def load_mask(prefix):
 
 
 def time_ms(fn, warmup, reps):
+    """Median ms between CUDA events around each run. The runs are queued back to back and synchronized once,
+    so the host's launch overhead (large for a compiled FlexAttention call) overlaps the previous run."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, stop in events:
         start.record()
         fn()
         stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return float(np.median(times))
+    torch.cuda.synchronize()
+    return float(np.median([start.elapsed_time(stop) for start, stop in events]))
 
 
 def reference_rel_l2(out, q, k, v, scale, blocks, block_q, block_k, samples, seed=0):
