@@ -193,6 +193,7 @@ static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng
     assert_int_equal(sparge_mask_get_dense(rm, dense), SPARGE_OK);
     assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
     free(dense);
+    compare_masks(m, rm, &mp, s); /* the CSR and transpose rebuilt from the dense view */
     float *lse, *rlse;
     assert_int_equal(sparge_malloc(dev, (size_t)(B * H * Nq) * 4, (void **)&lse), SPARGE_OK);
     rlse = malloc((size_t)(B * H * Nq) * 4);
@@ -498,6 +499,59 @@ static void test_predict_many_tiles(void **state)
     tu_free(&rk);
 }
 
+/* Mask prediction shapes for the GPU's fused logits + selection (16 query-block rows per CTA, key columns in
+ * passes of 512, D in steps of 8) and its transpose (a warp's slab of rows per 32 columns): query-block rows
+ * not a multiple of 16, one column past a pass, thousands of query blocks, D of one step, many heads; D = 36
+ * takes the unfused path (logits, block sort). The pooled map must match cpu-ref too. */
+static void test_predict_shapes(void **state)
+{
+    (void)state;
+    static const shape shapes[] = {
+        {2, 5, 33 * 64 - 5, 513 * 4, 64, 64, 4}, {1, 2, 2600, 700, 8, 1, 2}, {1, 24, 500, 1000, 128, 16, 32},
+        {1, 2, 300, 300, 36, 16, 8},
+    };
+    tu_rng rng = {20261203};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++) {
+        const shape *s = &shapes[c];
+        tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BNHD, s->B, s->H, s->Nq, s->D),
+                  k = tu_alloc(dev, SPARGE_BF16, TU_BNHD, s->B, s->H, s->Nk, s->D);
+        tu_tensor rq = tu_alloc(ref, SPARGE_BF16, TU_BNHD, s->B, s->H, s->Nq, s->D),
+                  rk = tu_alloc(ref, SPARGE_BF16, TU_BNHD, s->B, s->H, s->Nk, s->D);
+        uint64_t seed = tu_next(&rng);
+        tu_rng r1 = {seed}, r2 = {seed};
+        int sink = (int)(tu_next(&rng) % (uint64_t)((s->Nk + s->bk - 1) / s->bk));
+        fill_inputs(&q, &r1, -1, s->bk, 1.0); fill_inputs(&rq, &r2, -1, s->bk, 1.0);
+        fill_inputs(&k, &r1, sink, s->bk, 1.0); fill_inputs(&rk, &r2, sink, s->bk, 1.0);
+        sparge_mask_params mp = {s->bq, s->bk, 0.03, 0.2, 0.0f};
+        sparge_mask *m, *rm;
+        assert_int_equal(sparge_mask_create(dev, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &m), SPARGE_OK);
+        assert_int_equal(sparge_mask_create(ref, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &rm), SPARGE_OK);
+        assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+        assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
+        const int64_t cells = s->B * s->H * ((s->Nq + s->bq - 1) / s->bq) * ((s->Nk + s->bk - 1) / s->bk);
+        float *map = malloc((size_t)cells * sizeof *map), *rmap = malloc((size_t)cells * sizeof *rmap);
+        double *mapd = malloc((size_t)cells * sizeof *mapd), *rmapd = malloc((size_t)cells * sizeof *rmapd);
+        assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_pooled_map(rm, rmap), SPARGE_OK);
+        for (int64_t i = 0; i < cells; i++) {
+            mapd[i] = map[i];
+            rmapd[i] = rmap[i];
+        }
+        check_close("pooled map", s, SPARGE_BF16, TU_BNHD, mapd, rmapd, cells, 1e-5);
+        compare_masks(m, rm, &mp, s);
+        free(map);
+        free(rmap);
+        free(mapd);
+        free(rmapd);
+        sparge_mask_destroy(m);
+        sparge_mask_destroy(rm);
+        tu_free(&q);
+        tu_free(&k);
+        tu_free(&rq);
+        tu_free(&rk);
+    }
+}
+
 int main(void)
 {
     if (sparge_backend_device_count(BACKEND) == 0) {
@@ -515,6 +569,7 @@ int main(void)
         cmocka_unit_test(test_grid),
         cmocka_unit_test(test_predict_wide_rows),
         cmocka_unit_test(test_predict_many_tiles),
+        cmocka_unit_test(test_predict_shapes),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
     sparge_device_close(dev);
