@@ -35,6 +35,7 @@
 
 #include "backward.h"
 #include "mma.cuh"
+#include "row_tiles.cuh"
 
 #ifdef SPARGE_CUDA_SM90A
 
@@ -72,23 +73,14 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
     auto v_smem = [&](int stage) { return k_smem(stage) + W::TILE_BYTES; };
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
-    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
-    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
-    const int b = bh / p.H, h = bh - b * p.H;
-    const int q0 = qblock * BWD_BLOCK_Q;
+    const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, sub_shift);
+    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BWD_BLOCK_Q;
 
     const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
     const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
-    const int32_t *row_blocks = p.counts ? p.indices + (int64_t)work * p.Nkb : nullptr;
-    const int n_tiles = p.counts ? p.counts[work] << sub_shift : p.Nkb;
-    const int sub_mask = (1 << sub_shift) - 1;
-    auto tile_key0 = [&](int t) {
-        const int block = row_blocks ? row_blocks[t >> sub_shift] : t;
-        return ((block << sub_shift) + (t & sub_mask)) * TILE_K;
-    };
     auto issue_tile = [&](int t) { /* one commit group per tile, empty past the last */
-        if (t < n_tiles) {
-            const int key0 = tile_key0(t), stage = t % STAGES;
+        if (t < w.n_tiles) {
+            const int key0 = w.key0(t), stage = t % STAGES;
             load_tile<T, D, TILE_K, THREADS>(k_smem(stage), k, p.k_sn, key0, p.Nk, tid);
             load_tile<T, D, TILE_K, THREADS>(v_smem(stage), v, p.v_sn, key0, p.Nk, tid);
         }
@@ -132,7 +124,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
                 fence_operand(dsa[kk][e]);
     };
 
-    for (int t = 0; t < n_tiles; t++) {
+    for (int t = 0; t < w.n_tiles; t++) {
         const int stage = t % STAGES;
         /* K/V(t) landed; every warpgroup finished tile t − 2's dQ product (it waited for it with tile t − 1's
          * S), so the prefetch may overwrite that stage. */
@@ -174,7 +166,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
                 fence_operand(s[nt][e]);
 
         /* P; keys past Nk (ragged last block, zero-filled K and V) get P = 0. */
-        const int key0 = tile_key0(t);
+        const int key0 = w.key0(t);
         const bool ragged = key0 + TILE_K > p.Nk;
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)

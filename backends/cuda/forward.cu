@@ -29,6 +29,7 @@
 
 #include "forward.h"
 #include "mma.cuh"
+#include "row_tiles.cuh"
 #include "tiles.h"
 
 using namespace sparge_mma;
@@ -84,28 +85,19 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     extern __shared__ __align__(128) unsigned char smem[];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
-    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
-    const int b = bh / p.H, h = bh - b * p.H;
-    const int q0 = qblock * BLOCK_Q;
+    const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
+    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BLOCK_Q;
 
     const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
     const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
     const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
-    const int32_t *row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
-    const int n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
-    const int sub_mask = (1 << p.sub_shift) - 1;
-    auto tile_key0 = [&](int t) {
-        int block = row_blocks ? row_blocks[t >> p.sub_shift] : t;
-        return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
-    };
 
     const uint32_t q_smem = smem_addr(smem);
     auto k_smem = [&](int stage) { return q_smem + K::Q_BYTES + stage * 2 * K::KV_BYTES; };
     auto v_smem = [&](int stage) { return k_smem(stage) + K::KV_BYTES; };
     auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
-        if (t < n_tiles) {
-            int key0 = tile_key0(t);
+        if (t < w.n_tiles) {
+            int key0 = w.key0(t);
             load_rows<T, D, TILE_K, K::THREADS>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
             cp_async_commit();
             load_rows<T, D, TILE_K, K::THREADS>(v_smem(t % STAGES), v, p.v_sn, key0, p.Nk, tid);
@@ -157,7 +149,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         }
     }
 
-    for (int t = 0; t < n_tiles; t++) {
+    for (int t = 0; t < w.n_tiles; t++) {
         const int stage = t % STAGES;
         const uint32_t k_stage = k_smem(stage) + bt_lane, v_stage = v_smem(stage) + a_lane;
         /* K(t) landed; every warp is done with tile t-1, whose buffers the prefetch reuses. */
@@ -168,7 +160,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         /* Scores of MG m16 tiles at a time: MG = M_TILES shares each K fragment between the
          * warp's m tiles; MG = 1 re-reads K per m tile but holds half the fp32 scores (registers). */
         constexpr int MG = K::SCORE_MTILES;
-        const int key0 = tile_key0(t);
+        const int key0 = w.key0(t);
         uint32_t pa[M_TILES][TILE_K / 16][4]; /* P as 16-bit A fragments: the fp32 scores die before P·V */
 #pragma unroll
         for (int g = 0; g < M_TILES / MG; g++) {

@@ -28,6 +28,7 @@
 
 #include "forward.h"
 #include "mma.cuh"
+#include "row_tiles.cuh"
 #include "sm90_tile.cuh"
 #include "wgmma.cuh"
 
@@ -66,28 +67,19 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
-    const int work = p.order ? p.order[blockIdx.x] : (int)blockIdx.x;
-    const int bh = work / p.Nqb, qblock = work - bh * p.Nqb;
-    const int b = bh / p.H, h = bh - b * p.H;
-    const int q0 = qblock * BLOCK_Q;
+    const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
+    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BLOCK_Q;
 
     const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
     const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
     const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
-    const int32_t *row_blocks = p.indices ? p.indices + (int64_t)work * p.Nkb : nullptr;
-    const int n_tiles = p.counts ? p.counts[work] << p.sub_shift : p.Nkb;
-    const int sub_mask = (1 << p.sub_shift) - 1;
-    auto tile_key0 = [&](int t) {
-        int block = row_blocks ? row_blocks[t >> p.sub_shift] : t;
-        return ((block << p.sub_shift) + (t & sub_mask)) * TILE_K;
-    };
 
     const uint32_t q_smem = smem0;
     auto k_smem = [&](int stage) { return q_smem + W::Q_BYTES + stage * 2 * W::REGION_BYTES; };
     auto v_smem = [&](int stage) { return k_smem(stage) + W::REGION_BYTES; };
     auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
-        if (t < n_tiles) {
-            int key0 = tile_key0(t);
+        if (t < w.n_tiles) {
+            int key0 = w.key0(t);
             load_tile<T, D, TILE_K>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
             cp_async_commit();
             load_tile<T, D, TILE_K>(v_smem(t % STAGES), v, p.v_sn, key0, p.Nk, tid);
@@ -117,7 +109,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         for (int e = 0; e < 4; e++)
             o_acc[dt][e] = 0.0f;
 
-    for (int t = 0; t < n_tiles; t++) {
+    for (int t = 0; t < w.n_tiles; t++) {
         const int stage = t % STAGES;
         /* K(t) landed; every warpgroup is done with tile t-1, whose buffers the prefetch reuses. */
         cp_async_wait<2 * STAGES - 3>();
@@ -147,7 +139,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
             for (int e = 0; e < 4; e++)
                 fence_operand(s[nt][e]);
 
-        const int key0 = tile_key0(t);
+        const int key0 = w.key0(t);
         if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
 #pragma unroll
             for (int nt = 0; nt < N_TILES; nt++)
