@@ -499,10 +499,9 @@ static void test_predict_many_tiles(void **state)
     tu_free(&rk);
 }
 
-/* Mask prediction shapes for the GPU's fused logits + selection (16 query-block rows per CTA, key columns in
- * passes of 512, D in steps of 8) and its transpose (a warp's slab of rows per 32 columns): query-block rows
- * not a multiple of 16, one column past a pass, thousands of query blocks, D of one step, many heads; D = 36
- * takes the unfused path (logits, block sort). The pooled map must match cpu-ref too. */
+/* Mask prediction shapes beyond the grid: a ragged last query block with rows of 513 key blocks (one past a
+ * selection width of 512), 2600 query blocks (the transpose walks many row chunks) with D = 8, 24 heads, and an
+ * odd D = 36. The pooled map must match cpu-ref too. */
 static void test_predict_shapes(void **state)
 {
     (void)state;
