@@ -373,6 +373,35 @@ static void test_pooled_vectors(void **state)
  * beyond) with ties: random keys against cpu-ref; flat rows (every key token the same, so every score in a
  * row ties) must keep the lowest indices; with twin key blocks (2m and 2m+1 identical, and pair m alike
  * pair m + 17) every class of equal blocks must keep a prefix of its ascending indices. */
+/* Predicts the mask of (q, k) on the backend and of (rq, rk) on cpu-ref, checks the pooled maps (rel. L2
+ * ≤ 1e-5) and the selections, and returns the backend's mask (the caller destroys it). */
+static sparge_mask *predict_and_compare(const shape *s, sparge_dtype dt, tu_layout lay, tu_tensor *q, tu_tensor *k,
+                                        tu_tensor *rq, tu_tensor *rk, const sparge_mask_params *mp)
+{
+    sparge_mask *m, *rm;
+    assert_int_equal(sparge_mask_create(dev, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(ref, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &rm), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(dev, &q->t, &k->t, mp, m), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(ref, &rq->t, &rk->t, mp, rm), SPARGE_OK);
+    const int64_t cells = s->B * s->H * ((s->Nq + s->bq - 1) / s->bq) * ((s->Nk + s->bk - 1) / s->bk);
+    float *map = malloc((size_t)cells * sizeof *map), *rmap = malloc((size_t)cells * sizeof *rmap);
+    double *mapd = malloc((size_t)cells * sizeof *mapd), *rmapd = malloc((size_t)cells * sizeof *rmapd);
+    assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_pooled_map(rm, rmap), SPARGE_OK);
+    for (int64_t i = 0; i < cells; i++) {
+        mapd[i] = map[i];
+        rmapd[i] = rmap[i];
+    }
+    check_close("pooled map", s, dt, lay, mapd, rmapd, cells, 1e-5);
+    compare_masks(m, rm, mp, s);
+    free(map);
+    free(rmap);
+    free(mapd);
+    free(rmapd);
+    sparge_mask_destroy(rm);
+    return m;
+}
+
 static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout lay, tu_rng *rng)
 {
     const int64_t B = 1, H = 2, Nq = 200, D = 32, bq = 64, bk = 4;
@@ -401,13 +430,8 @@ static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout 
     tu_set(&k, kv);
     tu_set(&rk, kv);
     sparge_mask_params mp = {(int)bq, (int)bk, kind == 1 ? 0.1 : 0.03, kind == 1 ? 0.0 : 0.2, 0.0f};
-    sparge_mask *m, *rm;
-    assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, (int)bq, (int)bk, &m), SPARGE_OK);
-    assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, (int)bq, (int)bk, &rm), SPARGE_OK);
-    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
-    assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
     const shape s = {B, H, Nq, Nk, D, (int)bq, (int)bk};
-    compare_masks(m, rm, &mp, &s);
+    sparge_mask *m = predict_and_compare(&s, dt, lay, &q, &k, &rq, &rk, &mp);
     uint8_t *dg = malloc((size_t)(rows * Nkb));
     assert_int_equal(sparge_mask_get_dense(m, dg), SPARGE_OK);
     const int64_t nk = (int64_t)floor(0.1 * (double)Nkb + 1e-6);
@@ -430,7 +454,6 @@ static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout 
     free(qv);
     free(kv);
     sparge_mask_destroy(m);
-    sparge_mask_destroy(rm);
     tu_free(&q);
     tu_free(&k);
     tu_free(&rq);
@@ -469,30 +492,9 @@ static void test_predict_many_tiles(void **state)
     tu_set(&k, v);
     tu_set(&rk, v);
     sparge_mask_params mp = {bq, bk, 0.03, 0.2, 0.0f};
-    sparge_mask *m, *rm;
-    assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, bq, bk, &m), SPARGE_OK);
-    assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, bq, bk, &rm), SPARGE_OK);
-    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
-    assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
-    const int64_t cells = B * H * ((Nq + bq - 1) / bq) * ((Nk + bk - 1) / bk);
-    float *map = malloc((size_t)cells * sizeof *map), *rmap = malloc((size_t)cells * sizeof *rmap);
-    double *mapd = malloc((size_t)cells * sizeof *mapd), *rmapd = malloc((size_t)cells * sizeof *rmapd);
-    assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
-    assert_int_equal(sparge_mask_get_pooled_map(rm, rmap), SPARGE_OK);
-    for (int64_t i = 0; i < cells; i++) {
-        mapd[i] = map[i];
-        rmapd[i] = rmap[i];
-    }
-    assert_true(tu_rel_l2(mapd, rmapd, cells) <= 1e-5);
     const shape s = {B, H, Nq, Nk, D, bq, bk};
-    compare_masks(m, rm, &mp, &s);
+    sparge_mask_destroy(predict_and_compare(&s, SPARGE_BF16, TU_BHND, &q, &k, &rq, &rk, &mp));
     free(v);
-    free(map);
-    free(rmap);
-    free(mapd);
-    free(rmapd);
-    sparge_mask_destroy(m);
-    sparge_mask_destroy(rm);
     tu_free(&q);
     tu_free(&k);
     tu_free(&rq);
@@ -522,28 +524,7 @@ static void test_predict_shapes(void **state)
         fill_inputs(&q, &r1, -1, s->bk, 1.0); fill_inputs(&rq, &r2, -1, s->bk, 1.0);
         fill_inputs(&k, &r1, sink, s->bk, 1.0); fill_inputs(&rk, &r2, sink, s->bk, 1.0);
         sparge_mask_params mp = {s->bq, s->bk, 0.03, 0.2, 0.0f};
-        sparge_mask *m, *rm;
-        assert_int_equal(sparge_mask_create(dev, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &m), SPARGE_OK);
-        assert_int_equal(sparge_mask_create(ref, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &rm), SPARGE_OK);
-        assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
-        assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
-        const int64_t cells = s->B * s->H * ((s->Nq + s->bq - 1) / s->bq) * ((s->Nk + s->bk - 1) / s->bk);
-        float *map = malloc((size_t)cells * sizeof *map), *rmap = malloc((size_t)cells * sizeof *rmap);
-        double *mapd = malloc((size_t)cells * sizeof *mapd), *rmapd = malloc((size_t)cells * sizeof *rmapd);
-        assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
-        assert_int_equal(sparge_mask_get_pooled_map(rm, rmap), SPARGE_OK);
-        for (int64_t i = 0; i < cells; i++) {
-            mapd[i] = map[i];
-            rmapd[i] = rmap[i];
-        }
-        check_close("pooled map", s, SPARGE_BF16, TU_BNHD, mapd, rmapd, cells, 1e-5);
-        compare_masks(m, rm, &mp, s);
-        free(map);
-        free(rmap);
-        free(mapd);
-        free(rmapd);
-        sparge_mask_destroy(m);
-        sparge_mask_destroy(rm);
+        sparge_mask_destroy(predict_and_compare(s, SPARGE_BF16, TU_BNHD, &q, &k, &rq, &rk, &mp));
         tu_free(&q);
         tu_free(&k);
         tu_free(&rq);

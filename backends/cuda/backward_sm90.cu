@@ -150,18 +150,8 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             fence_operand(dp[i] = 0.0f);
         }
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T, 0, 0>(s, sw128_desc(k_wg + off, 16, CORE_GROUP_BYTES),
-                                  sw128_desc(q_tile + off, 16, CORE_GROUP_BYTES), 1);
-        }
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T, 0, 0>(dp, sw128_desc(v_wg + off, 16, CORE_GROUP_BYTES),
-                                  sw128_desc(do_tile + off, 16, CORE_GROUP_BYTES), 1);
-        }
+        wgmma_a_bt<T, D>(s, k_wg, q_tile);
+        wgmma_a_bt<T, D>(dp, v_wg, do_tile);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll

@@ -142,19 +142,9 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
                 fence_operand(dp[nt][e] = 0.0f);
             }
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T, 0, 0>(&s[0][0], sw128_desc(q_wg + off, 16, CORE_GROUP_BYTES),
-                                  sw128_desc(k_tile + off, 16, CORE_GROUP_BYTES), 1);
-        }
+        wgmma_a_bt<T, D>(&s[0][0], q_wg, k_tile);
         wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T, 0, 0>(&dp[0][0], sw128_desc(do_wg + off, 16, CORE_GROUP_BYTES),
-                                  sw128_desc(v_tile + off, 16, CORE_GROUP_BYTES), 1);
-        }
+        wgmma_a_bt<T, D>(&dp[0][0], do_wg, v_tile);
         wgmma_commit();
         issue_tile(t + AHEAD); /* under the MMAs (its list entry may miss in cache) */
         wgmma_wait<1>(); /* S and the previous tile's dQ product are done; dP may still run */

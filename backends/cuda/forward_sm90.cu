@@ -37,6 +37,7 @@
 using namespace sparge_mma;
 using namespace sparge_wgmma;
 using sparge_sm90::load_tile;
+using sparge_sm90::wgmma_a_bt;
 
 namespace {
 
@@ -125,12 +126,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
                 fence_operand(s[nt][e] = 0.0f);
         const uint32_t k_tile = k_smem(stage);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            const uint32_t k_off = (kk >> 2) * W::PANEL_BYTES + (kk & 3) * 32;
-            wgmma_ss_n64<T, 0, 0>(&s[0][0], sw128_desc(q_wg + k_off, 16, CORE_GROUP_BYTES),
-                            sw128_desc(k_tile + k_off, 16, CORE_GROUP_BYTES), 1);
-        }
+        wgmma_a_bt<T, D>(&s[0][0], q_wg, k_tile);
         wgmma_commit();
         wgmma_wait<0>();
 #pragma unroll

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace sparge_sm90 {
 
@@ -48,6 +49,19 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t s
         const bool ok = row0 + r < limit;
         sparge_mma::cp_async_16(dst + tile_offset<D>(r, ch), ok ? src : base, ok);
         src += ROW_STEP * sn;
+    }
+}
+
+/* acc (64×64 f32) += A·Bᵀ over D, A and B 64-row tiles of this layout read as K-major operands: the
+ * S = Q·Kᵀ-shaped products of the wgmma kernels (one group; the caller fences, commits and waits). */
+template <typename T, int D>
+__device__ __forceinline__ void wgmma_a_bt(float acc[32], uint32_t a_tile, uint32_t b_tile)
+{
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
+        sparge_wgmma::wgmma_ss_n64<T, 0, 0>(acc, sparge_wgmma::sw128_desc(a_tile + off, 16, CORE_GROUP_BYTES),
+                                            sparge_wgmma::sw128_desc(b_tile + off, 16, CORE_GROUP_BYTES), 1);
     }
 }
 
