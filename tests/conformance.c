@@ -2,7 +2,8 @@
  * the shared mask vectors, pooling, the pooled map, mask selection, forward
  * and backward over a grid of shapes (several B·H, ragged N, Nq ≠ Nk, D from
  * 32 to 256, BHND and BNHD views, f32/f16/bf16), fresh random inputs and
- * poisoned outputs. Exits 77 when the backend is compiled in but has no device.
+ * poisoned outputs; the backend's gradients of a scalar loss against finite differences of the fp64 forward.
+ * Exits 77 when the backend is compiled in but has no device.
  * Combinations a backend does not support must fail cleanly with
  * SPARGE_ERR_UNSUPPORTED and leave the outputs untouched. */
 #include <math.h>
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include "testutil.h"
+#include "../backends/cpu/ref.h"
 
 static sparge_device *dev, *ref;
 
@@ -532,6 +534,85 @@ static void test_predict_shapes(void **state)
     }
 }
 
+/* The backend's gradient of the scalar loss L = Σ w∘O (dO = w) against central finite differences of the fp64
+ * reference forward, test_grad's check run on the backend's own forward and backward: one head of a ragged
+ * masked shape, per dtype the backend runs, inputs rounded to the dtype so both sides see the same values. */
+static void test_grad_finite_differences(void **state)
+{
+    (void)state;
+    const int64_t Nq = 200, Nk = 150, D = 64, n_q = Nq * D, n_k = Nk * D;
+    const int bq = 128, bk = 64;
+    static const uint8_t keep[2 * 3] = {1, 0, 1, 0, 1, 1}; /* rows of 2 and 2 of the 3 key blocks, ragged */
+    const double scale = 1.0 / sqrt((double)D), h = 1e-5;
+    tu_rng r = {20261204};
+    int tested = 0;
+    for (int d = 0; d < 3; d++) {
+        const sparge_dtype dt = dtypes[d];
+        tu_tensor q = tu_alloc(dev, dt, TU_BHND, 1, 1, Nq, D), k = tu_alloc(dev, dt, TU_BHND, 1, 1, Nk, D),
+                  v = tu_alloc(dev, dt, TU_BHND, 1, 1, Nk, D), w = tu_alloc(dev, dt, TU_BHND, 1, 1, Nq, D),
+                  o = tu_alloc(dev, dt, TU_BHND, 1, 1, Nq, D), dq = tu_alloc(dev, dt, TU_BHND, 1, 1, Nq, D),
+                  dk = tu_alloc(dev, dt, TU_BHND, 1, 1, Nk, D), dv = tu_alloc(dev, dt, TU_BHND, 1, 1, Nk, D);
+        tu_tensor *inputs[4] = {&q, &k, &v, &w};
+        double *x[4]; /* the rounded values the backend sees */
+        for (int i = 0; i < 4; i++) {
+            tu_fill_normal(inputs[i], &r, 1.0);
+            x[i] = tu_get(inputs[i]);
+        }
+        sparge_mask *m;
+        float *lse;
+        assert_int_equal(sparge_mask_create(dev, 1, 1, Nq, Nk, bq, bk, &m), SPARGE_OK);
+        assert_int_equal(sparge_mask_set_dense(m, keep), SPARGE_OK);
+        assert_int_equal(sparge_malloc(dev, (size_t)Nq * 4, (void **)&lse), SPARGE_OK);
+        tu_poison(&o);
+        sparge_status st = sparge_attention_forward(dev, &q.t, &k.t, &v.t, m, NULL, &o.t, lse);
+        if (!unsupported(st, (tu_tensor *[]){&o}, 1, "forward (finite differences)")) {
+            assert_int_equal(st, SPARGE_OK);
+            tu_poison(&dq);
+            tu_poison(&dk);
+            tu_poison(&dv);
+            st = sparge_attention_backward(dev, &q.t, &k.t, &v.t, &o.t, &w.t, lse, m, NULL, &dq.t, &dk.t, &dv.t);
+            assert_int_equal(st, SPARGE_OK);
+            tu_tensor *grads[3] = {&dq, &dk, &dv};
+            const int64_t sizes[3] = {n_q, n_k, n_k};
+            double *oo = malloc((size_t)n_q * sizeof *oo), *ll = malloc((size_t)Nq * sizeof *ll);
+            for (int t = 0; t < 3; t++) {
+                double *g = tu_get(grads[t]), got[16], fd[16];
+                for (int probe = 0; probe < 16; probe++) {
+                    const int64_t i = (int64_t)(tu_next(&r) % (uint64_t)sizes[t]);
+                    const double saved = x[t][i];
+                    double l[2];
+                    for (int side = 0; side < 2; side++) {
+                        x[t][i] = saved + (side ? -h : h);
+                        sparge_ref_head_forward(x[0], x[1], x[2], Nq, Nk, D, scale, bq, bk, keep, oo, ll);
+                        l[side] = 0.0;
+                        for (int64_t e = 0; e < n_q; e++)
+                            l[side] += x[3][e] * oo[e];
+                    }
+                    x[t][i] = saved;
+                    fd[probe] = (l[0] - l[1]) / (2 * h);
+                    got[probe] = g[i];
+                }
+                const double err = tu_rel_l2(got, fd, 16), tol = 2 * tu_tolerance(dt);
+                if (!(err <= tol))
+                    fail_msg("%s %s: gradient against finite differences rel L2 %.3g > %.3g", sparge_dtype_name(dt),
+                             t == 0 ? "dQ" : t == 1 ? "dK" : "dV", err, tol);
+                free(g);
+            }
+            free(oo);
+            free(ll);
+            tested++;
+        }
+        for (int i = 0; i < 4; i++)
+            free(x[i]);
+        sparge_free(dev, lse);
+        sparge_mask_destroy(m);
+        tu_tensor *all[] = {&q, &k, &v, &w, &o, &dq, &dk, &dv};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+            tu_free(all[i]);
+    }
+    assert_true(tested > 0);
+}
+
 int main(void)
 {
     if (sparge_backend_device_count(BACKEND) == 0) {
@@ -550,6 +631,7 @@ int main(void)
         cmocka_unit_test(test_predict_wide_rows),
         cmocka_unit_test(test_predict_many_tiles),
         cmocka_unit_test(test_predict_shapes),
+        cmocka_unit_test(test_grad_finite_differences),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
     sparge_device_close(dev);
