@@ -235,9 +235,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
 #pragma unroll
             for (int dh = wg; dh < D / 64; dh += WGS) {
                 float dq[32];
-#pragma unroll
-                for (int i = 0; i < 32; i++)
-                    fence_operand(dq[i] = 0.0f);
+                zero_operands(dq);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < KEYS / 16; kk++)
@@ -249,9 +247,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
                         1);
                 wgmma_commit();
                 wgmma_wait<0>();
-#pragma unroll
-                for (int i = 0; i < 32; i++)
-                    fence_operand(dq[i]);
+                fence_operands(dq);
 #pragma unroll
                 for (int nt = 0; nt < 8; nt++) {
                     red_add2(dst + dh * 64 + nt * 8, dq[nt * 4], dq[nt * 4 + 1]);

@@ -114,14 +114,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
             dsa[kk][e] = 0u;
     /* The registers the dQ product reads and writes, pinned where it is issued and where it is known done. */
     auto fence_dq_operands = [&]() {
-#pragma unroll
-        for (int i = 0; i < D_TILES * 4; i++)
-            fence_operand(dq[i]);
-#pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(dsa[kk][e]);
+        fence_operands(dq);
+        fence_operands(dsa);
     };
 
     for (int t = 0; t < w.n_tiles; t++) {
@@ -149,11 +143,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         issue_tile(t + AHEAD); /* under the MMAs (its list entry may miss in cache) */
         wgmma_wait<1>(); /* S and the previous tile's dQ product are done; dP may still run */
         fence_dq_operands();
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(s[nt][e]);
+        fence_operands(s);
 
         /* P; keys past Nk (ragged last block, zero-filled K and V) get P = 0. */
         const int key0 = w.key0(t);

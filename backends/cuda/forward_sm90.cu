@@ -119,21 +119,13 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         issue_tile(t + STAGES - 1);
 
         float s[N_TILES][4];
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(s[nt][e] = 0.0f);
+        zero_operands(s);
         const uint32_t k_tile = k_smem(stage);
         wgmma_fence();
         wgmma_a_bt<T, D>(&s[0][0], q_wg, k_tile);
         wgmma_commit();
         wgmma_wait<0>();
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(s[nt][e]);
+        fence_operands(s);
 
         const int key0 = w.key0(t);
         if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
@@ -181,16 +173,8 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         fence_proxy_async();
         __syncthreads();
         const uint32_t v_tile = v_smem(stage);
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(o_acc[dt][e]);
-#pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(pa[kk][e]);
+        fence_operands(o_acc);
+        fence_operands(pa);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; kk++)
@@ -198,11 +182,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
                                                                CORE_GROUP_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
-#pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                fence_operand(o_acc[dt][e]);
+        fence_operands(o_acc);
     }
     cp_async_wait<0>();
     __syncthreads(); /* every thread's copies landed (Q, when no tile ran) before O is staged over Q */

@@ -25,6 +25,35 @@ __device__ __forceinline__ void wgmma_wait()
 /* Keeps the compiler from moving accesses of an operand register across wgmma fences/waits. */
 __device__ __forceinline__ void fence_operand(float &r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void fence_operand(uint32_t &r) { asm volatile("" : "+r"(r)::"memory"); }
+/* fence_operand on every register of an operand array; zero_operands also clears an accumulator first. */
+template <typename R, int N>
+__device__ __forceinline__ void fence_operands(R (&x)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        fence_operand(x[i]);
+}
+template <typename R, int N, int M>
+__device__ __forceinline__ void fence_operands(R (&x)[N][M])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        fence_operands(x[i]);
+}
+template <int N>
+__device__ __forceinline__ void zero_operands(float (&x)[N])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        fence_operand(x[i] = 0.0f);
+}
+template <int N, int M>
+__device__ __forceinline__ void zero_operands(float (&x)[N][M])
+{
+#pragma unroll
+    for (int i = 0; i < N; i++)
+        zero_operands(x[i]);
+}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 /* d (64×64 f32, accumulator layout) = (accumulate ? d : 0) + A·B, both from shared memory; TRANS_A / TRANS_B = 0: the
