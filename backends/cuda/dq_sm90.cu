@@ -191,15 +191,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
             *reinterpret_cast<uint32_t *>(dq_stage + swizzle<D / 8>(row0 + 8 * r, dt) + (lane & 3) * 4) =
                 pack2<T>(dq[dt * 4 + 2 * r] * p.scale, dq[dt * 4 + 2 * r + 1] * p.scale);
     __syncthreads();
-    T *out = (T *)p.dq + b * p.dq_sb + h * p.dq_sh;
-#pragma unroll
-    for (int it = 0; it < WG_ROWS * (D / 8) / 128; it++) {
-        const int c = it * 128 + wg_tid, row_local = c / (D / 8), ch = c % (D / 8);
-        const int q = q0 + wg * WG_ROWS + row_local;
-        if (q < p.Nq)
-            *reinterpret_cast<uint4 *>(out + (int64_t)q * p.dq_sn + ch * 8) =
-                *reinterpret_cast<const uint4 *>(dq_stage + swizzle<D / 8>(row_local, ch));
-    }
+    store_wg_rows<T, D>((T *)p.dq + b * p.dq_sb + h * p.dq_sh, p.dq_sn, q0 + wg * WG_ROWS, p.Nq, dq_stage, wg_tid);
 #endif
 }
 

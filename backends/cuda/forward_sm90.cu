@@ -37,6 +37,7 @@
 using namespace sparge_mma;
 using namespace sparge_wgmma;
 using sparge_sm90::load_tile;
+using sparge_sm90::store_wg_rows;
 using sparge_sm90::wgmma_a_bt;
 
 namespace {
@@ -204,16 +205,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
                 pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
     }
     __syncthreads();
-    T *o = (T *)p.o + b * p.o_sb + h * p.o_sh;
-#pragma unroll
-    for (int it = 0; it < WG_ROWS * W::ROW_CHUNKS / 128; it++) {
-        const int c = it * 128 + wg_tid;
-        const int row_local = c / W::ROW_CHUNKS, ch = c % W::ROW_CHUNKS;
-        const int row = q0 + wg * WG_ROWS + row_local;
-        if (row < p.Nq)
-            *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
-                *reinterpret_cast<const uint4 *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, ch));
-    }
+    store_wg_rows<T, D>((T *)p.o + b * p.o_sb + h * p.o_sh, p.o_sn, q0 + wg * WG_ROWS, p.Nq, o_stage, wg_tid);
 #endif
 }
 

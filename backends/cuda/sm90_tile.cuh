@@ -52,6 +52,22 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t s
     }
 }
 
+/* Store one warpgroup's staged 64 × D tile (rows of D/8 16-byte chunks in mma.cuh's swizzle) to the global
+ * rows row0..row0+63 below `limit`, 16 bytes per access; wg_tid: the thread's index in its warpgroup. */
+template <typename T, int D>
+__device__ __forceinline__ void store_wg_rows(T *base, int64_t sn, int row0, int limit, const unsigned char *stage,
+                                              int wg_tid)
+{
+    constexpr int ROW_CHUNKS = D / 8;
+#pragma unroll
+    for (int it = 0; it < REGION_ROWS * ROW_CHUNKS / 128; it++) {
+        const int c = it * 128 + wg_tid, row_local = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
+        if (row0 + row_local < limit)
+            *reinterpret_cast<uint4 *>(base + (int64_t)(row0 + row_local) * sn + ch * 8) =
+                *reinterpret_cast<const uint4 *>(stage + sparge_mma::swizzle<ROW_CHUNKS>(row_local, ch));
+    }
+}
+
 /* acc (64×64 f32) += A·Bᵀ over D, A and B 64-row tiles of this layout read as K-major operands: the
  * S = Q·Kᵀ-shaped products of the wgmma kernels (one group; the caller fences, commits and waits). */
 template <typename T, int D>
