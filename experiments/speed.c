@@ -257,12 +257,14 @@ int main(int argc, char **argv)
             time_ops(&b, OP_DENSE, OP_SPARSE, warmup, reps, &t_dense, &t_fwd) ||
             (backward && time_ops(&b, OP_DENSE_BWD, OP_SPARSE_BWD, warmup, reps, &t_dense_bwd, &t_bwd)))
             return 1;
-        if (i < nsp)
-            snprintf(prefix, sizeof prefix, "%s-s%05.2f", export_prefix, 100.0 * st.sparsity);
-        else
-            snprintf(prefix, sizeof prefix, "%s-k%g-p%g", export_prefix, topk, topp);
-        if (export_prefix && exp_check(sparge_mask_export(b.mask, prefix, x.D, o.dtype), "sparge_mask_export"))
-            return 1;
+        if (export_prefix) {
+            if (i < nsp)
+                snprintf(prefix, sizeof prefix, "%s-s%05.2f", export_prefix, 100.0 * st.sparsity);
+            else
+                snprintf(prefix, sizeof prefix, "%s-k%g-p%g", export_prefix, topk, topp);
+            if (exp_check(sparge_mask_export(b.mask, prefix, x.D, o.dtype), "sparge_mask_export"))
+                return 1;
+        }
         double total = t_mask + t_fwd;
         if (i < nsp && fabs(st.sparsity - 0.95) < 0.01)
             speedup_at_95 = t_dense / total;
