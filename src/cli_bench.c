@@ -11,9 +11,10 @@ static const char help[] =
     "usage: sparge bench [options]\n"
     "\n"
     "Times mask prediction (pooling + pooled map + hybrid selection), the block-sparse\n"
-    "forward and backward on one backend, and prints a table (median of --reps runs after\n"
-    "--warmup runs, device timers). Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t (x2.5 for the\n"
-    "backward); effective TFLOP/s counts only the kept token pairs.\n"
+    "forward and backward on one backend, and prints a table (device timers, --reps runs after\n"
+    "--warmup runs). Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t (x2.5 for the backward);\n"
+    "effective TFLOP/s counts only the kept token pairs. fwd+mask is timed as one operation\n"
+    "(prediction then forward) when --ops has both.\n"
     "\n"
     "  --backend NAME      device: cpu, cpu-ref, cuda[:N], cuda-generic[:N], hip[:N], auto (default auto)\n"
     "  --B N --H N         batch and heads (default 1, 2)\n"
@@ -27,6 +28,10 @@ static const char help[] =
     "                      sparsity in [0,1) reached with Top-k = 1 - s (default dense,hybrid)\n"
     "  --ops LIST          subset of mask,fwd,bwd (default mask,fwd,bwd)\n"
     "  --reps N --warmup N timed and warm-up runs (default 10, 2)\n"
+    "  --timing MODE       queued: the runs are issued back to back and the mean per run is\n"
+    "                      reported (what a training loop sees, and how the peer scripts time);\n"
+    "                      each: every run is timed alone, synchronized, and the median is\n"
+    "                      reported (adds the host's launch latency to every run) (default queued)\n"
     "  --deterministic     backward without atomics (bitwise reproducible)\n"
     "  --seed N            input seed (default 1)\n"
     "  --output FILE       also write the rows as CSV (.csv) or JSON (.json)\n"
@@ -37,7 +42,7 @@ static const char help[] =
 typedef struct {
     char level[32];
     double sparsity, density;
-    double mask_ms, fwd_ms, bwd_ms;
+    double mask_ms, fwd_ms, fwd_mask_ms, bwd_ms;
 } bench_row;
 
 static int cmp_double(const void *a, const void *b)
@@ -46,9 +51,10 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Median time of `reps` runs of op(ctx) after `warmup`, or NAN on failure. */
+/* Time per run of op(ctx) after `warmup` runs, or NAN on failure: with `queued`, the mean of `reps` runs issued
+ * back to back between one pair of device timers; otherwise the median of `reps` runs timed one at a time. */
 typedef sparge_status (*bench_op)(void *ctx);
-static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, int reps, const char *what)
+static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, int reps, int queued, const char *what)
 {
     sparge_status s;
     for (int i = 0; i < warmup; i++)
@@ -56,6 +62,23 @@ static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, in
             cli_fail(what, s);
             return NAN;
         }
+    if (queued) {
+        double total;
+        if ((s = sparge_timer_start(dev))) {
+            cli_fail(what, s);
+            return NAN;
+        }
+        for (int i = 0; i < reps; i++)
+            if ((s = op(ctx))) {
+                cli_fail(what, s);
+                return NAN;
+            }
+        if ((s = sparge_timer_stop(dev, &total))) {
+            cli_fail(what, s);
+            return NAN;
+        }
+        return total / reps;
+    }
     double *t = malloc((size_t)reps * sizeof *t);
     for (int i = 0; i < reps; i++) {
         if ((s = sparge_timer_start(dev)) || (s = op(ctx)) || (s = sparge_timer_stop(dev, &t[i]))) {
@@ -89,6 +112,11 @@ static sparge_status op_fwd(void *p)
     bench_ctx *c = p;
     return sparge_attention_forward(c->dev, &c->q, &c->k, &c->v, c->mask, &c->ap, &c->o, c->lse);
 }
+static sparge_status op_mask_fwd(void *p)
+{
+    sparge_status s = op_mask(p);
+    return s ? s : op_fwd(p);
+}
 static sparge_status op_bwd(void *p)
 {
     bench_ctx *c = p;
@@ -99,7 +127,7 @@ static sparge_status op_bwd(void *p)
 int cli_bench(int argc, char **argv)
 {
     const char *backend = "auto", *levels = "dense,hybrid", *ops = "mask,fwd,bwd", *output = NULL, *export_pfx = NULL,
-               *dtype_s = NULL, *layout = "bhnd", *v;
+               *dtype_s = NULL, *layout = "bhnd", *timing = "queued", *v;
     int64_t B = 1, H = 2, Nq = 8192, Nk = -1, D = 128, reps = 10, warmup = 2, seed = 1;
     int bq = 128, bk = 64, det = 0;
     double topk = 0.03, topp = 0.2;
@@ -128,6 +156,7 @@ int cli_bench(int argc, char **argv)
         else if ((v = cli_opt(argc, argv, &i, "--seed"))) seed = cli_int(v, "--seed");
         else if ((v = cli_opt(argc, argv, &i, "--output"))) output = v;
         else if ((v = cli_opt(argc, argv, &i, "--export-mask"))) export_pfx = v;
+        else if ((v = cli_opt(argc, argv, &i, "--timing"))) timing = v;
         else if (!strcmp(argv[i], "--deterministic")) det = 1;
         else {
             fprintf(stderr, "sparge bench: unknown option '%s' (see sparge bench --help)\n", argv[i]);
@@ -140,6 +169,11 @@ int cli_bench(int argc, char **argv)
         fprintf(stderr, "sparge bench: --reps must be ≥ 1 and --warmup ≥ 0\n");
         return 2;
     }
+    if (strcmp(timing, "queued") && strcmp(timing, "each")) {
+        fprintf(stderr, "sparge bench: --timing must be queued or each\n");
+        return 2;
+    }
+    const int queued = !strcmp(timing, "queued");
     if (strcmp(layout, "bhnd") && strcmp(layout, "bnhd")) {
         fprintf(stderr, "sparge bench: --layout must be bhnd or bnhd\n");
         return 2;
@@ -183,9 +217,9 @@ int cli_bench(int argc, char **argv)
     c.ap.deterministic = det;
 
     printf("sparge bench on %s (%s)\n", sparge_device_name(c.dev), sparge_device_description(c.dev));
-    printf("B=%lld H=%lld Nq=%lld Nk=%lld D=%lld %s %s, blocks %dx%d, median of %lld after %lld warm-up\n\n",
+    printf("B=%lld H=%lld Nq=%lld Nk=%lld D=%lld %s %s, blocks %dx%d, %s of %lld after %lld warm-up\n\n",
            (long long)B, (long long)H, (long long)Nq, (long long)Nk, (long long)D, sparge_dtype_name(dt), layout, bq, bk,
-           (long long)reps, (long long)warmup);
+           queued ? "mean of queued runs" : "median", (long long)reps, (long long)warmup);
     printf("%-12s %8s %8s %9s %9s %11s %9s %9s %9s %9s\n", "level", "sparsity", "mask ms", "fwd ms", "fwd+mask",
            "fwd TFLOP/s", "eff TF/s", "bwd ms", "bwd TF/s", "speedup");
     double flops = 4.0 * (double)B * (double)H * (double)Nq * (double)Nk * (double)D, dense_fwd = NAN;
@@ -197,7 +231,7 @@ int cli_bench(int argc, char **argv)
         bench_row *r = &rows[nrows];
         memset(r, 0, sizeof *r);
         snprintf(r->level, sizeof r->level, "%s", tok);
-        r->mask_ms = r->fwd_ms = r->bwd_ms = NAN;
+        r->mask_ms = r->fwd_ms = r->fwd_mask_ms = r->bwd_ms = NAN;
         int dense = !strcmp(tok, "dense");
         c.mask = dense ? NULL : mask;
         c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f};
@@ -214,7 +248,7 @@ int cli_bench(int argc, char **argv)
             r->density = 1.0;
         } else {
             if (strstr(ops, "mask"))
-                r->mask_ms = time_op(c.dev, op_mask, &c, (int)warmup, (int)reps, "mask prediction");
+                r->mask_ms = time_op(c.dev, op_mask, &c, (int)warmup, (int)reps, queued, "mask prediction");
             else if ((s = op_mask(&c)))
                 return cli_fail("mask prediction", s);
             sparge_mask_stats st;
@@ -225,18 +259,20 @@ int cli_bench(int argc, char **argv)
         }
         if (strstr(ops, "fwd") || want_bwd) {
             double t = time_op(c.dev, op_fwd, &c, strstr(ops, "fwd") ? (int)warmup : 0, strstr(ops, "fwd") ? (int)reps : 1,
-                               "forward");
+                               queued, "forward");
             if (strstr(ops, "fwd"))
                 r->fwd_ms = t;
         }
         if (want_bwd)
-            r->bwd_ms = time_op(c.dev, op_bwd, &c, (int)warmup, (int)reps, "backward");
+            r->bwd_ms = time_op(c.dev, op_bwd, &c, (int)warmup, (int)reps, queued, "backward");
         if (dense)
             dense_fwd = r->fwd_ms;
-        double total = r->fwd_ms + (dense ? 0.0 : r->mask_ms);
+        r->fwd_mask_ms = dense ? r->fwd_ms : NAN;
+        if (!dense && strstr(ops, "mask") && strstr(ops, "fwd"))
+            r->fwd_mask_ms = time_op(c.dev, op_mask_fwd, &c, (int)warmup, (int)reps, queued, "mask prediction + forward");
         printf("%-12s %7.2f%% %8.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %8.2fx\n", r->level, 100.0 * r->sparsity,
-               r->mask_ms, r->fwd_ms, total, flops / (r->fwd_ms * 1e9), flops * r->density / (r->fwd_ms * 1e9),
-               r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), dense_fwd / total);
+               r->mask_ms, r->fwd_ms, r->fwd_mask_ms, flops / (r->fwd_ms * 1e9), flops * r->density / (r->fwd_ms * 1e9),
+               r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), dense_fwd / r->fwd_mask_ms);
         fflush(stdout);
         nrows++;
         if (export_pfx && !dense && (s = sparge_mask_export(mask, export_pfx, D, dt)))
@@ -254,7 +290,7 @@ int cli_bench(int argc, char **argv)
             fprintf(f, "[\n");
         else
             fprintf(f, "device,B,H,Nq,Nk,D,dtype,layout,block_q,block_k,level,sparsity,token_density,mask_ms,fwd_ms,"
-                       "bwd_ms,fwd_tflops,bwd_tflops\n");
+                       "fwd_mask_ms,bwd_ms,fwd_tflops,bwd_tflops\n");
         for (int i = 0; i < nrows; i++) {
             bench_row *r = &rows[i];
             if (json)
@@ -262,16 +298,16 @@ int cli_bench(int argc, char **argv)
                         "  {\"device\": \"%s\", \"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, "
                         "\"dtype\": \"%s\", \"layout\": \"%s\", \"block_q\": %d, \"block_k\": %d, \"level\": \"%s\", "
                         "\"sparsity\": %.6f, \"token_density\": %.6f, \"mask_ms\": %.6g, \"fwd_ms\": %.6g, "
-                        "\"bwd_ms\": %.6g}%s\n",
+                        "\"fwd_mask_ms\": %.6g, \"bwd_ms\": %.6g}%s\n",
                         sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
                         (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
                         isnan(r->mask_ms) ? -1.0 : r->mask_ms, isnan(r->fwd_ms) ? -1.0 : r->fwd_ms,
-                        isnan(r->bwd_ms) ? -1.0 : r->bwd_ms, i + 1 < nrows ? "," : "");
+                        isnan(r->fwd_mask_ms) ? -1.0 : r->fwd_mask_ms, isnan(r->bwd_ms) ? -1.0 : r->bwd_ms, i + 1 < nrows ? "," : "");
             else
-                fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.2f,%.2f\n",
+                fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.6g,%.2f,%.2f\n",
                         sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
                         (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
-                        r->mask_ms, r->fwd_ms, r->bwd_ms, flops / (r->fwd_ms * 1e9), 2.5 * flops / (r->bwd_ms * 1e9));
+                        r->mask_ms, r->fwd_ms, r->fwd_mask_ms, r->bwd_ms, flops / (r->fwd_ms * 1e9), 2.5 * flops / (r->bwd_ms * 1e9));
         }
         if (json)
             fprintf(f, "]\n");

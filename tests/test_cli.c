@@ -1,0 +1,81 @@
+/* Tests of the command-line tool: `sparge bench` options, its table and its CSV. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#define BENCH SPARGE_CLI " bench --backend cpu-ref --H 1 --N 300 --Nk 200 --D 16 --dtype f32 --reps 2 --warmup 1"
+
+static int run(const char *command)
+{
+    int status = system(command);
+    assert_true(status != -1 && WIFEXITED(status));
+    return WEXITSTATUS(status);
+}
+
+/* Both timing modes time every column; fwd+mask is a timing of its own for masked levels. */
+static void test_bench_csv(void **state)
+{
+    (void)state;
+    const char *modes[2] = {"queued", "each"};
+    for (int m = 0; m < 2; m++) {
+        char csv[] = "/tmp/sparge-test-cli-XXXXXX", command[512], line[1024];
+        int fd = mkstemp(csv);
+        assert_true(fd >= 0);
+        close(fd);
+        snprintf(command, sizeof command, BENCH " --sparsity dense,0.5 --timing %s --output %s >/dev/null", modes[m],
+                 csv);
+        assert_int_equal(run(command), 0);
+        FILE *f = fopen(csv, "r");
+        assert_non_null(f);
+        assert_non_null(fgets(line, sizeof line, f));
+        assert_non_null(strstr(line, ",level,sparsity,token_density,mask_ms,fwd_ms,fwd_mask_ms,bwd_ms,"));
+        for (int row = 0; row < 2; row++) {
+            assert_non_null(fgets(line, sizeof line, f));
+            const char *level = strstr(line, row ? ",0.5," : ",dense,");
+            assert_non_null(level);
+            double v[5];
+            char *cursor = strchr((char *)level + 1, ',') + 1; /* sparsity */
+            for (int i = 0; i < 5; i++, cursor++) /* sparsity, density, mask, fwd, fwd+mask */
+                v[i] = strtod(cursor, &cursor);
+            double bwd = strtod(cursor, NULL);
+            print_message("--timing %s, level %s: sparsity %.3f mask %.4g fwd %.4g fwd+mask %.4g bwd %.4g ms\n",
+                          modes[m], row ? "0.5" : "dense", v[0], v[2], v[3], v[4], bwd);
+            assert_true(v[3] > 0 && v[4] > 0 && bwd > 0);
+            if (row) {
+                assert_true(v[0] > 0.3 && v[0] < 0.7 && v[2] > 0);
+            } else {
+                assert_true(v[0] == 0 && isnan(v[2]));
+                assert_true(v[4] == v[3]); /* dense: no prediction */
+            }
+        }
+        fclose(f);
+        unlink(csv);
+    }
+}
+
+static void test_bench_rejects_bad_options(void **state)
+{
+    (void)state;
+    assert_int_equal(run(BENCH " --timing sometimes 2>/dev/null"), 2);
+    assert_int_equal(run(BENCH " --reps 0 2>/dev/null"), 2);
+    assert_int_equal(run(BENCH " --layout nhbd 2>/dev/null"), 2);
+    assert_int_equal(run(BENCH " --no-such-option 2>/dev/null"), 2);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bench_csv),
+        cmocka_unit_test(test_bench_rejects_bad_options),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
