@@ -31,19 +31,6 @@ sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out)
     return SPARGE_OK;
 }
 
-sparge_status gpu_side_stream(gpu_ctx *ctx)
-{
-    if (ctx->side)
-        return SPARGE_OK;
-    int least, greatest;
-    sparge_status s;
-    if ((s = GPU_CHECK(gpuDeviceGetStreamPriorityRange(&least, &greatest))) ||
-        (!ctx->fork && (s = GPU_CHECK(gpuEventCreateWithFlags(&ctx->fork, gpuEventDisableTiming)))) ||
-        (!ctx->join && (s = GPU_CHECK(gpuEventCreateWithFlags(&ctx->join, gpuEventDisableTiming)))))
-        return s;
-    return GPU_CHECK(gpuStreamCreateWithPriority(&ctx->side, gpuStreamNonBlocking, greatest));
-}
-
 static int device_count(void)
 {
     int n = 0;
@@ -85,14 +72,6 @@ static void close_device(void *impl)
     for (int i = 0; i < 2; i++)
         if (ctx->timer[i])
             (void)gpuEventDestroy(ctx->timer[i]);
-    if (ctx->side) {
-        (void)gpuStreamSynchronize(ctx->side);
-        (void)gpuStreamDestroy(ctx->side);
-    }
-    if (ctx->fork)
-        (void)gpuEventDestroy(ctx->fork);
-    if (ctx->join)
-        (void)gpuEventDestroy(ctx->join);
     free(ctx);
 }
 

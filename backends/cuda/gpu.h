@@ -16,8 +16,6 @@ struct gpu_ctx {
     size_t smem_optin;      /* max dynamic shared memory per block */
     int generic;            /* 1: portable tier only (cuda-generic, hip) */
     gpuEvent_t timer[2];    /* created on first use */
-    gpuStream_t side;       /* gpu_side_stream(): created on first use */
-    gpuEvent_t fork, join;
     void *workspace;        /* grown on demand by gpu_workspace() */
     size_t workspace_bytes;
 };
@@ -28,7 +26,6 @@ struct gpu_ctx {
  * anonymous namespace (or static). */
 #define gpu_check SPARGE_GPU_FN(check)
 #define gpu_workspace SPARGE_GPU_FN(workspace)
-#define gpu_side_stream SPARGE_GPU_FN(side_stream)
 
 /* Turn a runtime error into a status with the runtime's message. */
 sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *what);
@@ -37,10 +34,6 @@ sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *wh
 #define GPU_CHECK_LAUNCH(what) gpu_check(gpuGetLastError(), __FILE__, __LINE__, what)
 /* At least `bytes` of scratch device memory, valid until the next call on ctx. */
 sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
-
-/* A second stream of the highest priority for work that overlaps the context's stream, and the two events
- * that order it against that stream (ctx->fork, ctx->join), all created on first use. */
-sparge_status gpu_side_stream(gpu_ctx *ctx);
 
 /* Element load/store for the three storage dtypes, fp32 in registers. */
 template <typename T> __device__ __forceinline__ float to_f32(T x);

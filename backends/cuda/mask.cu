@@ -1,7 +1,6 @@
 /* Mask prediction on the GPU: pooled map, per-row hybrid selection, CSR and
- * transpose bookkeeping. Everything is queued on the context's stream (large
- * predictions also on a side stream that the context's stream then waits for);
- * nothing here waits for the device.
+ * transpose bookkeeping. Everything is queued on the context's stream; nothing
+ * here waits for the device.
  *
  * Selection follows DESIGN.md §1 and backends/cpu/select.c exactly: a row is
  * sorted by descending score with ties to the lower block index (a stable
@@ -871,93 +870,19 @@ sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args 
     return s ? s : launch_select<false>(ctx, a->map, a->topk, a->topp, &a->mask);
 }
 
-namespace {
-
-/* The logits, then selection with the row softmax in its prologue (the map is written once, as
- * probabilities), then the transpose. */
-sparge_status map_and_select(gpu_ctx *ctx, const sparge_predict_args *a)
+/* One pooling launch for Q and K, the logits, then selection with the row
+ * softmax in its prologue: the map is written once, as probabilities. */
+sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a)
 {
     sparge_status s;
-    if ((s = launch_logits(ctx, &a->map)))
+    if ((s = check_map(&a->map)) || (s = check_select(&a->mask)) || (s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k)) ||
+        (s = launch_logits(ctx, &a->map)))
         return s;
     if (a->mask.Nkb <= FAST_MAX_ROW && a->map.map.sd == 1)
         return launch_fast_select(ctx, a);
     if (a->mask.Nkb > FUSED_SOFTMAX_MAX_ROW && (s = launch_softmax(ctx, &a->map)))
         return s;
     return launch_select<true>(ctx, a->map.map, a->topk, a->topp, &a->mask);
-}
-
-/* Heads h0 .. h0 + nh - 1 of batch item b. */
-sparge_view head_slice(const sparge_view &v, int64_t b, int64_t h0, int64_t nh)
-{
-    sparge_view s = v;
-    s.data = (char *)v.data + (b * v.sb + h0 * v.sh) * (int64_t)sparge_dtype_size(v.dtype);
-    s.B = 1;
-    s.H = nh;
-    return s;
-}
-
-sparge_predict_args head_slice(const sparge_predict_args &a, int64_t b, int64_t h0, int64_t nh)
-{
-    sparge_predict_args s = a;
-    s.q.x = head_slice(a.q.x, b, h0, nh), s.q.out = head_slice(a.q.out, b, h0, nh);
-    s.k.x = head_slice(a.k.x, b, h0, nh), s.k.out = head_slice(a.k.out, b, h0, nh);
-    s.map.qbar = head_slice(a.map.qbar, b, h0, nh), s.map.kbar = head_slice(a.map.kbar, b, h0, nh);
-    s.map.map = head_slice(a.map.map, b, h0, nh);
-    const sparge_mask_view &m = a.mask;
-    const int64_t bh = b * m.H + h0, rows = bh * m.Nqb, cols = bh * m.Nkb;
-    s.mask.B = 1;
-    s.mask.H = nh;
-    s.mask.counts = m.counts + rows;
-    s.mask.indices = m.indices + rows * m.Nkb;
-    s.mask.t_counts = m.t_counts + cols;
-    s.mask.t_indices = m.t_indices + cols * m.Nqb;
-    s.mask.dense = m.dense + rows * m.Nkb;
-    s.mask.row_mass = m.row_mass + rows;
-    return s;
-}
-
-/* Large predictions run in head groups on two streams: group g's pooling (bound by DRAM) on the context's
- * stream overlaps group g-1's logits and selection (bound by latency) on the side stream, which has the
- * higher priority. 4 groups per batch item; each kernel sees a smaller problem of the same shape. */
-constexpr int64_t PIPELINE_MIN_CELLS = 1 << 17, PIPELINE_GROUPS = 4;
-
-sparge_status predict_pipelined(gpu_ctx *ctx, const sparge_predict_args *a)
-{
-    sparge_status s;
-    if ((s = gpu_side_stream(ctx)))
-        return s;
-    const gpuStream_t main_stream = ctx->stream;
-    const int64_t H = a->mask.H, per_group = (H + PIPELINE_GROUPS - 1) / PIPELINE_GROUPS;
-    for (int64_t b = 0; b < a->mask.B && !s; b++)
-        for (int64_t h0 = 0; h0 < H && !s; h0 += per_group) {
-            const sparge_predict_args g = head_slice(*a, b, h0, per_group < H - h0 ? per_group : H - h0);
-            if ((s = SPARGE_GPU_FN(pool_pair)(ctx, &g.q, &g.k)) || (s = GPU_CHECK(gpuEventRecord(ctx->fork, main_stream))) ||
-                (s = GPU_CHECK(gpuStreamWaitEvent(ctx->side, ctx->fork, 0))))
-                break;
-            ctx->stream = ctx->side;
-            s = map_and_select(ctx, &g);
-            ctx->stream = main_stream;
-        }
-    /* Joined even after a failure, so that whatever was queued on the side stream precedes later work. */
-    sparge_status j = GPU_CHECK(gpuEventRecord(ctx->join, ctx->side));
-    if (!j)
-        j = GPU_CHECK(gpuStreamWaitEvent(main_stream, ctx->join, 0));
-    return s ? s : j;
-}
-
-} // namespace
-
-/* One pooling launch for Q and K, then map_and_select; large problems pipelined over head groups. */
-sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a)
-{
-    sparge_status s;
-    if ((s = check_map(&a->map)) || (s = check_select(&a->mask)))
-        return s;
-    const sparge_mask_view &m = a->mask;
-    if (m.H > 1 && m.B * m.H * m.Nqb * m.Nkb >= PIPELINE_MIN_CELLS)
-        return predict_pipelined(ctx, a);
-    return (s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k)) ? s : map_and_select(ctx, a);
 }
 
 sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_view *m)

@@ -41,13 +41,6 @@ typedef hip_bfloat16 gpu_bf16;
 #define gpuEventRecord hipEventRecord
 #define gpuEventSynchronize hipEventSynchronize
 #define gpuEventElapsedTime hipEventElapsedTime
-#define gpuEventCreateWithFlags hipEventCreateWithFlags
-#define gpuEventDisableTiming hipEventDisableTiming
-#define gpuStreamWaitEvent hipStreamWaitEvent
-#define gpuStreamCreateWithPriority hipStreamCreateWithPriority
-#define gpuStreamNonBlocking hipStreamNonBlocking
-#define gpuStreamDestroy hipStreamDestroy
-#define gpuDeviceGetStreamPriorityRange hipDeviceGetStreamPriorityRange
 #define gpuFuncSetAttribute(f, a, v) hipFuncSetAttribute((const void *)(f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 /* ROCm 5.2 has no opt-in field: a block may use all of its LDS (64 KiB on CDNA/RDNA). */
@@ -111,13 +104,6 @@ __device__ __forceinline__ gpu_bf16 sparge_float_to_bf16(float f)
 #define gpuEventRecord cudaEventRecord
 #define gpuEventSynchronize cudaEventSynchronize
 #define gpuEventElapsedTime cudaEventElapsedTime
-#define gpuEventCreateWithFlags cudaEventCreateWithFlags
-#define gpuEventDisableTiming cudaEventDisableTiming
-#define gpuStreamWaitEvent cudaStreamWaitEvent
-#define gpuStreamCreateWithPriority cudaStreamCreateWithPriority
-#define gpuStreamNonBlocking cudaStreamNonBlocking
-#define gpuStreamDestroy cudaStreamDestroy
-#define gpuDeviceGetStreamPriorityRange cudaDeviceGetStreamPriorityRange
 #define gpuFuncSetAttribute(f, a, v) cudaFuncSetAttribute((f), a, v)
 #define gpuFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define GPU_SMEM_OPTIN(prop) ((prop).sharedMemPerBlockOptin)
