@@ -192,13 +192,23 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_convert_kernel(bwd_params p, 
 /* Launch order of the CTAs of a masked pass: tiles whose list (mask column or row) is long go first, so a
  * heavy tile (e.g. a key block every query keeps) never starts in the last wave and stretches the tail.
  * Counts are bucketed coarsely (kOrderBuckets shares of max_count) and the order inside a bucket is the
- * natural one, which keeps the CTAs of one head together for L2 reuse of its Q/dO (or K/V). One CTA;
- * the order only schedules work, results do not depend on it. */
+ * natural one, which keeps the CTAs of one head together for L2 reuse of its Q/dO (or K/V). One CTA per
+ * order (job0, job1: the two passes' orders in one launch); the order only schedules work, results do not
+ * depend on it. */
 constexpr int kOrderThreads = 1024, kOrderBuckets = 16;
 
-__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const int32_t *counts, int n, int max_count,
-                                                                  int32_t *order)
+struct order_job {
+    const int32_t *counts; /* n list lengths, each at most max_count; NULL: no order to make */
+    int n, max_count;
+    int32_t *order;
+};
+
+__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(order_job job0, order_job job1)
 {
+    const order_job job = blockIdx.x ? job1 : job0;
+    const int32_t *counts = job.counts;
+    const int n = job.n, max_count = job.max_count;
+    int32_t *order = job.order;
     __shared__ int offset[kOrderBuckets];
     __shared__ int warp_offset[kOrderThreads / 32][kOrderBuckets];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -566,9 +576,14 @@ sparge_status launch_rows(gpu_ctx *ctx, K kernel, int64_t rows, int D, const bwd
     return GPU_CHECK_LAUNCH(what);
 }
 
-sparge_status launch_order(gpu_ctx *ctx, const int32_t *counts, int64_t n, int max_count, int32_t *order)
+/* The launch orders of both passes (either job may be empty) in one launch. */
+sparge_status launch_orders(gpu_ctx *ctx, const order_job &kv, const order_job &q)
 {
-    bwd_order_kernel<<<1, kOrderThreads, 0, ctx->stream>>>(counts, (int)n, max_count, order);
+    const order_job &job0 = kv.counts ? kv : q;
+    const unsigned ctas = (kv.counts != nullptr) + (q.counts != nullptr);
+    if (ctas == 0)
+        return SPARGE_OK;
+    bwd_order_kernel<<<ctas, kOrderThreads, 0, ctx->stream>>>(job0, q);
     return GPU_CHECK_LAUNCH("backward tile-order kernel");
 }
 
@@ -596,16 +611,17 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
     const int bkq = p.counts ? bk : 64;
     if (!p.counts)
         pq.Nkb = (p.Nk + 63) / 64;
+    order_job kv_job = {}, q_job = {};
     if (p.t_counts) {
-        if ((s = launch_order(ctx, p.t_counts, BH * p.Nkb, p.Nqb, order_kv)))
-            return s;
+        kv_job = {p.t_counts, (int)(BH * p.Nkb), p.Nqb, order_kv};
         pk.order = order_kv;
     }
     if (p.counts && !atomic_dq) {
-        if ((s = launch_order(ctx, p.counts, BH * p.Nqb, p.Nkb, order_q)))
-            return s;
+        q_job = {p.counts, (int)(BH * p.Nqb), p.Nkb, order_q};
         pq.order = order_q;
     }
+    if ((s = launch_orders(ctx, kv_job, q_job)))
+        return s;
     const int kv_sub_shift = p.t_counts && bk == 128 && !wide ? 1 : 0;
 
     if (wgmma_keys && !atomic_dq) { /* the wgmma dQ pass does the prep's work and runs first */
