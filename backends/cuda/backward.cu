@@ -9,6 +9,8 @@
  *   3. dQ:    either fp32 atomics from the dK/dV pass (dQ += dS K per tile, then one conversion kernel), or
  *             a separate pass with one CTA per query block over its CSR row (no atomics: bitwise
  *             reproducible, used when deterministic is set; the prep then leaves out the fp32 accumulator).
+ * The wgmma dQ pass (sm_90) does the prep's work itself: it runs first, each CTA computing D_t and LSE·log2(e)
+ * of its 128 rows (the prep's arithmetic, same bits) and writing them for the dK/dV pass after it.
  * When deterministic is 0, atomics are the default except with the wgmma kernels on bk = 64 masks: with the
  * mma.sync kernels on the H200 (experiments/BENCHMARKS.md, cuda-bwd) they took 64.3 ms against 76.1 ms dense
  * and were within 0.7 % of the pass on bk = 64 masks at 3–10 % density; with the wgmma kernels they are 3.5 %
@@ -47,7 +49,6 @@ using namespace sparge_mma;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlockQ = BWD_BLOCK_Q;
-constexpr float kLog2e = 1.4426950408889634f;
 
 /* Copy `rows` rows of D elements starting at global row row0 (rows ≥ n are zero-filled) into the swizzled
  * tile at shared address `tile`, spread over the CTA's threads. */
@@ -150,13 +151,8 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(bwd_params p, int64_
     float sum = 0.0f;
     if (real) {
         int b = bh / p.H, h = bh % p.H;
-        const T *o = (const T *)p.o + b * p.o_sb + h * p.o_sh + t * p.o_sn + part * 8;
-        const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh + t * p.do_sn + part * 8;
-        uint4 ov = *(const uint4 *)o, dv = *(const uint4 *)d_o;
-        const T *oe = (const T *)&ov, *de = (const T *)&dv;
-#pragma unroll
-        for (int e = 0; e < 8; e++)
-            sum += to_f32(oe[e]) * to_f32(de[e]);
+        sum = dt_part((const T *)p.o + b * p.o_sb + h * p.o_sh + t * p.o_sn + part * 8,
+                      (const T *)p.d_o + b * p.do_sb + h * p.do_sh + t * p.do_sn + part * 8);
     }
 #pragma unroll
     for (int m = group / 2; m > 0; m /= 2)
@@ -165,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(bwd_params p, int64_
         return;
     if (part == 0) {
         p.dt[row] = sum;
-        p.lse2[row] = real ? p.lse[(int64_t)bh * p.Nq + t] * kLog2e : INFINITY;
+        p.lse2[row] = real ? p.lse[(int64_t)bh * p.Nq + t] * BWD_LOG2E : INFINITY;
     }
     if (p.dq_accum) {
         float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -196,13 +192,23 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_convert_kernel(bwd_params p, 
 /* Launch order of the CTAs of a masked pass: tiles whose list (mask column or row) is long go first, so a
  * heavy tile (e.g. a key block every query keeps) never starts in the last wave and stretches the tail.
  * Counts are bucketed coarsely (kOrderBuckets shares of max_count) and the order inside a bucket is the
- * natural one, which keeps the CTAs of one head together for L2 reuse of its Q/dO (or K/V). One CTA;
- * the order only schedules work, results do not depend on it. */
+ * natural one, which keeps the CTAs of one head together for L2 reuse of its Q/dO (or K/V). One CTA per
+ * order (job0, job1: the two passes' orders in one launch); the order only schedules work, results do not
+ * depend on it. */
 constexpr int kOrderThreads = 1024, kOrderBuckets = 16;
 
-__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(const int32_t *counts, int n, int max_count,
-                                                                  int32_t *order)
+struct order_job {
+    const int32_t *counts; /* n list lengths, each at most max_count; NULL: no order to make */
+    int n, max_count;
+    int32_t *order;
+};
+
+__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(order_job job0, order_job job1)
 {
+    const order_job job = blockIdx.x ? job1 : job0;
+    const int32_t *counts = job.counts;
+    const int n = job.n, max_count = job.max_count;
+    int32_t *order = job.order;
     __shared__ int offset[kOrderBuckets];
     __shared__ int warp_offset[kOrderThreads / 32][kOrderBuckets];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -570,9 +576,14 @@ sparge_status launch_rows(gpu_ctx *ctx, K kernel, int64_t rows, int D, const bwd
     return GPU_CHECK_LAUNCH(what);
 }
 
-sparge_status launch_order(gpu_ctx *ctx, const int32_t *counts, int64_t n, int max_count, int32_t *order)
+/* The launch orders of both passes (either job may be empty) in one launch. */
+sparge_status launch_orders(gpu_ctx *ctx, const order_job &kv, const order_job &q)
 {
-    bwd_order_kernel<<<1, kOrderThreads, 0, ctx->stream>>>(counts, (int)n, max_count, order);
+    const order_job &job0 = kv.counts ? kv : q;
+    const unsigned ctas = (kv.counts != nullptr) + (q.counts != nullptr);
+    if (ctas == 0)
+        return SPARGE_OK;
+    bwd_order_kernel<<<ctas, kOrderThreads, 0, ctx->stream>>>(job0, q);
     return GPU_CHECK_LAUNCH("backward tile-order kernel");
 }
 
@@ -585,8 +596,7 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
 {
     sparge_status s;
     const int64_t rows = BH * p.Nq_pad;
-    if ((s = launch_rows(ctx, bwd_prep_kernel<T, D>, rows, D, p, "backward prep kernel")))
-        return s;
+    const sparge_dtype dtype = std::is_same<T, gpu_bf16>::value ? SPARGE_BF16 : SPARGE_F16;
     /* The dK/dV pass tiles keys by bk; the dense path uses 128-key tiles (fewer atomics per FLOP). */
     bwd_params pk = p;
     if (!p.t_counts)
@@ -596,14 +606,34 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         pk.Nkb = (p.Nk + (wide ? 127 : 63)) / (wide ? 128 : 64);
     if (!atomic_dq)
         pk.dq_accum = nullptr;
+    /* Dense dQ pass: 64-key blocks, so a ragged Nk wastes at most one partial step. */
+    bwd_params pq = p;
+    const int bkq = p.counts ? bk : 64;
+    if (!p.counts)
+        pq.Nkb = (p.Nk + 63) / 64;
+    order_job kv_job = {}, q_job = {};
     if (p.t_counts) {
-        if ((s = launch_order(ctx, p.t_counts, BH * p.Nkb, p.Nqb, order_kv)))
-            return s;
+        kv_job = {p.t_counts, (int)(BH * p.Nkb), p.Nqb, order_kv};
         pk.order = order_kv;
     }
+    if (p.counts && !atomic_dq) {
+        q_job = {p.counts, (int)(BH * p.Nqb), p.Nkb, order_q};
+        pq.order = order_q;
+    }
+    if ((s = launch_orders(ctx, kv_job, q_job)))
+        return s;
+    const int kv_sub_shift = p.t_counts && bk == 128 && !wide ? 1 : 0;
+
+    if (wgmma_keys && !atomic_dq) { /* the wgmma dQ pass does the prep's work and runs first */
+        if ((s = sparge_cuda_wgmma_dq(ctx, pq, BH, bkq == 128 ? 1 : 0, dtype, D)))
+            return s;
+        return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D);
+    }
+
+    if ((s = launch_rows(ctx, bwd_prep_kernel<T, D>, rows, D, p, "backward prep kernel")))
+        return s;
     unsigned grid_kv = (unsigned)(BH * pk.Nkb);
-    const sparge_dtype dtype = std::is_same<T, gpu_bf16>::value ? SPARGE_BF16 : SPARGE_F16;
-    s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, p.t_counts && bk == 128 && !wide ? 1 : 0, wide, dtype, D)
+    s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D)
         : bk == 64
             ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
             : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
@@ -611,18 +641,6 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         return s;
     if (atomic_dq)
         return launch_rows(ctx, bwd_dq_convert_kernel<T, D>, rows, D, p, "backward dQ conversion kernel");
-    /* Dense dQ pass: 64-key blocks, so a ragged Nk wastes at most one partial step. */
-    bwd_params pq = p;
-    int bkq = p.counts ? bk : 64;
-    if (!p.counts)
-        pq.Nkb = (p.Nk + 63) / 64;
-    if (p.counts) {
-        if ((s = launch_order(ctx, p.counts, BH * p.Nqb, p.Nkb, order_q)))
-            return s;
-        pq.order = order_q;
-    }
-    if (wgmma_keys)
-        return sparge_cuda_wgmma_dq(ctx, pq, BH, bkq == 128 ? 1 : 0, dtype, D);
     unsigned grid_q = (unsigned)(BH * pq.Nqb);
     return bkq == 64 ? launch(ctx, bwd_dq_kernel<T, D, 64>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel")
                      : launch(ctx, bwd_dq_kernel<T, D, 128>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel");
@@ -711,7 +729,7 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     p.H = (int)a->q.H, p.Nq = (int)Nq, p.Nk = (int)Nk;
     p.Nqb = (int)((Nq + kBlockQ - 1) / kBlockQ);
     p.Nq_pad = p.Nqb * kBlockQ;
-    p.scale = a->scale, p.scale_log2 = a->scale * kLog2e;
+    p.scale = a->scale, p.scale_log2 = a->scale * BWD_LOG2E;
     p.lse = a->lse;
     if (a->mask) {
         p.Nkb = (int)a->mask->Nkb;

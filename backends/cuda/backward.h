@@ -10,6 +10,7 @@
 #include "gpu.h"
 
 constexpr int BWD_BLOCK_Q = 128; /* query block of the mask (bq) */
+constexpr float BWD_LOG2E = 1.4426950408889634f;
 
 struct bwd_params {
     const void *q, *k, *v, *o, *d_o;
@@ -21,8 +22,8 @@ struct bwd_params {
     int Nq_pad;        /* Nqb · 128: row stride of the padded per-token arrays */
     float scale, scale_log2;
     const float *lse;  /* [B·H·Nq], natural log (input) */
-    float *lse2;       /* [B·H·Nq_pad], LSE·log2(e), +inf past Nq */
-    float *dt;         /* [B·H·Nq_pad], rowsum(dO∘O), 0 past Nq */
+    float *lse2;       /* [B·H·Nq_pad], LSE·log2(e), +inf past Nq (written by the prep or the wgmma dQ pass) */
+    float *dt;         /* [B·H·Nq_pad], rowsum(dO∘O), 0 past Nq (likewise) */
     float *dq_accum;   /* [B·H·Nq_pad·D] fp32, or NULL: no atomic dQ */
     const int32_t *counts, *indices;     /* CSR rows (row stride Nkb), NULL: dense */
     const int32_t *t_counts, *t_indices; /* transposed (row stride Nqb), NULL: dense */
@@ -40,6 +41,21 @@ __device__ __forceinline__ void red_add2(float *p, float x, float y)
 #endif
 }
 
+/* Σ o[e]·d_o[e] over 8 elements (16 bytes each), in order, fp32: one 16-byte part of a token's D_t. The prep
+ * and the wgmma dQ pass both build D_t from these parts and the same xor tree over them (parts l and l ^ m
+ * added for m = D/16, ..., 2, 1), so the two give the same bits. */
+template <typename T>
+__device__ __forceinline__ float dt_part(const T *o, const T *d_o)
+{
+    const uint4 ov = *(const uint4 *)o, dv = *(const uint4 *)d_o;
+    const T *oe = (const T *)&ov, *de = (const T *)&dv;
+    float sum = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        sum = fmaf(to_f32(oe[e]), to_f32(de[e]), sum);
+    return sum;
+}
+
 /* 1 when this build holds the sm_90a wgmma dK/dV kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx);
@@ -51,7 +67,9 @@ sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t 
                                      sparge_dtype dt, int D);
 /* The separate dQ pass with wgmma (dq_sm90.cu; available with the dK/dV kernel above), f16 or bf16,
  * D = 64 or 128: one CTA per query block, p.Nkb counts key blocks of 64 keys << sub_shift (the mask's
- * bk, or 64 when dense), p.order (if set) orders the query blocks. No atomics. */
+ * bk, or 64 when dense), p.order (if set) orders the query blocks. No atomics. It computes D_t and
+ * LSE·log2e from p.o, p.d_o and p.lse (the prep's work: it reads neither padded array) and writes
+ * p.dt and p.lse2, every padded row, for a dK/dV pass after it. */
 sparge_status sparge_cuda_wgmma_dq(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
                                    int D);
 

@@ -10,7 +10,9 @@
  *   dS = P∘(dP − D_t),
  *   dQ += dS·K           m64nDk16, dS from registers (the accumulator layout packed to 16 bits is
  *                        the A-fragment layout, as P in forward_sm90.cu's P·V), K MN-major,
- * and writes scale·dQ in the input dtype. No atomics: the result does not depend on scheduling
+ * and writes scale·dQ in the input dtype. It also does backward.cu's prep for its rows (it runs before
+ * the dK/dV pass): D_t = rowsum(dO∘O) with the prep's arithmetic, and LSE·log2e, used here and written
+ * to the padded arrays. No atomics: the result does not depend on scheduling
  * (deterministic). Two warpgroups of 128 threads each own 64 query rows (their Q, dO, LSE, D_t and
  * the 64 × D fp32 dQ accumulator stay put for the whole row); the K/V tiles are shared.
  *
@@ -96,10 +98,48 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         issue_tile(t);
 
     /* This thread's accumulator rows inside the warpgroup's 64: row0 (e = 0, 1) and row0 + 8 (e = 2, 3),
-     * columns nt·8 + c2 (+1). Rows past Nq have LSE·log2e = +inf (P = 0) and D_t = 0 in the padded arrays. */
+     * columns nt·8 + c2 (+1). */
     const int row0 = (wg_tid >> 5) * 16 + frag_row(lane), c2 = frag_col(lane);
-    const int64_t row = (int64_t)bh * p.Nq_pad + q0 + wg * WG_ROWS + row0;
-    const float lse_0 = p.lse2[row], lse_1 = p.lse2[row + 8], dt_0 = p.dt[row], dt_1 = p.dt[row + 8];
+    const int tok0 = q0 + wg * WG_ROWS + row0;
+    /* The prep's work for these rows (the pass runs before the dK/dV pass, which reads what it writes): D_t
+     * from 16-byte parts q, q + 4, ... of O and dO (q = lane % 4, the quad of the row's four threads) and the
+     * prep's xor tree, its levels ≥ 4 in registers, 2 and 1 across the quad; LSE·log2e. Rows past Nq get
+     * D_t = 0 and LSE·log2e = +inf (P = 0), as in the prep. */
+    float dt_r[2], lse_r[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        constexpr int PARTS = D / 8 / 4;
+        const int tok = tok0 + 8 * r;
+        float part[PARTS];
+#pragma unroll
+        for (int j = 0; j < PARTS; j++)
+            part[j] = 0.0f;
+        if (tok < p.Nq) {
+            const T *o = (const T *)p.o + b * p.o_sb + h * p.o_sh + (int64_t)tok * p.o_sn;
+            const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh + (int64_t)tok * p.do_sn;
+#pragma unroll
+            for (int j = 0; j < PARTS; j++)
+                part[j] = dt_part(o + ((lane & 3) + 4 * j) * 8, d_o + ((lane & 3) + 4 * j) * 8);
+        }
+#pragma unroll
+        for (int m = PARTS / 2; m > 0; m /= 2)
+#pragma unroll
+            for (int j = 0; j < m; j++)
+                part[j] += part[j + m];
+        part[0] += __shfl_xor_sync(0xffffffffu, part[0], 2);
+        part[0] += __shfl_xor_sync(0xffffffffu, part[0], 1);
+        dt_r[r] = part[0];
+        lse_r[r] = tok < p.Nq ? p.lse[(int64_t)bh * p.Nq + tok] * BWD_LOG2E : INFINITY;
+    }
+    { /* the quad's four values to the padded arrays, one each */
+        const int r = (lane >> 1) & 1;
+        const int64_t row = (int64_t)bh * p.Nq_pad + tok0 + 8 * r;
+        if (lane & 1)
+            p.lse2[row] = r ? lse_r[1] : lse_r[0];
+        else
+            p.dt[row] = r ? dt_r[1] : dt_r[0];
+    }
+    const float lse_0 = lse_r[0], lse_1 = lse_r[1], dt_0 = dt_r[0], dt_1 = dt_r[1];
     const uint32_t q_wg = q_smem + wg * W::TILE_BYTES, do_wg = do_smem + wg * W::TILE_BYTES;
 
     float dq[D_TILES * 4];
