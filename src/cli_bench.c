@@ -56,41 +56,32 @@ static int cmp_double(const void *a, const void *b)
 typedef sparge_status (*bench_op)(void *ctx);
 static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, int reps, int queued, const char *what)
 {
-    sparge_status s;
-    for (int i = 0; i < warmup; i++)
-        if ((s = op(ctx))) {
-            cli_fail(what, s);
-            return NAN;
-        }
+    sparge_status s = SPARGE_OK;
+    double *t = malloc((size_t)reps * sizeof *t), result = NAN;
+    for (int i = 0; !s && i < warmup; i++)
+        s = op(ctx);
     if (queued) {
-        double total;
-        if ((s = sparge_timer_start(dev))) {
-            cli_fail(what, s);
-            return NAN;
-        }
-        for (int i = 0; i < reps; i++)
-            if ((s = op(ctx))) {
-                cli_fail(what, s);
-                return NAN;
-            }
-        if ((s = sparge_timer_stop(dev, &total))) {
-            cli_fail(what, s);
-            return NAN;
-        }
-        return total / reps;
-    }
-    double *t = malloc((size_t)reps * sizeof *t);
-    for (int i = 0; i < reps; i++) {
-        if ((s = sparge_timer_start(dev)) || (s = op(ctx)) || (s = sparge_timer_stop(dev, &t[i]))) {
-            cli_fail(what, s);
-            free(t);
-            return NAN;
+        if (!s)
+            s = sparge_timer_start(dev);
+        for (int i = 0; !s && i < reps; i++)
+            s = op(ctx);
+        if (!s && !(s = sparge_timer_stop(dev, &result)))
+            result /= reps;
+    } else {
+        for (int i = 0; !s && i < reps; i++)
+            if (!(s = sparge_timer_start(dev)) && !(s = op(ctx)))
+                s = sparge_timer_stop(dev, &t[i]);
+        if (!s) {
+            qsort(t, (size_t)reps, sizeof *t, cmp_double);
+            result = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
         }
     }
-    qsort(t, (size_t)reps, sizeof *t, cmp_double);
-    double med = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
     free(t);
-    return med;
+    if (s) {
+        cli_fail(what, s);
+        return NAN;
+    }
+    return result;
 }
 
 typedef struct {
