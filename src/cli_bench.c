@@ -57,7 +57,7 @@ typedef sparge_status (*bench_op)(void *ctx);
 static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, int reps, int queued, const char *what)
 {
     sparge_status s = SPARGE_OK;
-    double *t = malloc((size_t)reps * sizeof *t), result = NAN;
+    double result = NAN;
     for (int i = 0; !s && i < warmup; i++)
         s = op(ctx);
     if (queued) {
@@ -68,6 +68,9 @@ static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, in
         if (!s && !(s = sparge_timer_stop(dev, &result)))
             result /= reps;
     } else {
+        double *t = malloc((size_t)reps * sizeof *t);
+        if (!t)
+            s = SPARGE_ERR_OUT_OF_MEMORY;
         for (int i = 0; !s && i < reps; i++)
             if (!(s = sparge_timer_start(dev)) && !(s = op(ctx)))
                 s = sparge_timer_stop(dev, &t[i]);
@@ -75,8 +78,8 @@ static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, in
             qsort(t, (size_t)reps, sizeof *t, cmp_double);
             result = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
         }
+        free(t);
     }
-    free(t);
     if (s) {
         cli_fail(what, s);
         return NAN;
