@@ -140,11 +140,11 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
         const bool d_ok = d0 + dd_mine < p.D;
         const float *qa = q_mine + d0 * p.qd, *ka = k_mine + d0 * p.kd;
 #pragma unroll
-        for (int u = 0; u < LOADS_Q; u++)
-            q_next[u] = d_ok && r_mine + u * ROW_STEP < q_rows ? qa[u * q_step] : 0.0f;
+        for (int u = 0; u < LOADS_Q; u++, qa += q_step) /* a pointer step per load, not a product */
+            q_next[u] = d_ok && r_mine + u * ROW_STEP < q_rows ? *qa : 0.0f;
 #pragma unroll
-        for (int u = 0; u < LOADS_K; u++)
-            k_next[u] = d_ok && r_mine + u * ROW_STEP < k_rows ? ka[u * k_step] : 0.0f;
+        for (int u = 0; u < LOADS_K; u++, ka += k_step)
+            k_next[u] = d_ok && r_mine + u * ROW_STEP < k_rows ? *ka : 0.0f;
     };
     float acc[TQ][TK] = {};
     fetch(0);
