@@ -474,7 +474,7 @@ static void test_predict_wide_rows(void **state)
         }
 }
 
-/* A shape with many pooled-map tiles (the GPU's 128×128 logits tiles take over from 1024 of them) and
+/* A shape with many pooled-map tiles (the GPU's 128×64 logits tiles take over from 1024 of them) and
  * query-block columns longer than one transpose chunk: 16 heads of 1000 × 1000 blocks (ragged tails). */
 static void test_predict_many_tiles(void **state)
 {

@@ -98,7 +98,7 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 
 /* ---------------------------------------------------------------- pooled map */
 
-constexpr int MAP_TILE = 64, MAP_WIDE_TILE = 128, MAP_DCHUNK = 16, MAP_THREADS = 256;
+constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 128;
 
 struct map_params {
     const float *q, *k;
@@ -109,69 +109,99 @@ struct map_params {
     float scale;
 };
 
-/* Logits map = scale · qbar kbarᵀ, a TILE×TILE tile per block; thread (ty,tx)
- * of the 16×16 grid owns rows ty·4 + 64g + r and columns tx·4 + 64g + s
- * (conflict-free float4 reads). Each output sums over d in order, so both
- * tile sizes give the same bits. */
-template <int TILE>
-__global__ void __launch_bounds__(MAP_THREADS, TILE > MAP_TILE ? 1 : 3) map_logits_kernel(map_params p)
+/* Logits map = scale · qbar kbarᵀ, a (16·TQ)×64 tile per block. Thread (ty,tx)
+ * of the 16×8 grid owns the TQ rows ty·4 + 64g + r and the 8 columns
+ * tx·4 + 32h + s: per d it reads TQ/4 + 2 float4 (a warp's reads are
+ * broadcasts or one contiguous 128 bytes) for 8·TQ FMAs. Each output is one
+ * fmaf chain over d = 0, 1, ... in order, so every tile shape gives the same
+ * bits. The D chunks are double-buffered: one barrier per chunk. */
+template <int TQ>
+__global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel(map_params p)
 {
-    constexpr int R = TILE / 16, GROUPS = R / 4; /* outputs per thread along each side */
-    __shared__ __align__(16) float qs[MAP_DCHUNK][TILE + 4];
-    __shared__ __align__(16) float ks[MAP_DCHUNK][TILE + 4];
-    const int64_t ktiles = (p.Nkb + TILE - 1) / TILE, qtiles = (p.Nqb + TILE - 1) / TILE;
+    constexpr int TILE_Q = 16 * TQ, TILE_K = MAP_TILE, TK = 8;
+    constexpr int ROW_STEP = MAP_THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
+    static_assert(TQ % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
+    __shared__ __align__(16) float qs[2][MAP_DCHUNK][TILE_Q + 4];
+    __shared__ __align__(16) float ks[2][MAP_DCHUNK][TILE_K + 4];
+    const int64_t ktiles = (p.Nkb + TILE_K - 1) / TILE_K, qtiles = (p.Nqb + TILE_Q - 1) / TILE_Q;
     const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
-    const int64_t i0 = tile / ktiles % qtiles * TILE, j0 = tile % ktiles * TILE;
-    const float *q = p.q + b * p.qb + h * p.qh, *k = p.k + b * p.kb + h * p.kh;
-    const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    constexpr int LOADS = TILE * MAP_DCHUNK / MAP_THREADS, ROW_STEP = MAP_THREADS / MAP_DCHUNK;
-    static_assert(LOADS * MAP_THREADS == TILE * MAP_DCHUNK && R % 4 == 0, "the tile loads split evenly");
-    /* Thread t loads column dd = t % 16 of rows t / 16 + 16u; the next D chunk
+    const int64_t i0 = tile / ktiles % qtiles * TILE_Q, j0 = tile % ktiles * TILE_K;
+    const int q_rows = (int)(p.Nqb - i0 < TILE_Q ? p.Nqb - i0 : TILE_Q);
+    const int k_rows = (int)(p.Nkb - j0 < TILE_K ? p.Nkb - j0 : TILE_K);
+    const int ty = threadIdx.x / 8, tx = threadIdx.x % 8;
+    /* Thread t loads column dd = t % 16 of rows t / 16 + 8u; the next D chunk
      * is fetched into registers while this one is multiplied. */
     const int dd_mine = threadIdx.x % MAP_DCHUNK, r_mine = threadIdx.x / MAP_DCHUNK;
-    const float *q_mine = q + (i0 + r_mine) * p.qn + dd_mine * p.qd;
-    const float *k_mine = k + (j0 + r_mine) * p.kn + dd_mine * p.kd;
-    float q_next[LOADS], k_next[LOADS];
+    const float *q_mine = p.q + b * p.qb + h * p.qh + (i0 + r_mine) * p.qn + dd_mine * p.qd;
+    const float *k_mine = p.k + b * p.kb + h * p.kh + (j0 + r_mine) * p.kn + dd_mine * p.kd;
+    const int64_t q_step = ROW_STEP * p.qn, k_step = ROW_STEP * p.kn;
+    float q_next[LOADS_Q], k_next[LOADS_K];
     auto fetch = [&](int64_t d0) {
         const bool d_ok = d0 + dd_mine < p.D;
-        for (int u = 0; u < LOADS; u++) {
-            const int r = r_mine + u * ROW_STEP;
-            q_next[u] = d_ok && i0 + r < p.Nqb ? q_mine[u * ROW_STEP * p.qn + d0 * p.qd] : 0.0f;
-            k_next[u] = d_ok && j0 + r < p.Nkb ? k_mine[u * ROW_STEP * p.kn + d0 * p.kd] : 0.0f;
-        }
+        const float *qa = q_mine + d0 * p.qd, *ka = k_mine + d0 * p.kd;
+#pragma unroll
+        for (int u = 0; u < LOADS_Q; u++, qa += q_step) /* a pointer step per load, not a product */
+            q_next[u] = d_ok && r_mine + u * ROW_STEP < q_rows ? *qa : 0.0f;
+#pragma unroll
+        for (int u = 0; u < LOADS_K; u++, ka += k_step)
+            k_next[u] = d_ok && r_mine + u * ROW_STEP < k_rows ? *ka : 0.0f;
     };
-    float acc[R][R] = {};
+    float acc[TQ][TK] = {};
     fetch(0);
-    for (int64_t d0 = 0; d0 < p.D; d0 += MAP_DCHUNK) {
-        for (int u = 0; u < LOADS; u++) {
-            qs[dd_mine][r_mine + u * ROW_STEP] = q_next[u];
-            ks[dd_mine][r_mine + u * ROW_STEP] = k_next[u];
-        }
+    int buf = 0;
+    for (int64_t d0 = 0; d0 < p.D; d0 += MAP_DCHUNK, buf ^= 1) {
+#pragma unroll
+        for (int u = 0; u < LOADS_Q; u++)
+            qs[buf][dd_mine][r_mine + u * ROW_STEP] = q_next[u];
+#pragma unroll
+        for (int u = 0; u < LOADS_K; u++)
+            ks[buf][dd_mine][r_mine + u * ROW_STEP] = k_next[u];
+        /* The other buffer was last read before this barrier's previous use. */
         __syncthreads();
         if (d0 + MAP_DCHUNK < p.D)
             fetch(d0 + MAP_DCHUNK);
+        const float *qc = &qs[buf][0][ty * 4], *kc = &ks[buf][0][tx * 4];
 #pragma unroll
         for (int dd = 0; dd < MAP_DCHUNK; dd++) {
-            float av[R], cv[R];
-            for (int g = 0; g < GROUPS; g++) {
-                const float4 a = *(const float4 *)&qs[dd][g * 64 + ty * 4];
-                const float4 c = *(const float4 *)&ks[dd][g * 64 + tx * 4];
-                av[4 * g] = a.x, av[4 * g + 1] = a.y, av[4 * g + 2] = a.z, av[4 * g + 3] = a.w;
-                cv[4 * g] = c.x, cv[4 * g + 1] = c.y, cv[4 * g + 2] = c.z, cv[4 * g + 3] = c.w;
+            float a[TQ], c[TK];
+#pragma unroll
+            for (int g = 0; g < TQ / 4; g++) {
+                const float4 v = *(const float4 *)&qc[dd * (TILE_Q + 4) + g * 64];
+                a[4 * g] = v.x, a[4 * g + 1] = v.y, a[4 * g + 2] = v.z, a[4 * g + 3] = v.w;
             }
-            for (int r = 0; r < R; r++)
-                for (int s = 0; s < R; s++)
-                    acc[r][s] += av[r] * cv[s];
+#pragma unroll
+            for (int g = 0; g < TK / 4; g++) {
+                const float4 v = *(const float4 *)&kc[dd * (TILE_K + 4) + g * 32];
+                c[4 * g] = v.x, c[4 * g + 1] = v.y, c[4 * g + 2] = v.z, c[4 * g + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < TQ; r++)
+#pragma unroll
+                for (int s = 0; s < TK; s++)
+                    acc[r][s] = fmaf(a[r], c[s], acc[r][s]);
         }
-        __syncthreads();
     }
+    /* Four consecutive columns as one float4 where the map's rows allow it. */
     float *m = p.map + b * p.mb + h * p.mh;
-    for (int r = 0; r < R; r++)
-        for (int s = 0; s < R; s++) {
-            const int64_t i = i0 + r / 4 * 64 + ty * 4 + r % 4, j = j0 + s / 4 * 64 + tx * 4 + s % 4;
-            if (i < p.Nqb && j < p.Nkb)
-                m[i * p.mn + j * p.md] = acc[r][s] * p.scale;
+    const bool vec = p.md == 1 && p.mn % 4 == 0 && ((uintptr_t)m & 15u) == 0;
+#pragma unroll
+    for (int r = 0; r < TQ; r++) {
+        const int64_t i = i0 + r / 4 * 64 + ty * 4 + r % 4;
+        if (i >= p.Nqb)
+            continue;
+#pragma unroll
+        for (int g = 0; g < TK / 4; g++) {
+            const int64_t j = j0 + g * 32 + tx * 4;
+            float *out = m + i * p.mn + j * p.md;
+            const float *x = &acc[r][4 * g];
+            if (vec && j + 3 < p.Nkb)
+                *(float4 *)out = make_float4(x[0] * p.scale, x[1] * p.scale, x[2] * p.scale, x[3] * p.scale);
+            else
+                for (int s = 0; s < 4; s++)
+                    if (j + s < p.Nkb)
+                        out[s * p.md] = x[s] * p.scale;
         }
+    }
 }
 
 /* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
@@ -644,19 +674,13 @@ __global__ void __launch_bounds__(CSR_THREADS) csr_from_dense_kernel(sparge_mask
  * 64 also when the device runs wave32. */
 constexpr int T_THREADS = 256, T_COLS = 32;
 
-/* 64-bit shuffle as two 32-bit ones (ROCm 5.2 has no 64-bit integer overload). */
-__device__ __forceinline__ unsigned long long shfl_u64(unsigned long long v, int src)
-{
-    const unsigned lo = sparge_shfl((unsigned)v, src), hi = sparge_shfl((unsigned)(v >> 32), src);
-    return (unsigned long long)hi << 32 | lo;
-}
-
 /* Per (b,h,j) the ascending query blocks i that keep j. A block owns T_COLS
- * columns and walks the rows a block-width at a time, a warp's width
- * of rows per warp: lane c reads column c of each of its warp's rows (one
- * coalesced load per row, all in flight) into a bit per row; the per-column
- * counts are scanned across warps and carried across chunks; then per column
- * the warp's rows that keep it are stored as one contiguous run. */
+ * columns and walks the rows a block-width at a time, a warp's width of rows
+ * per warp: lane c reads column c of each of its warp's rows (one coalesced
+ * load per row, all in flight) into a bit per row; the per-column counts are
+ * scanned across warps and carried across chunks; then lane c stores its
+ * column's kept rows itself, one store per set bit: a short loop at the
+ * usual sparsities, with no shuffle or shared-memory read per column. */
 __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m)
 {
     constexpr int W = SPARGE_WARP_SIZE, WARPS = T_THREADS / W;
@@ -669,7 +693,6 @@ __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m
     const bool real = lane < cols;
     const uint8_t *column = m.dense + bh * m.Nqb * m.Nkb + j0 + lane;
     int32_t *t = m.t_indices + (bh * m.Nkb + j0) * m.Nqb;
-    const unsigned long long lower = (1ull << lane) - 1ull;
     if (threadIdx.x < T_COLS)
         running[threadIdx.x] = 0;
     __syncthreads();
@@ -696,10 +719,10 @@ __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m
             running[threadIdx.x] = run;
         }
         __syncthreads();
-        for (int c = 0; c < cols; c++) {
-            const unsigned long long kept = shfl_u64(rows, c);
-            if (kept >> lane & 1ull)
-                t[c * m.Nqb + offset[warp][c] + __popcll(kept & lower)] = (int32_t)(rw + lane);
+        if (rows) { /* only real lanes < T_COLS have bits */
+            int32_t *dst = t + lane * m.Nqb + offset[warp][lane];
+            for (; rows; rows &= rows - 1ull) /* lowest set bit k = popcount of the bits below it */
+                *dst++ = (int32_t)(rw + __popcll((rows & (0ull - rows)) - 1ull));
         }
         __syncthreads(); /* offset and running are rewritten by the next chunk */
     }
@@ -809,18 +832,18 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map (after check_map). 128×128 tiles
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). 128×64 tiles
  * (8×8 outputs per thread: twice the FMAs per shared-memory read) once they
- * still fill the device several times over, as at Wan2.1-14B. */
+ * fill the device several times over, as at Wan2.1-14B (3800 tiles); 64×64
+ * tiles (4×8 per thread) otherwise, as at Wan2.1-1.3B (384 tiles, one wave). */
 sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
-    auto tiles = [&](int64_t t) { return q.B * q.H * ((q.N + t - 1) / t) * ((k.N + t - 1) / t); };
-    if (tiles(MAP_WIDE_TILE) >= 1024)
-        map_logits_kernel<MAP_WIDE_TILE>
-            <<<(unsigned)tiles(MAP_WIDE_TILE), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
+    auto tiles = [&](int64_t tq) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + MAP_TILE - 1) / MAP_TILE); };
+    if (tiles(128) >= 1024)
+        map_logits_kernel<8><<<(unsigned)tiles(128), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
     else
-        map_logits_kernel<MAP_TILE><<<(unsigned)tiles(MAP_TILE), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
+        map_logits_kernel<4><<<(unsigned)tiles(64), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
     return GPU_CHECK_LAUNCH("pooled map kernel");
 }
 
