@@ -423,12 +423,14 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
  * kept set is found without sorting. kept = max(n_k, n_p, 1) is the shortest
  * prefix of the row order holding at least max(n_k, 1) blocks and mass >= p,
  * since the prefix mass only grows. A bitwise descent finds the key T of its
- * last block: at each bit, the blocks above the candidate range plus the
- * candidates with that bit set either satisfy both bounds (the boundary lies
- * among them) or are all kept before it. Ties at T are then taken by
- * ascending index, adding their mass one by one as the reference does. The
- * row lives in registers: lane l holds blocks l, l + warp, l + 2·warp, ...
- * The map's rows must be contiguous (md = 1). */
+ * last block: at the highest bit on which the candidates still differ, the
+ * blocks above them plus the candidates with that bit set either satisfy both
+ * bounds (the boundary lies among those, the rest drop out) or are all kept
+ * before it (the rest stay candidates). Ties at T are then taken by ascending
+ * index, adding their mass one by one as the reference does. The row lives in
+ * registers: lane l holds blocks l, l + warp, l + 2·warp, ...; the candidates
+ * are compacted into the warp's shared list after each split. The map's rows
+ * must be contiguous (md = 1). */
 constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
 constexpr int64_t FAST_MAX_ROW = 2048;
 
@@ -453,7 +455,30 @@ __device__ __forceinline__ int warp_count(int x)
 #endif
 }
 
-template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row)
+/* Warp-wide OR and AND: one redux instruction each on sm_80+, the shuffles elsewhere. */
+__device__ __forceinline__ uint32_t warp_or(uint32_t x)
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_or_sync(SPARGE_FULL_MASK, x);
+#else
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
+        x |= sparge_shfl_xor(x, o);
+    return x;
+#endif
+}
+__device__ __forceinline__ uint32_t warp_and(uint32_t x)
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_and_sync(SPARGE_FULL_MASK, x);
+#else
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
+        x &= sparge_shfl_xor(x, o);
+    return x;
+#endif
+}
+
+/* list: this warp's CAP slots of shared memory. */
+template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row, uint32_t *list)
 {
     constexpr int IPT = CAP / SPARGE_WARP_SIZE;
     const int lane = threadIdx.x % SPARGE_WARP_SIZE;
@@ -525,75 +550,69 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         total += key[e] ? key_prob(key[e]) : 0.0;
     total = warp_sum(total);
     /* Rounding may leave the total below p: keep the whole row. */
-    bool whole = use_p && total < p.topp;
+    const bool whole = use_p && total < p.topp;
 
     uint32_t T = 0u, ties_taken = 0u;
     double mass = total;
     if (!whole) {
-        const uint32_t differ = key_or ^ key_and;
+        /* The candidates (keys not yet known to lie above or below the boundary) sit compacted in this
+         * warp's list: each split looks only at them, so the work shrinks with them. The row's real keys
+         * are its first n slots. */
+#pragma unroll
+        for (int e = 0; e < IPT; e++)
+            if (e * SPARGE_WARP_SIZE + lane < n)
+                list[e * SPARGE_WARP_SIZE + lane] = key[e];
+        sparge_syncwarp();
+        const unsigned long long below = (1ull << lane) - 1ull;
+        int nc = (int)n;
+        uint32_t c_or = key_or, c_and = key_and; /* over the candidates */
         int64_t above = 0; /* blocks ordered before the candidates, and their mass */
         double above_mass = 0.0;
-        if (differ) {
-            const int hi = 31 - __clz((int)differ), lo = __ffs((int)differ) - 1;
-            T = key_and & ~(uint32_t)((2ull << hi) - 1u); /* bits above hi: shared by every key */
-            int64_t candidates = n; /* the keys that agree with T on the bits fixed so far */
-            int bit = hi;
-            for (; bit >= lo; bit--) {
-                const uint32_t high = T >> bit, with = T | (1u << bit);
-                int c = 0;
-                double m = 0.0;
-#pragma unroll
-                for (int e = 0; e < IPT; e++)
-                    if (key[e] >> bit == (high | 1u)) { /* a candidate with this bit set */
-                        c++;
-                        if (use_p)
-                            m += key_prob(key[e]);
-                    }
-                c = warp_count(c);
-                if (use_p)
-                    m = warp_sum(m);
-                if (above + c >= least && (!use_p || above_mass + m >= p.topp)) {
-                    T = with;
-                    candidates = c;
-                } else {
-                    above += c;
-                    above_mass += m;
-                    candidates -= c;
+        while (c_or != c_and) {
+            /* The candidates agree on every bit above `bit`; those with it set come first. */
+            const int bit = 31 - __clz((int)(c_or ^ c_and));
+            int c = 0;
+            double m = 0.0;
+            for (int t = lane; t < nc; t += SPARGE_WARP_SIZE) {
+                const uint32_t k = list[t];
+                if (k >> bit & 1u) {
+                    c++;
+                    if (use_p)
+                        m += key_prob(k);
                 }
-                if (candidates == 1)
-                    break;
             }
-            if (candidates == 1 && bit > lo) {
-                /* One candidate K is left: each lower bit set in K would be tested
-                 * with c = 1, m = mass(K) (and one clear with c = 0, which never
-                 * passes: the same sums just failed or are 0), so the rest of the
-                 * descent is decided here, with the same arithmetic. */
-                uint32_t K = 0u;
-#pragma unroll
-                for (int e = 0; e < IPT; e++)
-                    if (key[e] != 0u && key[e] >> bit == T >> bit)
-                        K = key[e];
-                for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
-                    const uint32_t other = sparge_shfl_xor(K, o);
-                    K = other > K ? other : K;
+            c = warp_count(c);
+            if (use_p)
+                m = warp_sum(m);
+            const bool take = above + c >= least && (!use_p || above_mass + m >= p.topp);
+            if (!take) { /* the boundary lies below them: all of them are kept */
+                above += c;
+                above_mass += m;
+            }
+            /* Keep the side holding the boundary, in place: a lane writes at or below the slot it read. */
+            const uint32_t side = take ? 1u : 0u;
+            int kept = 0;
+            uint32_t o = 0u, a = ~0u;
+            for (int base = 0; base < nc; base += SPARGE_WARP_SIZE) {
+                const int t = base + lane;
+                const uint32_t k = t < nc ? list[t] : 0u;
+                const bool stay = t < nc && (k >> bit & 1u) == side;
+                const unsigned long long sb = sparge_ballot(stay);
+                sparge_syncwarp(); /* every read of this round precedes its writes */
+                if (stay) {
+                    list[kept + __popcll(sb & below)] = k;
+                    o |= k;
+                    a &= k;
                 }
-                const double mk = key_prob(K);
-                for (int b = bit - 1; b >= lo; b--)
-                    if (K >> b & 1u) {
-                        if (above + 1 >= least && (!use_p || above_mass + mk >= p.topp))
-                            T |= 1u << b;
-                        else {
-                            above += 1;
-                            above_mass += use_p ? mk : 0.0;
-                            break; /* no candidate left: the remaining bits of T stay 0 */
-                        }
-                    }
+                kept += __popcll(sb);
             }
-            T |= key_and & ((1u << lo) - 1u); /* bits below lo: shared too */
-        } else {
-            T = key_and;
+            sparge_syncwarp();
+            nc = kept;
+            c_or = warp_or(o);
+            c_and = warp_and(a);
         }
-        /* above / above_mass now cover exactly the keys > T (the candidates are the keys == T). */
+        /* The nc candidates left all equal T; above / above_mass cover exactly the keys > T. */
+        T = c_and;
         if (!use_p) { /* the mass of the keys > T, in any order: it only feeds row_mass */
             double m = 0.0;
 #pragma unroll
@@ -601,21 +620,13 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
                 m += key[e] > T ? key_prob(key[e]) : 0.0;
             above_mass = warp_sum(m);
         }
-        int tied = 0;
-#pragma unroll
-        for (int e = 0; e < IPT; e++)
-            tied += key[e] == T;
-        tied = warp_count(tied);
-        if (tied == 0) { /* only if the total sat on p within rounding and the bits disagreed: keep the row */
-            whole = true;
-        } else {
-            const double v = key_prob(T);
-            mass = above_mass;
-            do {
-                ties_taken++;
-                mass += v;
-            } while ((int)ties_taken < tied && !(above + ties_taken >= least && (!use_p || mass >= p.topp)));
-        }
+        /* Ties at T by ascending index, their mass added one by one as the reference does. */
+        const double v = key_prob(T);
+        mass = above_mass;
+        do {
+            ties_taken++;
+            mass += v;
+        } while ((int)ties_taken < nc && !(above + ties_taken >= least && (!use_p || mass >= p.topp)));
     }
 
     /* Dense row and ascending CSR indices, a ballot per register slot. */
@@ -648,11 +659,12 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
  * one wave (93 registers gave 1.16 waves: 20.1 against 24.4 µs on the H200, at an 8-byte spill). */
 template <int CAP> __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1) fast_select_kernel(select_params p, int64_t rows)
 {
-    const int warps = FAST_THREADS / SPARGE_WARP_SIZE;
+    constexpr int warps = FAST_THREADS / SPARGE_WARP_SIZE;
+    __shared__ uint32_t lists[warps][CAP];
     for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
         const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
         if (row < rows)
-            fast_select_row<CAP>(p, row);
+            fast_select_row<CAP>(p, row, lists[threadIdx.x / SPARGE_WARP_SIZE]);
     }
 }
 

@@ -60,6 +60,13 @@ typedef __half gpu_half;
 #define sparge_shfl_up(v, d) __shfl_up((v), (d))
 /* Bit i = predicate of lane i (the upper 32 bits are 0 on wave32). */
 #define sparge_ballot(p) ((unsigned long long)__ballot(p))
+/* Orders the wavefront's shared-memory accesses before and after it (what __syncwarp does on CUDA). */
+#define sparge_syncwarp()                                                                                              \
+    do {                                                                                                               \
+        __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");                                                        \
+        __builtin_amdgcn_wave_barrier();                                                                               \
+        __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");                                                        \
+    } while (0)
 __device__ __forceinline__ float sparge_bf16_to_float(gpu_bf16 x)
 {
     unsigned short bits;
@@ -117,6 +124,7 @@ typedef __nv_bfloat16 gpu_bf16;
 #define sparge_shfl(v, l) __shfl_sync(SPARGE_FULL_MASK, (v), (l))
 #define sparge_shfl_up(v, d) __shfl_up_sync(SPARGE_FULL_MASK, (v), (d))
 #define sparge_ballot(p) ((unsigned long long)__ballot_sync(SPARGE_FULL_MASK, (p)))
+#define sparge_syncwarp() __syncwarp()
 #define sparge_bf16_to_float __bfloat162float
 #define sparge_float_to_bf16 __float2bfloat16_rn
 #endif
