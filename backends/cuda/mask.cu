@@ -96,6 +96,48 @@ template <typename Flag> __device__ int32_t write_csr_row(Flag flag, int64_t n, 
 /* By the bits: the CUDA build uses fast math. */
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 
+/* The kernels queued behind another one (launch_dependent) call this before touching global memory: it
+ * returns once the previous kernel has finished and its writes are visible. Without programmatic dependent
+ * launch (before sm_90, HIP) the stream order alone guarantees that and this is empty. */
+__device__ __forceinline__ void wait_for_previous_kernel()
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/* Queues kernel on ctx's stream. On sm_90+ it is launched programmatically dependent on the kernel before
+ * it, so its grid is set up while that one drains instead of after (the launch gap); the kernel waits in
+ * wait_for_previous_kernel(). Only where its device code holds that wait: PTX built for sm_90 or later. */
+template <typename... Params, typename... Args>
+sparge_status launch_dependent(gpu_ctx *ctx, void (*kernel)(Params...), unsigned blocks, unsigned threads,
+                               const char *what, Args... args)
+{
+#ifndef SPARGE_USE_HIP
+    if (ctx->cc_major >= 9) {
+        cudaFuncAttributes fa;
+        sparge_status s = gpu_check(cudaFuncGetAttributes(&fa, kernel), __FILE__, __LINE__, what);
+        if (s)
+            return s;
+        if (fa.ptxVersion >= 90) {
+            cudaLaunchAttribute attr[1];
+            attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            attr[0].val.programmaticStreamSerializationAllowed = 1;
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(blocks);
+            cfg.blockDim = dim3(threads);
+            cfg.dynamicSmemBytes = 0;
+            cfg.stream = ctx->stream;
+            cfg.attrs = attr;
+            cfg.numAttrs = 1;
+            return gpu_check(cudaLaunchKernelEx(&cfg, kernel, args...), __FILE__, __LINE__, what);
+        }
+    }
+#endif
+    kernel<<<blocks, threads, 0, ctx->stream>>>(args...);
+    return GPU_CHECK_LAUNCH(what);
+}
+
 /* ---------------------------------------------------------------- pooled map */
 
 constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 128;
@@ -118,6 +160,7 @@ struct map_params {
 template <int TQ>
 __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel(map_params p)
 {
+    wait_for_previous_kernel();
     constexpr int TILE_Q = 16 * TQ, TILE_K = MAP_TILE, TK = 8;
     constexpr int ROW_STEP = MAP_THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
     static_assert(TQ % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
@@ -207,6 +250,7 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
 /* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
 __global__ void map_softmax_kernel(map_params p, int64_t rows)
 {
+    wait_for_previous_kernel();
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x / SPARGE_WARP_SIZE) + threadIdx.x / SPARGE_WARP_SIZE;
     if (row >= rows)
         return;
@@ -286,6 +330,7 @@ struct select_params {
  * selecting, as map_softmax_kernel would. */
 template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(THREADS) select_kernel(select_params p)
 {
+    wait_for_previous_kernel();
     using sorter = row_sort<THREADS, IPT>;
     __shared__ union {
         typename sorter::storage sort;
@@ -661,6 +706,7 @@ template <int CAP> __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 
 {
     constexpr int warps = FAST_THREADS / SPARGE_WARP_SIZE;
     __shared__ uint32_t lists[warps][CAP];
+    wait_for_previous_kernel();
     for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
         const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
         if (row < rows)
@@ -695,6 +741,7 @@ constexpr int T_THREADS = 256, T_COLS = 32;
  * usual sparsities, with no shuffle or shared-memory read per column. */
 __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m)
 {
+    wait_for_previous_kernel();
     constexpr int W = SPARGE_WARP_SIZE, WARPS = T_THREADS / W;
     __shared__ int32_t offset[WARPS][T_COLS]; /* this chunk: kept rows of column c in the earlier warps, plus running */
     __shared__ int32_t running[T_COLS];       /* kept rows of column c in the earlier chunks */
@@ -761,8 +808,7 @@ sparge_status check_transpose(const sparge_mask_view *m)
 sparge_status launch_transpose(gpu_ctx *ctx, const sparge_mask_view *m)
 {
     const int64_t blocks = m->B * m->H * ((m->Nkb + T_COLS - 1) / T_COLS);
-    transpose_kernel<<<(unsigned)blocks, T_THREADS, 0, ctx->stream>>>(*m);
-    return GPU_CHECK_LAUNCH("mask transpose kernel");
+    return launch_dependent(ctx, transpose_kernel, (unsigned)blocks, T_THREADS, "mask transpose kernel", *m);
 }
 
 /* Widest row the block sort holds. */
@@ -785,8 +831,8 @@ sparge_status check_select(const sparge_mask_view *m)
 template <int THREADS, int IPT, bool SOFTMAX>
 sparge_status launch_select_kernel(gpu_ctx *ctx, const select_params &p, int64_t rows)
 {
-    select_kernel<THREADS, IPT, SOFTMAX><<<(unsigned)rows, THREADS, 0, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH("mask selection kernel");
+    return launch_dependent(ctx, select_kernel<THREADS, IPT, SOFTMAX>, (unsigned)rows, THREADS,
+                            "mask selection kernel", p);
 }
 
 /* Rows wider than this take the softmax as a separate kernel. */
@@ -853,18 +899,17 @@ sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
     const sparge_view &q = a->qbar, &k = a->kbar;
     auto tiles = [&](int64_t tq) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + MAP_TILE - 1) / MAP_TILE); };
     if (tiles(128) >= 1024)
-        map_logits_kernel<8><<<(unsigned)tiles(128), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
-    else
-        map_logits_kernel<4><<<(unsigned)tiles(64), MAP_THREADS, 0, ctx->stream>>>(make_map_params(a));
-    return GPU_CHECK_LAUNCH("pooled map kernel");
+        return launch_dependent(ctx, map_logits_kernel<8>, (unsigned)tiles(128), MAP_THREADS, "pooled map kernel",
+                                make_map_params(a));
+    return launch_dependent(ctx, map_logits_kernel<4>, (unsigned)tiles(64), MAP_THREADS, "pooled map kernel",
+                            make_map_params(a));
 }
 
 sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const int64_t rows = a->qbar.B * a->qbar.H * a->qbar.N, per_block = 256 / SPARGE_WARP_SIZE;
-    map_softmax_kernel<<<(unsigned)((rows + per_block - 1) / per_block), 256, 0, ctx->stream>>>(make_map_params(a),
-                                                                                                  rows);
-    return GPU_CHECK_LAUNCH("pooled map softmax kernel");
+    return launch_dependent(ctx, map_softmax_kernel, (unsigned)((rows + per_block - 1) / per_block), 256,
+                            "pooled map softmax kernel", make_map_params(a), rows);
 }
 
 /* Softmax and selection of predicted rows up to FAST_MAX_ROW wide, then the transpose. */
@@ -873,19 +918,22 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
     const sparge_mask_view *m = &a->mask;
     const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb, blocks = (rows + FAST_ROWS - 1) / FAST_ROWS;
     const select_params p = make_select_params(a->map.map, a->topk, a->topp, m);
+    auto launch = [&](void (*kernel)(select_params, int64_t)) {
+        return launch_dependent(ctx, kernel, (unsigned)blocks, FAST_THREADS, "mask selection kernel", p, rows);
+    };
+    sparge_status s;
     if (n <= 256)
-        fast_select_kernel<256><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+        s = launch(fast_select_kernel<256>);
     else if (n <= 512)
-        fast_select_kernel<512><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+        s = launch(fast_select_kernel<512>);
     else if (n <= 1024)
-        fast_select_kernel<1024><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+        s = launch(fast_select_kernel<1024>);
     else if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
-        fast_select_kernel<1280><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+        s = launch(fast_select_kernel<1280>);
     else if (n <= 1536)
-        fast_select_kernel<1536><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
+        s = launch(fast_select_kernel<1536>);
     else
-        fast_select_kernel<2048><<<(unsigned)blocks, FAST_THREADS, 0, ctx->stream>>>(p, rows);
-    sparge_status s = GPU_CHECK_LAUNCH("mask selection kernel");
+        s = launch(fast_select_kernel<2048>);
     return s ? s : launch_transpose(ctx, m);
 }
 
