@@ -543,10 +543,9 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         logit_nan |= is_nan(x[e]);
         mx = fmaxf(mx, x[e]);
     }
-    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
         mx = fmaxf(mx, sparge_shfl_xor(mx, o));
-        logit_nan |= sparge_shfl_xor(logit_nan, o);
-    }
+    logit_nan = (int)warp_or((uint32_t)logit_nan);
     float sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < IPT; e++)
@@ -570,11 +569,9 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
             key_and &= key[e];
         }
     }
-    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
-        nan |= sparge_shfl_xor(nan, o);
-        key_or |= sparge_shfl_xor(key_or, o);
-        key_and &= sparge_shfl_xor(key_and, o);
-    }
+    nan = (int)warp_or((uint32_t)nan);
+    key_or = warp_or(key_or);
+    key_and = warp_and(key_and);
     if (nan) {
         for (int64_t j = lane; j < n; j += SPARGE_WARP_SIZE) {
             dense[j] = 1;
@@ -589,10 +586,20 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
 
     const int64_t least = p.topk_count > 1 ? p.topk_count : 1;
     const bool use_p = p.topp > 0.0;
-    double total = 0.0;
+    /* The first split is counted from the registers, with the row's total: each key is converted once. */
+    const int first_bit = key_or != key_and ? 31 - __clz((int)(key_or ^ key_and)) : 0;
+    int c = 0; /* per lane: the candidates with the split's bit set, and their mass */
+    double m = 0.0, total = 0.0;
 #pragma unroll
     for (int e = 0; e < IPT; e++)
-        total += key[e] ? key_prob(key[e]) : 0.0;
+        if (key[e]) {
+            const double v = key_prob(key[e]);
+            total += v;
+            if (key[e] >> first_bit & 1u) {
+                c++;
+                m += v;
+            }
+        }
     total = warp_sum(total);
     /* Rounding may leave the total below p: keep the whole row. */
     const bool whole = use_p && total < p.topp;
@@ -600,56 +607,58 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
     uint32_t T = 0u, ties_taken = 0u;
     double mass = total;
     if (!whole) {
-        /* The candidates (keys not yet known to lie above or below the boundary) sit compacted in this
-         * warp's list: each split looks only at them, so the work shrinks with them. The row's real keys
-         * are its first n slots. */
-#pragma unroll
-        for (int e = 0; e < IPT; e++)
-            if (e * SPARGE_WARP_SIZE + lane < n)
-                list[e * SPARGE_WARP_SIZE + lane] = key[e];
-        sparge_syncwarp();
+        /* The candidates (keys not yet known to lie above or below the boundary) are compacted into this
+         * warp's list after each split, so the next one looks only at them. */
         const unsigned long long below = (1ull << lane) - 1ull;
         int nc = (int)n;
         uint32_t c_or = key_or, c_and = key_and; /* over the candidates */
         int64_t above = 0; /* blocks ordered before the candidates, and their mass */
         double above_mass = 0.0;
-        while (c_or != c_and) {
+        for (bool in_registers = true; c_or != c_and; in_registers = false) {
             /* The candidates agree on every bit above `bit`; those with it set come first. */
             const int bit = 31 - __clz((int)(c_or ^ c_and));
-            int c = 0;
-            double m = 0.0;
-            for (int t = lane; t < nc; t += SPARGE_WARP_SIZE) {
-                const uint32_t k = list[t];
-                if (k >> bit & 1u) {
-                    c++;
-                    if (use_p)
-                        m += key_prob(k);
+            if (!in_registers) {
+                c = 0;
+                m = 0.0;
+                for (int t = lane; t < nc; t += SPARGE_WARP_SIZE) {
+                    const uint32_t k = list[t];
+                    if (k >> bit & 1u) {
+                        c++;
+                        if (use_p)
+                            m += key_prob(k);
+                    }
                 }
             }
             c = warp_count(c);
-            if (use_p)
-                m = warp_sum(m);
+            m = use_p ? warp_sum(m) : 0.0;
             const bool take = above + c >= least && (!use_p || above_mass + m >= p.topp);
             if (!take) { /* the boundary lies below them: all of them are kept */
                 above += c;
                 above_mass += m;
             }
-            /* Keep the side holding the boundary, in place: a lane writes at or below the slot it read. */
+            /* Keep the side holding the boundary; from the list in place: a lane writes at or below the
+             * slot it read, after the whole warp has read. */
             const uint32_t side = take ? 1u : 0u;
             int kept = 0;
             uint32_t o = 0u, a = ~0u;
-            for (int base = 0; base < nc; base += SPARGE_WARP_SIZE) {
-                const int t = base + lane;
-                const uint32_t k = t < nc ? list[t] : 0u;
-                const bool stay = t < nc && (k >> bit & 1u) == side;
+            auto place = [&](uint32_t k, bool real) {
+                const bool stay = real && (k >> bit & 1u) == side;
                 const unsigned long long sb = sparge_ballot(stay);
-                sparge_syncwarp(); /* every read of this round precedes its writes */
+                sparge_syncwarp();
                 if (stay) {
                     list[kept + __popcll(sb & below)] = k;
                     o |= k;
                     a &= k;
                 }
                 kept += __popcll(sb);
+            };
+            if (in_registers) {
+#pragma unroll
+                for (int e = 0; e < IPT; e++)
+                    place(key[e], key[e] != 0u);
+            } else {
+                for (int base = 0; base < nc; base += SPARGE_WARP_SIZE)
+                    place(base + lane < nc ? list[base + lane] : 0u, base + lane < nc);
             }
             sparge_syncwarp();
             nc = kept;
@@ -659,7 +668,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         /* The nc candidates left all equal T; above / above_mass cover exactly the keys > T. */
         T = c_and;
         if (!use_p) { /* the mass of the keys > T, in any order: it only feeds row_mass */
-            double m = 0.0;
+            m = 0.0;
 #pragma unroll
             for (int e = 0; e < IPT; e++)
                 m += key[e] > T ? key_prob(key[e]) : 0.0;
