@@ -534,6 +534,52 @@ static void test_predict_shapes(void **state)
     }
 }
 
+/* Mask prediction under each selection arm (Top-k only, Top-p only, p = 1, hybrid) on rows that mix distinct
+ * scores with classes of equal ones (every third key block is a copy of one of 5 shared blocks, so exact ties sit
+ * among distinct scores wherever the GPU's descent ends), at widths served by different selection kernels: the
+ * kept sets against cpu-ref. */
+static void test_predict_selection_arms(void **state)
+{
+    (void)state;
+    static const double arms[][2] = {{0.05, 0.0}, {0.0, 0.4}, {0.0, 1.0}, {0.03, 0.2}, {0.5, 0.9}};
+    static const int64_t widths[] = {77, 512, 1182};
+    tu_rng rng = {20261204};
+    const int64_t B = 1, H = 2, Nq = 300, D = 32, bq = 64, bk = 4;
+    for (int w = 0; w < 3; w++) {
+        const int64_t Nk = widths[w] * bk - 2; /* a ragged last block */
+        const sparge_dtype dt = w % 2 ? SPARGE_BF16 : SPARGE_F32;
+        const tu_layout lay = w % 2 ? TU_BNHD : TU_BHND;
+        tu_tensor q = tu_alloc(dev, dt, lay, B, H, Nq, D), k = tu_alloc(dev, dt, lay, B, H, Nk, D);
+        tu_tensor rq = tu_alloc(ref, dt, lay, B, H, Nq, D), rk = tu_alloc(ref, dt, lay, B, H, Nk, D);
+        double *qv = malloc((size_t)(B * H * Nq * D) * sizeof *qv), *kv = malloc((size_t)(B * H * Nk * D) * sizeof *kv);
+        double shared[5][4 * 32];
+        for (int64_t i = 0; i < B * H * Nq * D; i++)
+            qv[i] = tu_normal(&rng);
+        for (int c = 0; c < 5; c++)
+            for (int i = 0; i < 4 * 32; i++)
+                shared[c][i] = tu_normal(&rng);
+        for (int64_t bh = 0; bh < B * H; bh++)
+            for (int64_t t = 0; t < Nk; t++)
+                for (int64_t d = 0; d < D; d++)
+                    kv[(bh * Nk + t) * D + d] = t / bk % 3 ? tu_normal(&rng) : shared[t / bk / 3 % 5][t % bk * D + d];
+        tu_set(&q, qv);
+        tu_set(&rq, qv);
+        tu_set(&k, kv);
+        tu_set(&rk, kv);
+        const shape s = {B, H, Nq, Nk, D, (int)bq, (int)bk};
+        for (int a = 0; a < 5; a++) {
+            sparge_mask_params mp = {(int)bq, (int)bk, arms[a][0], arms[a][1], 0.0f};
+            sparge_mask_destroy(predict_and_compare(&s, dt, lay, &q, &k, &rq, &rk, &mp));
+        }
+        free(qv);
+        free(kv);
+        tu_free(&q);
+        tu_free(&k);
+        tu_free(&rq);
+        tu_free(&rk);
+    }
+}
+
 /* The backend's gradient of the scalar loss L = Σ w∘O (dO = w) against central finite differences of the fp64
  * reference forward, test_grad's check run on the backend's own forward and backward: one head of a ragged
  * masked shape, per dtype the backend runs, inputs rounded to the dtype so both sides see the same values. */
@@ -635,6 +681,7 @@ int main(void)
         cmocka_unit_test(test_predict_wide_rows),
         cmocka_unit_test(test_predict_many_tiles),
         cmocka_unit_test(test_predict_shapes),
+        cmocka_unit_test(test_predict_selection_arms),
         cmocka_unit_test(test_grad_finite_differences),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
