@@ -35,6 +35,24 @@ sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *wh
 /* At least `bytes` of scratch device memory, valid until the next call on ctx. */
 sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
 
+/* Programmatic dependent launch (CUDA, sm_90+). A kernel queued with it (mask.cu: launch_dependent) calls
+ * gpu_wait_for_previous_kernel() before touching global memory: it returns once the kernel queued before it
+ * has completed and its writes are visible. gpu_allow_next_kernel(), after a block's last writes, lets such
+ * a next kernel be scheduled before this grid has fully drained; it orders no memory (the wait does). Both
+ * are empty before sm_90 and on HIP, where stream order alone applies. */
+__device__ __forceinline__ void gpu_wait_for_previous_kernel()
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void gpu_allow_next_kernel()
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /* Element load/store for the three storage dtypes, fp32 in registers. */
 template <typename T> __device__ __forceinline__ float to_f32(T x);
 template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }

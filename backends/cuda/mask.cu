@@ -96,19 +96,9 @@ template <typename Flag> __device__ int32_t write_csr_row(Flag flag, int64_t n, 
 /* By the bits: the CUDA build uses fast math. */
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 
-/* The kernels queued behind another one (launch_dependent) call this before touching global memory: it
- * returns once the previous kernel has finished and its writes are visible. Without programmatic dependent
- * launch (before sm_90, HIP) the stream order alone guarantees that and this is empty. */
-__device__ __forceinline__ void wait_for_previous_kernel()
-{
-#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 /* Queues kernel on ctx's stream. On sm_90+ it is launched programmatically dependent on the kernel before
  * it, so its grid is set up while that one drains instead of after (the launch gap); the kernel waits in
- * wait_for_previous_kernel(). Only where its device code holds that wait: PTX built for sm_90 or later. */
+ * gpu_wait_for_previous_kernel(). Only where its device code holds that wait: PTX built for sm_90 or later. */
 template <typename... Params, typename... Args>
 sparge_status launch_dependent(gpu_ctx *ctx, void (*kernel)(Params...), unsigned blocks, unsigned threads,
                                const char *what, Args... args)
@@ -160,7 +150,7 @@ struct map_params {
 template <int TQ>
 __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel(map_params p)
 {
-    wait_for_previous_kernel();
+    gpu_wait_for_previous_kernel();
     constexpr int TILE_Q = 16 * TQ, TILE_K = MAP_TILE, TK = 8;
     constexpr int ROW_STEP = MAP_THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
     static_assert(TQ % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
@@ -245,12 +235,13 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
                         out[s * p.md] = x[s] * p.scale;
         }
     }
+    gpu_allow_next_kernel();
 }
 
 /* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
 __global__ void map_softmax_kernel(map_params p, int64_t rows)
 {
-    wait_for_previous_kernel();
+    gpu_wait_for_previous_kernel();
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x / SPARGE_WARP_SIZE) + threadIdx.x / SPARGE_WARP_SIZE;
     if (row >= rows)
         return;
@@ -276,6 +267,7 @@ __global__ void map_softmax_kernel(map_params p, int64_t rows)
     const float inv = 1.0f / sum;
     for (int64_t j = lane; j < p.Nkb; j += SPARGE_WARP_SIZE)
         m[j * p.md] = nan ? NAN : expf(m[j * p.md] - mx) * inv;
+    gpu_allow_next_kernel();
 }
 
 /* ---------------------------------------------------------------- selection */
@@ -330,7 +322,7 @@ struct select_params {
  * selecting, as map_softmax_kernel would. */
 template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(THREADS) select_kernel(select_params p)
 {
-    wait_for_previous_kernel();
+    gpu_wait_for_previous_kernel();
     using sorter = row_sort<THREADS, IPT>;
     __shared__ union {
         typename sorter::storage sort;
@@ -460,6 +452,7 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
             idx[at++] = (int32_t)(s0 + e);
     for (int64_t j = kept + threadIdx.x; j < n; j += THREADS)
         idx[j] = -1;
+    gpu_allow_next_kernel();
 }
 
 /* ---------------------------------------------------------------- fused softmax + selection, one warp per row */
@@ -715,12 +708,13 @@ template <int CAP> __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 
 {
     constexpr int warps = FAST_THREADS / SPARGE_WARP_SIZE;
     __shared__ uint32_t lists[warps][CAP];
-    wait_for_previous_kernel();
+    gpu_wait_for_previous_kernel();
     for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
         const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
         if (row < rows)
             fast_select_row<CAP>(p, row, lists[threadIdx.x / SPARGE_WARP_SIZE]);
     }
+    gpu_allow_next_kernel();
 }
 
 /* ---------------------------------------------------------------- CSR and transpose */
@@ -735,6 +729,7 @@ __global__ void __launch_bounds__(CSR_THREADS) csr_from_dense_kernel(sparge_mask
     const int32_t c = write_csr_row([&](int64_t j) { return dense[j] != 0; }, m.Nkb, m.indices + row * m.Nkb, scratch);
     if (threadIdx.x == 0)
         m.counts[row] = c;
+    gpu_allow_next_kernel();
 }
 
 /* 32 columns per block whatever the warp size: HIP's host pass sees a warp of
@@ -750,7 +745,7 @@ constexpr int T_THREADS = 256, T_COLS = 32;
  * usual sparsities, with no shuffle or shared-memory read per column. */
 __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m)
 {
-    wait_for_previous_kernel();
+    gpu_wait_for_previous_kernel();
     constexpr int W = SPARGE_WARP_SIZE, WARPS = T_THREADS / W;
     __shared__ int32_t offset[WARPS][T_COLS]; /* this chunk: kept rows of column c in the earlier warps, plus running */
     __shared__ int32_t running[T_COLS];       /* kept rows of column c in the earlier chunks */

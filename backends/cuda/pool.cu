@@ -97,6 +97,7 @@ template <typename T> __global__ void __launch_bounds__(POOL_THREADS, 4) pool_ke
         pool_job_unit<T>(pp.a, unit);
     else if (unit < pp.a.units + pp.b.units)
         pool_job_unit<T>(pp.b, unit - pp.a.units);
+    gpu_allow_next_kernel(); /* the mask's logits kernel may be scheduled as the last blocks drain */
 }
 
 /* 16-byte accesses need contiguous rows and 16-byte aligned row starts. */
