@@ -700,6 +700,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         p.counts[row] = kept;
         p.row_mass[row] = (float)mass;
     }
+    gpu_allow_next_kernel();
 }
 
 /* Up to 512 key blocks: at most 80 registers, so that 6 CTAs share an SM and Wan2.1-1.3B's 3072 rows run in
@@ -714,7 +715,6 @@ template <int CAP> __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 
         if (row < rows)
             fast_select_row<CAP>(p, row, lists[threadIdx.x / SPARGE_WARP_SIZE]);
     }
-    gpu_allow_next_kernel();
 }
 
 /* ---------------------------------------------------------------- CSR and transpose */
