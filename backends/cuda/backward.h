@@ -41,6 +41,28 @@ __device__ __forceinline__ void red_add2(float *p, float x, float y)
 #endif
 }
 
+/* fp32 atomic adds of an accumulator fragment's pairs at (row r, columns c, c + 1) and (row r + 8, the same
+ * columns), c = 2·(lane % 4), p pointing at (r, c) and row8 elements from row r to row r + 8. On sm_90 lanes
+ * l and l ^ 1 (same r, columns 4 apart) swap halves so that each adds four adjacent elements in one 16-byte
+ * reduction (the even lane row r, columns c .. c + 3; the odd lane row r + 8, columns c - 2 .. c + 1): half
+ * the reduction requests of red_add2. All 32 lanes must call it. */
+__device__ __forceinline__ void red_add_frag(float *p, int64_t row8, float a0, float a1, float b0, float b1)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const bool odd = threadIdx.x & 1;
+    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1), r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+    if (odd)
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p + row8 - 2), "f"(r0), "f"(r1), "f"(b0),
+                     "f"(b1) : "memory");
+    else
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a0), "f"(a1), "f"(r0), "f"(r1)
+                     : "memory");
+#else
+    red_add2(p, a0, a1);
+    red_add2(p + row8, b0, b1);
+#endif
+}
+
 /* Σ o[e]·d_o[e] over 8 elements (16 bytes each), in order, fp32: one 16-byte part of a token's D_t. The prep
  * and the wgmma dQ pass both build D_t from these parts and the same xor tree over them (parts l and l ^ m
  * added for m = D/16, ..., 2, 1), so the two give the same bits. */

@@ -249,10 +249,9 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
                 wgmma_wait<0>();
                 fence_operands(dq);
 #pragma unroll
-                for (int nt = 0; nt < 8; nt++) {
-                    red_add2(dst + dh * 64 + nt * 8, dq[nt * 4], dq[nt * 4 + 1]);
-                    red_add2(dst + 8 * D + dh * 64 + nt * 8, dq[nt * 4 + 2], dq[nt * 4 + 3]);
-                }
+                for (int nt = 0; nt < 8; nt++)
+                    red_add_frag(dst + dh * 64 + nt * 8, 8 * D, dq[nt * 4], dq[nt * 4 + 1], dq[nt * 4 + 2],
+                                 dq[nt * 4 + 3]);
             }
         }
     }
