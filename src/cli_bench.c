@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <threads.h>
 
 #include "cli.h"
 
@@ -32,6 +33,9 @@ static const char help[] =
     "                      reported (what a training loop sees, and how the peer scripts time);\n"
     "                      each: every run is timed alone, synchronized, and the median is\n"
     "                      reported (adds the host's launch latency to every run) (default queued)\n"
+    "  --settle S          idle S seconds before each timed operation, so that it does not run in\n"
+    "                      the power state the one before left (a GPU at its power cap after the\n"
+    "                      dense level runs the sparse levels at lower clocks) (default 0)\n"
     "  --deterministic     backward without atomics (bitwise reproducible)\n"
     "  --seed N            input seed (default 1)\n"
     "  --output FILE       also write the rows as CSV (.csv) or JSON (.json)\n"
@@ -51,13 +55,20 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Time per run of op(ctx) after `warmup` runs, or NAN on failure: with `queued`, the mean of `reps` runs issued
- * back to back between one pair of device timers; otherwise the median of `reps` runs timed one at a time. */
+/* Time per run of op(ctx) after `settle` idle seconds and `warmup` runs, or NAN on failure: with `queued`, the mean
+ * of `reps` runs issued back to back between one pair of device timers; otherwise the median of `reps` runs timed
+ * one at a time. */
 typedef sparge_status (*bench_op)(void *ctx);
-static double time_op(sparge_device *dev, bench_op op, void *ctx, int warmup, int reps, int queued, const char *what)
+static double time_op(sparge_device *dev, bench_op op, void *ctx, double settle, int warmup, int reps, int queued,
+                      const char *what)
 {
     sparge_status s = SPARGE_OK;
     double result = NAN;
+    if (settle > 0.0) {
+        struct timespec idle = {(time_t)settle, (long)((settle - floor(settle)) * 1e9)};
+        while (thrd_sleep(&idle, &idle) == -1) /* interrupted: sleep the rest */
+            ;
+    }
     for (int i = 0; !s && i < warmup; i++)
         s = op(ctx);
     if (queued) {
@@ -124,7 +135,7 @@ int cli_bench(int argc, char **argv)
                *dtype_s = NULL, *layout = "bhnd", *timing = "queued", *v;
     int64_t B = 1, H = 2, Nq = 8192, Nk = -1, D = 128, reps = 10, warmup = 2, seed = 1;
     int bq = 128, bk = 64, det = 0;
-    double topk = 0.03, topp = 0.2;
+    double topk = 0.03, topp = 0.2, settle = 0.0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             fputs(help, stdout);
@@ -151,6 +162,7 @@ int cli_bench(int argc, char **argv)
         else if ((v = cli_opt(argc, argv, &i, "--output"))) output = v;
         else if ((v = cli_opt(argc, argv, &i, "--export-mask"))) export_pfx = v;
         else if ((v = cli_opt(argc, argv, &i, "--timing"))) timing = v;
+        else if ((v = cli_opt(argc, argv, &i, "--settle"))) settle = cli_double(v, "--settle");
         else if (!strcmp(argv[i], "--deterministic")) det = 1;
         else {
             fprintf(stderr, "sparge bench: unknown option '%s' (see sparge bench --help)\n", argv[i]);
@@ -168,6 +180,10 @@ int cli_bench(int argc, char **argv)
         return 2;
     }
     const int queued = !strcmp(timing, "queued");
+    if (!(settle >= 0.0 && settle <= 3600.0)) {
+        fprintf(stderr, "sparge bench: --settle must be between 0 and 3600 seconds\n");
+        return 2;
+    }
     if (strcmp(layout, "bhnd") && strcmp(layout, "bnhd")) {
         fprintf(stderr, "sparge bench: --layout must be bhnd or bnhd\n");
         return 2;
@@ -211,9 +227,12 @@ int cli_bench(int argc, char **argv)
     c.ap.deterministic = det;
 
     printf("sparge bench on %s (%s)\n", sparge_device_name(c.dev), sparge_device_description(c.dev));
-    printf("B=%lld H=%lld Nq=%lld Nk=%lld D=%lld %s %s, blocks %dx%d, %s of %lld after %lld warm-up\n\n",
+    printf("B=%lld H=%lld Nq=%lld Nk=%lld D=%lld %s %s, blocks %dx%d, %s of %lld after %lld warm-up",
            (long long)B, (long long)H, (long long)Nq, (long long)Nk, (long long)D, sparge_dtype_name(dt), layout, bq, bk,
            queued ? "mean of queued runs" : "median", (long long)reps, (long long)warmup);
+    if (settle > 0.0)
+        printf(", each after %g s idle", settle);
+    printf("\n\n");
     printf("%-12s %8s %8s %9s %9s %11s %9s %9s %9s %9s\n", "level", "sparsity", "mask ms", "fwd ms", "fwd+mask",
            "fwd TFLOP/s", "eff TF/s", "bwd ms", "bwd TF/s", "speedup");
     double flops = 4.0 * (double)B * (double)H * (double)Nq * (double)Nk * (double)D, dense_fwd = NAN;
@@ -242,7 +261,7 @@ int cli_bench(int argc, char **argv)
             r->density = 1.0;
         } else {
             if (strstr(ops, "mask"))
-                r->mask_ms = time_op(c.dev, op_mask, &c, (int)warmup, (int)reps, queued, "mask prediction");
+                r->mask_ms = time_op(c.dev, op_mask, &c, settle, (int)warmup, (int)reps, queued, "mask prediction");
             else if ((s = op_mask(&c)))
                 return cli_fail("mask prediction", s);
             sparge_mask_stats st;
@@ -252,18 +271,19 @@ int cli_bench(int argc, char **argv)
             r->density = st.token_density;
         }
         if (strstr(ops, "fwd") || want_bwd) {
-            double t = time_op(c.dev, op_fwd, &c, strstr(ops, "fwd") ? (int)warmup : 0, strstr(ops, "fwd") ? (int)reps : 1,
+            const int timed = strstr(ops, "fwd") != NULL; /* else one run for the backward's O and LSE */
+            double t = time_op(c.dev, op_fwd, &c, timed ? settle : 0.0, timed ? (int)warmup : 0, timed ? (int)reps : 1,
                                queued, "forward");
-            if (strstr(ops, "fwd"))
+            if (timed)
                 r->fwd_ms = t;
         }
         if (want_bwd)
-            r->bwd_ms = time_op(c.dev, op_bwd, &c, (int)warmup, (int)reps, queued, "backward");
+            r->bwd_ms = time_op(c.dev, op_bwd, &c, settle, (int)warmup, (int)reps, queued, "backward");
         if (dense)
             dense_fwd = r->fwd_ms;
         r->fwd_mask_ms = dense ? r->fwd_ms : NAN;
         if (!dense && strstr(ops, "mask") && strstr(ops, "fwd"))
-            r->fwd_mask_ms = time_op(c.dev, op_mask_fwd, &c, (int)warmup, (int)reps, queued, "mask prediction + forward");
+            r->fwd_mask_ms = time_op(c.dev, op_mask_fwd, &c, settle, (int)warmup, (int)reps, queued, "mask prediction + forward");
         printf("%-12s %7.2f%% %8.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %8.2fx\n", r->level, 100.0 * r->sparsity,
                r->mask_ms, r->fwd_ms, r->fwd_mask_ms, flops / (r->fwd_ms * 1e9), flops * r->density / (r->fwd_ms * 1e9),
                r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), dense_fwd / r->fwd_mask_ms);

@@ -1,4 +1,5 @@
 /* Tests of the command-line tool: `sparge bench` options, its table and its CSV. */
+#define _POSIX_C_SOURCE 200809L /* mkstemp */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -8,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -62,6 +64,32 @@ static void test_bench_csv(void **state)
     }
 }
 
+/* --settle idles before each timed operation (here the dense and the 50 % forward: two) and says so. */
+static void test_bench_settle(void **state)
+{
+    (void)state;
+    char out[] = "/tmp/sparge-test-cli-XXXXXX", command[512], line[512];
+    int fd = mkstemp(out);
+    assert_true(fd >= 0);
+    close(fd);
+    snprintf(command, sizeof command, BENCH " --sparsity dense,0.5 --ops fwd --settle 0.3 > %s", out);
+    struct timespec t0, t1;
+    assert_int_equal(timespec_get(&t0, TIME_UTC), TIME_UTC);
+    assert_int_equal(run(command), 0);
+    assert_int_equal(timespec_get(&t1, TIME_UTC), TIME_UTC);
+    const double wall = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    print_message("--settle 0.3 with two timed operations: %.2f s\n", wall);
+    assert_true(wall >= 0.6);
+    FILE *f = fopen(out, "r");
+    assert_non_null(f);
+    int said = 0;
+    while (fgets(line, sizeof line, f))
+        said |= strstr(line, "each after 0.3 s idle") != NULL;
+    fclose(f);
+    unlink(out);
+    assert_true(said);
+}
+
 static void test_bench_rejects_bad_options(void **state)
 {
     (void)state;
@@ -69,12 +97,15 @@ static void test_bench_rejects_bad_options(void **state)
     assert_int_equal(run(BENCH " --reps 0 2>/dev/null"), 2);
     assert_int_equal(run(BENCH " --layout nhbd 2>/dev/null"), 2);
     assert_int_equal(run(BENCH " --no-such-option 2>/dev/null"), 2);
+    assert_int_equal(run(BENCH " --settle -1 2>/dev/null"), 2);
+    assert_int_equal(run(BENCH " --settle soon 2>/dev/null"), 2);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bench_csv),
+        cmocka_unit_test(test_bench_settle),
         cmocka_unit_test(test_bench_rejects_bad_options),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
