@@ -10,7 +10,9 @@
  *             a separate pass with one CTA per query block over its CSR row (no atomics: bitwise
  *             reproducible, used when deterministic is set; the prep then leaves out the fp32 accumulator).
  * The wgmma dQ pass (sm_90) does the prep's work itself: it runs first, each CTA computing D_t and LSE·log2(e)
- * of its 128 rows (the prep's arithmetic, same bits) and writing them for the dK/dV pass after it.
+ * of its 128 rows (the prep's arithmetic, same bits) and writing them for the dK/dV pass after it, which is its
+ * programmatic dependent: it starts on the SMs the dQ pass's last wave leaves idle and reads those rows once every
+ * dQ CTA has counted them written (SPARGE_CUDA_BWD_OVERLAP=on|off, default on; off starts it after the dQ pass).
  * When deterministic is 0, atomics are the default except with the wgmma kernels on bk = 64 masks: with the
  * mma.sync kernels on the H200 (experiments/BENCHMARKS.md, cuda-bwd) they took 64.3 ms against 76.1 ms dense
  * and were within 0.7 % of the pass on bk = 64 masks at 3–10 % density; with the wgmma kernels they are 3.5 %
@@ -203,8 +205,10 @@ struct order_job {
     int32_t *order;
 };
 
-__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(order_job job0, order_job job1)
+__global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(order_job job0, order_job job1, uint32_t *zero)
 {
+    if (zero && blockIdx.x == 0 && threadIdx.x == 0)
+        *zero = 0;
     const order_job job = blockIdx.x ? job1 : job0;
     const int32_t *counts = job.counts;
     const int n = job.n, max_count = job.max_count;
@@ -576,23 +580,26 @@ sparge_status launch_rows(gpu_ctx *ctx, K kernel, int64_t rows, int D, const bwd
     return GPU_CHECK_LAUNCH(what);
 }
 
-/* The launch orders of both passes (either job may be empty) in one launch. */
-sparge_status launch_orders(gpu_ctx *ctx, const order_job &kv, const order_job &q)
+/* The launch orders of both passes (either job may be empty) in one launch, which also zeroes *zero (if set). */
+sparge_status launch_orders(gpu_ctx *ctx, const order_job &kv, const order_job &q, uint32_t *zero)
 {
     const order_job &job0 = kv.counts ? kv : q;
-    const unsigned ctas = (kv.counts != nullptr) + (q.counts != nullptr);
+    unsigned ctas = (kv.counts != nullptr) + (q.counts != nullptr);
+    if (ctas == 0 && zero)
+        ctas = 1; /* empty jobs */
     if (ctas == 0)
         return SPARGE_OK;
-    bwd_order_kernel<<<ctas, kOrderThreads, 0, ctx->stream>>>(job0, q);
+    bwd_order_kernel<<<ctas, kOrderThreads, 0, ctx->stream>>>(job0, q, zero);
     return GPU_CHECK_LAUNCH("backward tile-order kernel");
 }
 
-/* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes. wgmma_keys: 0 runs
- * the mma.sync kernels, 64 or 128 the wgmma dK/dV kernel with that many keys per CTA (128 only where the key tiling
- * allows it: dense or bk = 128; 64 otherwise) and the wgmma dQ pass. */
+/* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes; dq_done: 4 bytes of
+ * it for the wgmma passes' counter. wgmma_keys: 0 runs the mma.sync kernels, 64 or 128 the wgmma dK/dV kernel with
+ * that many keys per CTA (128 only where the key tiling allows it: dense or bk = 128; 64 otherwise) and the wgmma
+ * dQ pass, whose dK/dV pass is its programmatic dependent where overlap is set. */
 template <typename T, int D>
-sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma_keys, int32_t *order_kv,
-                  int32_t *order_q)
+sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma_keys, int overlap,
+                  int32_t *order_kv, int32_t *order_q, uint32_t *dq_done)
 {
     sparge_status s;
     const int64_t rows = BH * p.Nq_pad;
@@ -620,20 +627,32 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         q_job = {p.counts, (int)(BH * p.Nqb), p.Nkb, order_q};
         pq.order = order_q;
     }
-    if ((s = launch_orders(ctx, kv_job, q_job)))
+    const int wgmma_pass = wgmma_keys && !atomic_dq; /* the wgmma dQ pass does the prep's work and runs first */
+    if (wgmma_pass) {
+        pq.dq_done = pk.dq_done = dq_done;
+        pq.dq_ctas = pk.dq_ctas = (uint32_t)(BH * pq.Nqb);
+    }
+    if ((s = launch_orders(ctx, kv_job, q_job, wgmma_pass ? dq_done : nullptr)))
         return s;
     const int kv_sub_shift = p.t_counts && bk == 128 && !wide ? 1 : 0;
 
-    if (wgmma_keys && !atomic_dq) { /* the wgmma dQ pass does the prep's work and runs first */
+    if (wgmma_pass) {
+        /* Overlap safety. The dependent dK/dV grid launches only once every dQ CTA has counted itself and
+         * triggered, so its wait for the count ends at once and cannot deadlock: every dQ CTA is resident before
+         * any dK/dV CTA, however many waves the dQ grid takes; where the launch is serialized (overlap off, a tool
+         * serializing kernels) the count is complete before it starts. Its other inputs (Q, K, V, dO, the mask,
+         * order_kv) were complete before the dQ pass, a plain launch that started after the orders kernel (which
+         * zeroed the count) had completed. It writes only dk and dv, which the dQ pass does not read, and reads of
+         * the dQ pass's output only the padded arrays, after the count. */
         if ((s = sparge_cuda_wgmma_dq(ctx, pq, BH, bkq == 128 ? 1 : 0, dtype, D)))
             return s;
-        return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D);
+        return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, overlap);
     }
 
     if ((s = launch_rows(ctx, bwd_prep_kernel<T, D>, rows, D, p, "backward prep kernel")))
         return s;
     unsigned grid_kv = (unsigned)(BH * pk.Nkb);
-    s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D)
+    s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, 0)
         : bk == 64
             ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
             : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
@@ -714,6 +733,13 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     if (dq_env && strcmp(dq_env, "pass") && strcmp(dq_env, "atomic"))
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_DQ must be \"pass\" or \"atomic\", got "
                            "\"%s\"", dq_env);
+    /* With the wgmma dQ pass, the dK/dV pass may start on the SMs its last wave leaves idle (the default; off: it
+     * starts when the dQ pass has ended). */
+    const char *overlap_env = getenv("SPARGE_CUDA_BWD_OVERLAP");
+    if (overlap_env && strcmp(overlap_env, "on") && strcmp(overlap_env, "off"))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_BWD_OVERLAP must be \"on\" or \"off\", "
+                           "got \"%s\"", overlap_env);
+    const int overlap = !overlap_env || !strcmp(overlap_env, "on");
     const int narrow_wgmma = wgmma_keys == 64 || (wgmma_keys && a->mask && bk != 128);
     const int atomic_dq = !a->deterministic && (dq_env ? !strcmp(dq_env, "atomic") : !narrow_wgmma);
 
@@ -741,16 +767,17 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     const size_t accum = atomic_dq ? padded * D : 0, nkv = a->mask ? (size_t)BH * p.Nkb : 0,
                  nq = a->mask ? (size_t)BH * p.Nqb : 0;
     void *ws;
-    if ((s = gpu_workspace(ctx, (2 * padded + accum) * sizeof(float) + (nkv + nq) * sizeof(int32_t), &ws)))
+    if ((s = gpu_workspace(ctx, (2 * padded + accum) * sizeof(float) + (nkv + nq + 1) * sizeof(int32_t), &ws)))
         return s;
     p.dt = (float *)ws;
     p.lse2 = p.dt + padded;
     p.dq_accum = atomic_dq ? p.lse2 + padded : nullptr;
     int32_t *order_kv = (int32_t *)(p.lse2 + padded + accum), *order_q = order_kv + nkv;
+    uint32_t *dq_done = (uint32_t *)(order_q + nq);
 
     if (a->q.dtype == SPARGE_BF16)
-        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q)
-                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q);
-    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q)
-                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, order_kv, order_q);
+        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
+                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
+                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
 }

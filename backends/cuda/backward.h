@@ -28,7 +28,26 @@ struct bwd_params {
     const int32_t *counts, *indices;     /* CSR rows (row stride Nkb), NULL: dense */
     const int32_t *t_counts, *t_indices; /* transposed (row stride Nqb), NULL: dense */
     const int32_t *order; /* CTA → tile (heavy tiles first), NULL: identity */
+    /* wgmma dQ pass → dK/dV pass, which may start before the dQ grid ends: each dQ CTA adds 1 (release) once
+     * its rows' D_t and LSE·log2e are written; the dK/dV kernel reads those arrays once it sees dq_ctas
+     * (acquire). NULL: the arrays were written by an earlier, completed kernel. */
+    uint32_t *dq_done;
+    uint32_t dq_ctas;
 };
+
+/* p.dq_done's two sides: one CTA's increment after its writes, ordered before them by a preceding barrier
+ * (release at gpu scope is cumulative), and the load that orders the reads after it (acquire; a barrier after
+ * it passes that on to the CTA). */
+__device__ __forceinline__ void add_release(uint32_t *counter)
+{
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t *counter)
+{
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    return v;
+}
 
 /* fp32 atomic add of two adjacent elements (one vector reduction where the ISA has it). */
 __device__ __forceinline__ void red_add2(float *p, float x, float y)
@@ -84,14 +103,16 @@ int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx);
 /* The dK/dV pass (and, when p.dq_accum is set, the atomic dQ contributions) with wgmma, f16 or
  * bf16, D = 64 or 128: one CTA per 64 keys (wide = 0) or per 128 keys (wide = 1, two warpgroups);
  * p.Nkb counts key blocks of that many keys << sub_shift (the mask's bk, or the CTA's keys when
- * dense), p.order (if set) orders those blocks. */
+ * dense), p.order (if set) orders those blocks. dependent = 1 (p.dq_done set) launches it as a programmatic
+ * dependent of the wgmma dQ pass queued just before it, so that it fills the SMs that pass's last wave leaves idle. */
 sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
-                                     sparge_dtype dt, int D);
+                                     sparge_dtype dt, int D, int dependent);
 /* The separate dQ pass with wgmma (dq_sm90.cu; available with the dK/dV kernel above), f16 or bf16,
  * D = 64 or 128: one CTA per query block, p.Nkb counts key blocks of 64 keys << sub_shift (the mask's
  * bk, or 64 when dense), p.order (if set) orders the query blocks. No atomics. It computes D_t and
  * LSE·log2e from p.o, p.d_o and p.lse (the prep's work: it reads neither padded array) and writes
- * p.dt and p.lse2, every padded row, for a dK/dV pass after it. */
+ * p.dt and p.lse2, every padded row, for a dK/dV pass after it, then counts itself in p.dq_done (required)
+ * and lets that pass launch. */
 sparge_status sparge_cuda_wgmma_dq(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt,
                                    int D);
 

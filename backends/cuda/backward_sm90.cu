@@ -115,6 +115,12 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     /* Group 0: K, V and step 0. */
     load_tile<T, D, KEYS, THREADS>(k_smem, (const T *)p.k + b * p.k_sb + h * p.k_sh, p.k_sn, key0, p.Nk, tid);
     load_tile<T, D, KEYS, THREADS>(v_smem, (const T *)p.v + b * p.v_sb + h * p.v_sh, p.v_sn, key0, p.Nk, tid);
+    if (p.dq_done) { /* D_t and LSE·log2e of every row are written once all dQ CTAs have counted themselves */
+        if (tid == 0)
+            while (load_acquire(p.dq_done) < p.dq_ctas)
+                __nanosleep(64);
+        __syncthreads();
+    }
     issue(0);
 
     /* This thread's accumulator rows (keys of Sᵀ, dV, dK inside its warpgroup's 64) row0 and row0 + 8,
@@ -280,11 +286,14 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             *(uint4 *)(dk_out + (int64_t)key * p.dk_sn + ch * 8) = *(const uint4 *)(k_stage + off);
         }
     }
+    /* Ends after the dQ grid (a no-op unless launched as its dependent), so that work queued after the backward
+     * is ordered after both passes whatever the stream makes of a dependent grid that never waits. */
+    gpu_wait_for_previous_kernel();
 #endif
 }
 
 template <typename T, int D, int WGS>
-sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift)
+sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int dependent)
 {
     constexpr int SMEM = bwd90_traits<D, WGS>::SMEM_BYTES;
     if ((size_t)SMEM > ctx->smem_optin)
@@ -297,18 +306,33 @@ sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shif
     const int64_t grid = (BH * p.Nkb) << sub_shift;
     if (grid == 0)
         return SPARGE_OK;
+    if (dependent) {
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)grid);
+        cfg.blockDim = dim3(bwd90_traits<D, WGS>::THREADS);
+        cfg.dynamicSmemBytes = SMEM;
+        cfg.stream = ctx->stream;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        return gpu_check(cudaLaunchKernelEx(&cfg, kernel, p, sub_shift), __FILE__, __LINE__,
+                         "wgmma backward dK/dV kernel (dependent launch)");
+    }
     kernel<<<(unsigned)grid, bwd90_traits<D, WGS>::THREADS, SMEM, ctx->stream>>>(p, sub_shift);
     return GPU_CHECK_LAUNCH("wgmma backward dK/dV kernel");
 }
 
 template <int WGS>
-sparge_status dispatch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt, int D)
+sparge_status dispatch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, sparge_dtype dt, int D,
+                       int dependent)
 {
     if (dt == SPARGE_BF16)
-        return D == 128 ? launch<gpu_bf16, 128, WGS>(ctx, p, BH, sub_shift)
-                        : launch<gpu_bf16, 64, WGS>(ctx, p, BH, sub_shift);
-    return D == 128 ? launch<gpu_half, 128, WGS>(ctx, p, BH, sub_shift)
-                    : launch<gpu_half, 64, WGS>(ctx, p, BH, sub_shift);
+        return D == 128 ? launch<gpu_bf16, 128, WGS>(ctx, p, BH, sub_shift, dependent)
+                        : launch<gpu_bf16, 64, WGS>(ctx, p, BH, sub_shift, dependent);
+    return D == 128 ? launch<gpu_half, 128, WGS>(ctx, p, BH, sub_shift, dependent)
+                    : launch<gpu_half, 64, WGS>(ctx, p, BH, sub_shift, dependent);
 }
 
 } // namespace
@@ -326,9 +350,10 @@ int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
-                                     sparge_dtype dt, int D)
+                                     sparge_dtype dt, int D, int dependent)
 {
-    return wide ? dispatch<2>(ctx, p, BH, sub_shift, dt, D) : dispatch<1>(ctx, p, BH, sub_shift, dt, D);
+    return wide ? dispatch<2>(ctx, p, BH, sub_shift, dt, D, dependent)
+                : dispatch<1>(ctx, p, BH, sub_shift, dt, D, dependent);
 }
 
 #else /* no sm_90a image in this build */
@@ -340,9 +365,9 @@ int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
-                                     sparge_dtype dt, int D)
+                                     sparge_dtype dt, int D, int dependent)
 {
-    (void)ctx, (void)p, (void)BH, (void)sub_shift, (void)wide, (void)dt, (void)D;
+    (void)ctx, (void)p, (void)BH, (void)sub_shift, (void)wide, (void)dt, (void)D, (void)dependent;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma backward (configure "
                        "--with-cuda-arch with 90)");
 }

@@ -139,6 +139,14 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         else
             p.dt[row] = r ? dt_r[1] : dt_r[0];
     }
+    /* Counted, then the dK/dV grid may launch (once every CTA of this grid has triggered): it reads these
+     * rows after seeing the count complete, without waiting for this grid to end. The second barrier keeps
+     * any thread's trigger after the count. */
+    __syncthreads();
+    if (tid == 0)
+        add_release(p.dq_done);
+    __syncthreads();
+    gpu_allow_next_kernel();
     const float lse_0 = lse_r[0], lse_1 = lse_r[1], dt_0 = dt_r[0], dt_1 = dt_r[1];
     const uint32_t q_wg = q_smem + wg * W::TILE_BYTES, do_wg = do_smem + wg * W::TILE_BYTES;
 
