@@ -306,20 +306,9 @@ sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shif
     const int64_t grid = (BH * p.Nkb) << sub_shift;
     if (grid == 0)
         return SPARGE_OK;
-    if (dependent) {
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((unsigned)grid);
-        cfg.blockDim = dim3(bwd90_traits<D, WGS>::THREADS);
-        cfg.dynamicSmemBytes = SMEM;
-        cfg.stream = ctx->stream;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return gpu_check(cudaLaunchKernelEx(&cfg, kernel, p, sub_shift), __FILE__, __LINE__,
-                         "wgmma backward dK/dV kernel (dependent launch)");
-    }
+    if (dependent)
+        return gpu_launch_dependent(ctx, kernel, (unsigned)grid, bwd90_traits<D, WGS>::THREADS, SMEM,
+                                    "wgmma backward dK/dV kernel (dependent launch)", p, sub_shift);
     kernel<<<(unsigned)grid, bwd90_traits<D, WGS>::THREADS, SMEM, ctx->stream>>>(p, sub_shift);
     return GPU_CHECK_LAUNCH("wgmma backward dK/dV kernel");
 }

@@ -35,7 +35,7 @@ sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *wh
 /* At least `bytes` of scratch device memory, valid until the next call on ctx. */
 sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
 
-/* Programmatic dependent launch (CUDA, sm_90+). A kernel queued with it (mask.cu: launch_dependent) calls
+/* Programmatic dependent launch (CUDA, sm_90+). A kernel queued with it (gpu_launch_dependent below) calls
  * gpu_wait_for_previous_kernel() before touching global memory: it returns once the kernel queued before it
  * has completed and its writes are visible. gpu_allow_next_kernel(), after a block's last writes, lets such
  * a next kernel be scheduled before this grid has fully drained; it orders no memory (the wait does). Both
@@ -52,6 +52,28 @@ __device__ __forceinline__ void gpu_allow_next_kernel()
     asm volatile("griddepcontrol.launch_dependents;"); /* no memory clobber: it needs no ordering */
 #endif
 }
+
+#ifndef SPARGE_USE_HIP
+/* Queues kernel<<<grid, block, smem>>>(args) on ctx's stream as a programmatic dependent of the kernel queued
+ * before it (sm_90+): its grid may launch once every block of that kernel has called gpu_allow_next_kernel() or
+ * exited; the kernel orders its reads with gpu_wait_for_previous_kernel() (or an acquire of its own). */
+template <typename... Params, typename... Args>
+sparge_status gpu_launch_dependent(gpu_ctx *ctx, void (*kernel)(Params...), unsigned grid, unsigned block,
+                                   size_t smem, const char *what, Args... args)
+{
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = ctx->stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    return gpu_check(cudaLaunchKernelEx(&cfg, kernel, args...), __FILE__, __LINE__, what);
+}
+#endif
 
 /* Element load/store for the three storage dtypes, fp32 in registers. */
 template <typename T> __device__ __forceinline__ float to_f32(T x);

@@ -109,19 +109,8 @@ sparge_status launch_dependent(gpu_ctx *ctx, void (*kernel)(Params...), unsigned
         sparge_status s = gpu_check(cudaFuncGetAttributes(&fa, kernel), __FILE__, __LINE__, what);
         if (s)
             return s;
-        if (fa.ptxVersion >= 90) {
-            cudaLaunchAttribute attr[1];
-            attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attr[0].val.programmaticStreamSerializationAllowed = 1;
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(blocks);
-            cfg.blockDim = dim3(threads);
-            cfg.dynamicSmemBytes = 0;
-            cfg.stream = ctx->stream;
-            cfg.attrs = attr;
-            cfg.numAttrs = 1;
-            return gpu_check(cudaLaunchKernelEx(&cfg, kernel, args...), __FILE__, __LINE__, what);
-        }
+        if (fa.ptxVersion >= 90)
+            return gpu_launch_dependent(ctx, kernel, blocks, threads, 0, what, args...);
     }
 #endif
     kernel<<<blocks, threads, 0, ctx->stream>>>(args...);
