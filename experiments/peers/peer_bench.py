@@ -14,6 +14,8 @@ Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t; effective = that times the kept de
 
 With --backward (added by cuda-bwd) each peer's backward is timed instead: dQ, dK, dV of its forward
 through autograd (TFLOP/s ×2.5, DESIGN.md section 4), dQ checked against fp64 on sampled query blocks.
+FlexAttention's backward is tried on the mask's own blocks first, then on the same tokens in finer and in
+its default 128×128 blocks (flex_bwd_attempts); the row's mask name carries the granularity that ran.
 
 usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE] [--backward]
        peer_bench.py --B 1 --H 12 --N 32760 --D 128       (dense peers only)
@@ -105,6 +107,24 @@ def reference_dq_rel_l2(dq, q, k, v, d_o, scale, blocks, block_q, block_k, sampl
     return math.sqrt(num / den)
 
 
+def flex_bwd_attempts(bq, bk):
+    """(BlockMask granularity, kernel_options) for FlexAttention's backward, in the order tried. With its default
+    tiles, torch 2.11 finds no backward kernel for 128×64 BlockMasks (NoValidChoicesError): tiles that divide the
+    mask blocks are given explicitly (the bwd_/fwd_ prefixes address one pass; dK/dV needs BLOCK_N1 % BLOCK_M1 == 0
+    and dQ BLOCK_M2 % BLOCK_N2 == 0), then the same token mask as 64×64 blocks, then as FlexAttention's default
+    128×128 blocks."""
+    def bwd(m1, n1, m2, n2, stages=None):
+        o = {"bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": m2, "bwd_BLOCK_N2": n2}
+        return o if stages is None else {**o, "bwd_num_stages": stages}
+    own = (bq, bk)
+    tries = [(own, None), (own, bwd(64, 64, 64, 64)), (own, bwd(32, 64, 64, 32)), (own, bwd(64, 64, 64, 64, 1))]
+    if bq % 64 == 0 and bk % 64 == 0 and own != (64, 64):
+        tries.append(((64, 64), {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, **bwd(32, 64, 64, 32, 1)}))
+    if own != (128, 128):  # FlexAttention's default granularity; more work for it where a block is partly kept
+        tries.append(((128, 128), None))
+    return tries
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mask", action="append", default=[], help="PREFIX of an exported mask (repeatable)")
@@ -179,19 +199,39 @@ def main():
                 print(f"{name:<22} unavailable: {str(e).splitlines()[0]}")
 
     flex = torch.compile(flex_attention, dynamic=False)
+    flex_bwd_ok = []
     for meta, blocks, prefix in masks:
         bq, bk = meta["block_q"], meta["block_k"]
         blk = blocks.to(dev)
         Nqb, Nkb = meta["Nqb"], meta["Nkb"]
 
-        def lookup(b, h, q_idx, kv_idx, blk=blk, bq=bq, bk=bk, Nqb=Nqb, Nkb=Nkb):
-            return blk[b, h, torch.clamp(q_idx // bq, max=Nqb - 1), torch.clamp(kv_idx // bk, max=Nkb - 1)]
+        def block_mask_at(flex_bq, flex_bk, blk=blk, bq=bq, bk=bk, Nqb=Nqb, Nkb=Nkb):
+            """The mask's token pattern as a BlockMask of flex_bq × flex_bk blocks: the same tokens are kept whatever
+            the granularity (FlexAttention applies the lookup per token inside blocks that are partly kept)."""
+            def lookup(b, h, q_idx, kv_idx):
+                return blk[b, h, torch.clamp(q_idx // bq, max=Nqb - 1), torch.clamp(kv_idx // bk, max=Nkb - 1)]
+            # _compile=True evaluates the lookup block by block instead of materializing [B,H,Nq,Nk].
+            return create_block_mask(lookup, B, H, Nq, Nk, device=dev, BLOCK_SIZE=(flex_bq, flex_bk), _compile=True)
 
-        # _compile=True evaluates the lookup block by block instead of materializing [B,H,Nq,Nk].
-        block_mask = create_block_mask(lookup, B, H, Nq, Nk, device=dev, BLOCK_SIZE=(bq, bk), _compile=True)
         sparsity = 1.0 - blk.float().mean().item()
         name = prefix.split("/")[-1]
-        report("flex", name, sparsity, lambda: flex(q, k, v, block_mask=block_mask, scale=scale))
+        attempts = [((bq, bk), None)]
+        if args.backward:  # the first that compiles is timed; later masks start from it
+            attempts = flex_bwd_ok[-1:] + [a for a in flex_bwd_attempts(bq, bk) if a not in flex_bwd_ok[-1:]]
+        for (fq, fk), options in attempts:
+            block_mask = block_mask_at(fq, fk)
+            tag = name if (fq, fk) == (bq, bk) else f"{name}@{fq}x{fk}"
+            try:
+                report("flex", tag, sparsity,
+                       lambda: flex(q, k, v, block_mask=block_mask, scale=scale, kernel_options=options))
+                if args.backward:
+                    print(f"{'':<22} (FlexAttention ran with {fq}x{fk} blocks, kernel_options {options})", flush=True)
+                    flex_bwd_ok.append(((fq, fk), options))
+                break
+            except Exception as e:  # no kernel for these blocks and options: say why, try the next
+                print(f"{'flex':<22} {tag:<28} failed with kernel_options {options}: {type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:300]}", flush=True)
+                torch._dynamo.reset()
 
     if args.csv:
         with open(args.csv, "w", newline="") as f:

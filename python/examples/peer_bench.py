@@ -31,10 +31,13 @@ FWD_TOL = 1e-2  # bf16, DESIGN.md §3
 GRAD_TOL = 2e-2  # two bf16 implementations, each within 1e-2 of the exact gradient
 
 
-# FlexAttention backward tile choices tried in order (None: its own autotuned defaults).
-FLEX_BWD_OPTIONS = (None,
-                    {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64},
-                    {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32})
+# FlexAttention backward attempts in order: (BlockMask granularity, None = the mask's own; kernel_options). torch
+# 2.11 finds no backward kernel for 128x64 BlockMasks, with its own or explicit tiles (NoValidChoicesError); the
+# last attempt is the same token mask in FlexAttention's default 128x128 blocks, where it computes every partly
+# kept block and masks it per token (about twice the token pairs of a random 95 % mask).
+FLEX_BWD_ATTEMPTS = ((None, None),
+                     (None, {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}),
+                     ((128, 128), None))
 
 
 def rel_l2(a, b):
@@ -81,11 +84,17 @@ class Flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         self.create_block_mask = create_block_mask
+        import torch._functorch.config
+
+        # The backward is timed over one retained graph, which a compiled backward with donated buffers refuses.
+        torch._functorch.config.donated_buffer = False
         self.attend = torch.compile(flex_attention, dynamic=False)
         self.keep = torch.zeros(keep_shape, dtype=torch.bool, device=device)
         self.bq, self.bk = bq, bk
+        self.bwd_ok = []  # (grain, kernel_options) of the backward attempts that compiled
 
-    def block_mask(self, dense, Nq, Nk):
+    def block_mask(self, dense, Nq, Nk, grain=None):
+        """dense's token pattern as a BlockMask of grain (default: the mask's own bq × bk) blocks."""
         self.keep.copy_(dense.bool())
         keep, bq, bk = self.keep, self.bq, self.bk
         last_q, last_k = keep.shape[2] - 1, keep.shape[3] - 1
@@ -96,7 +105,8 @@ class Flex:
 
         B, H = keep.shape[:2]
         # _compile=True builds the mask block by block; uncompiled, it materializes [B,H,Nq,Nk].
-        return self.create_block_mask(lookup, B, H, Nq, Nk, device=keep.device, BLOCK_SIZE=(bq, bk), _compile=True)
+        return self.create_block_mask(lookup, B, H, Nq, Nk, device=keep.device, BLOCK_SIZE=grain or (bq, bk),
+                                      _compile=True)
 
 
 def dense_peers():
@@ -184,19 +194,20 @@ def run_level(level, q, k, v, d_o, flex, scale, record, failed, args):
     if flex_attend is not None and args.no_flex_backward:
         checks.append("flex backward not run (--no-flex-backward)")
     elif flex_attend is not None:
-        # The backward's default tiles can exceed the 128x64 mask blocks (no valid kernel choice);
-        # then retry with backward tiles that divide them.
         failures = []
-        for options in FLEX_BWD_OPTIONS:
-            attend = lambda a, b, c, o=options: flex.attend(  # noqa: E731
-                a, b, c, block_mask=block_mask, scale=scale, kernel_options=o)
+        # The attempt that worked for an earlier level first: failed compilations take long.
+        for grain, options in flex.bwd_ok[-1:] + [a for a in FLEX_BWD_ATTEMPTS if a not in flex.bwd_ok[-1:]]:
+            bwd_mask = block_mask if grain is None else flex.block_mask(keep, N, N, grain)
+            attend = lambda a, b, c, m=bwd_mask, o=options: flex.attend(  # noqa: E731
+                a, b, c, block_mask=m, scale=scale, kernel_options=o)
             try:
                 grads_f = torch.autograd.grad(attend(q, k, v), (q, k, v), d_o)
             except Exception as e:
-                failures.append(f"{options}: {first_line(e)[:80]}")
+                failures.append(f"{grain or (bq, bk)} blocks, {options}: {first_line(e)[:80]}")
                 continue
+            flex.bwd_ok.append((grain, options))
             errs = [rel_l2(a, b) for a, b in zip(grads_s, grads_f)]
-            checks.append(f"dQ/dK/dV sparge-flex (flex kernel_options {options}) " +
+            checks.append(f"dQ/dK/dV sparge-flex (flex {grain or (bq, bk)} blocks, kernel_options {options}) " +
                           "/".join(f"{e:.2e}" for e in errs))
             ok = ok and all(e <= GRAD_TOL for e in errs)
             del grads_f
