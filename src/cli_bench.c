@@ -15,7 +15,9 @@ static const char help[] =
     "forward and backward on one backend, and prints a table (device timers, --reps runs after\n"
     "--warmup runs). Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t (x2.5 for the backward);\n"
     "effective TFLOP/s counts only the kept token pairs. fwd+mask is timed as one operation\n"
-    "(prediction then forward) when --ops has both.\n"
+    "(prediction then forward) when --ops has both; step (mask prediction, forward and backward\n"
+    "as one operation: a training step's attention; no prediction on dense levels or without mask\n"
+    "in --ops) when --ops has fwd and bwd.\n"
     "\n"
     "  --backend NAME      device: cpu, cpu-ref, cuda[:N], cuda-generic[:N], hip[:N], auto (default auto)\n"
     "  --B N --H N         batch and heads (default 1, 2)\n"
@@ -46,7 +48,7 @@ static const char help[] =
 typedef struct {
     char level[32];
     double sparsity, density;
-    double mask_ms, fwd_ms, fwd_mask_ms, bwd_ms;
+    double mask_ms, fwd_ms, fwd_mask_ms, bwd_ms, step_ms;
 } bench_row;
 
 static int cmp_double(const void *a, const void *b)
@@ -105,6 +107,7 @@ typedef struct {
     sparge_mask *mask; /* NULL: dense */
     sparge_mask_params mp;
     sparge_attn_params ap;
+    int step_predicts; /* op_step starts with the mask prediction */
 } bench_ctx;
 
 static sparge_status op_mask(void *p)
@@ -127,6 +130,14 @@ static sparge_status op_bwd(void *p)
     bench_ctx *c = p;
     return sparge_attention_backward(c->dev, &c->q, &c->k, &c->v, &c->o, &c->d_o, c->lse, c->mask, &c->ap, &c->dq,
                                      &c->dk, &c->dv);
+}
+static sparge_status op_step(void *p)
+{
+    bench_ctx *c = p;
+    sparge_status s = c->step_predicts ? op_mask(p) : SPARGE_OK;
+    if (!s)
+        s = op_fwd(p);
+    return s ? s : op_bwd(p);
 }
 
 int cli_bench(int argc, char **argv)
@@ -233,8 +244,8 @@ int cli_bench(int argc, char **argv)
     if (settle > 0.0)
         printf(", each after %g s idle", settle);
     printf("\n\n");
-    printf("%-12s %8s %8s %9s %9s %11s %9s %9s %9s %9s\n", "level", "sparsity", "mask ms", "fwd ms", "fwd+mask",
-           "fwd TFLOP/s", "eff TF/s", "bwd ms", "bwd TF/s", "speedup");
+    printf("%-12s %8s %8s %9s %9s %11s %9s %9s %9s %9s %9s\n", "level", "sparsity", "mask ms", "fwd ms", "fwd+mask",
+           "fwd TFLOP/s", "eff TF/s", "bwd ms", "bwd TF/s", "step ms", "speedup");
     double flops = 4.0 * (double)B * (double)H * (double)Nq * (double)Nk * (double)D, dense_fwd = NAN;
     bench_row rows[32];
     int nrows = 0;
@@ -244,7 +255,7 @@ int cli_bench(int argc, char **argv)
         bench_row *r = &rows[nrows];
         memset(r, 0, sizeof *r);
         snprintf(r->level, sizeof r->level, "%s", tok);
-        r->mask_ms = r->fwd_ms = r->fwd_mask_ms = r->bwd_ms = NAN;
+        r->mask_ms = r->fwd_ms = r->fwd_mask_ms = r->bwd_ms = r->step_ms = NAN;
         int dense = !strcmp(tok, "dense");
         c.mask = dense ? NULL : mask;
         c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f};
@@ -284,9 +295,14 @@ int cli_bench(int argc, char **argv)
         r->fwd_mask_ms = dense ? r->fwd_ms : NAN;
         if (!dense && strstr(ops, "mask") && strstr(ops, "fwd"))
             r->fwd_mask_ms = time_op(c.dev, op_mask_fwd, &c, settle, (int)warmup, (int)reps, queued, "mask prediction + forward");
-        printf("%-12s %7.2f%% %8.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %8.2fx\n", r->level, 100.0 * r->sparsity,
+        if (strstr(ops, "fwd") && want_bwd) {
+            c.step_predicts = !dense && strstr(ops, "mask") != NULL;
+            r->step_ms = time_op(c.dev, op_step, &c, settle, (int)warmup, (int)reps, queued,
+                                 "step (mask prediction, forward, backward)");
+        }
+        printf("%-12s %7.2f%% %8.3f %9.3f %9.3f %11.3f %9.3f %9.3f %9.3f %9.3f %8.2fx\n", r->level, 100.0 * r->sparsity,
                r->mask_ms, r->fwd_ms, r->fwd_mask_ms, flops / (r->fwd_ms * 1e9), flops * r->density / (r->fwd_ms * 1e9),
-               r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), dense_fwd / r->fwd_mask_ms);
+               r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), r->step_ms, dense_fwd / r->fwd_mask_ms);
         fflush(stdout);
         nrows++;
         if (export_pfx && !dense && (s = sparge_mask_export(mask, export_pfx, D, dt)))
@@ -304,7 +320,7 @@ int cli_bench(int argc, char **argv)
             fprintf(f, "[\n");
         else
             fprintf(f, "device,B,H,Nq,Nk,D,dtype,layout,block_q,block_k,level,sparsity,token_density,mask_ms,fwd_ms,"
-                       "fwd_mask_ms,bwd_ms,fwd_tflops,bwd_tflops\n");
+                       "fwd_mask_ms,bwd_ms,fwd_tflops,bwd_tflops,step_ms\n");
         for (int i = 0; i < nrows; i++) {
             bench_row *r = &rows[i];
             if (json)
@@ -312,16 +328,18 @@ int cli_bench(int argc, char **argv)
                         "  {\"device\": \"%s\", \"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, "
                         "\"dtype\": \"%s\", \"layout\": \"%s\", \"block_q\": %d, \"block_k\": %d, \"level\": \"%s\", "
                         "\"sparsity\": %.6f, \"token_density\": %.6f, \"mask_ms\": %.6g, \"fwd_ms\": %.6g, "
-                        "\"fwd_mask_ms\": %.6g, \"bwd_ms\": %.6g}%s\n",
+                        "\"fwd_mask_ms\": %.6g, \"bwd_ms\": %.6g, \"step_ms\": %.6g}%s\n",
                         sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
                         (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
                         isnan(r->mask_ms) ? -1.0 : r->mask_ms, isnan(r->fwd_ms) ? -1.0 : r->fwd_ms,
-                        isnan(r->fwd_mask_ms) ? -1.0 : r->fwd_mask_ms, isnan(r->bwd_ms) ? -1.0 : r->bwd_ms, i + 1 < nrows ? "," : "");
+                        isnan(r->fwd_mask_ms) ? -1.0 : r->fwd_mask_ms, isnan(r->bwd_ms) ? -1.0 : r->bwd_ms,
+                        isnan(r->step_ms) ? -1.0 : r->step_ms, i + 1 < nrows ? "," : "");
             else
-                fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.6g,%.2f,%.2f\n",
+                fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.6g,%.2f,%.2f,%.6g\n",
                         sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
                         (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
-                        r->mask_ms, r->fwd_ms, r->fwd_mask_ms, r->bwd_ms, flops / (r->fwd_ms * 1e9), 2.5 * flops / (r->bwd_ms * 1e9));
+                        r->mask_ms, r->fwd_ms, r->fwd_mask_ms, r->bwd_ms, flops / (r->fwd_ms * 1e9), 2.5 * flops / (r->bwd_ms * 1e9),
+                        r->step_ms);
         }
         if (json)
             fprintf(f, "]\n");

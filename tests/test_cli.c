@@ -23,7 +23,8 @@ static int run(const char *command)
     return WEXITSTATUS(status);
 }
 
-/* Both timing modes time every column; fwd+mask is a timing of its own for masked levels. */
+/* Both timing modes time every column; fwd+mask is a timing of its own for masked levels, and so is the step
+ * (prediction, forward and backward as one operation; no prediction on the dense level). */
 static void test_bench_csv(void **state)
 {
     (void)state;
@@ -40,6 +41,7 @@ static void test_bench_csv(void **state)
         assert_non_null(f);
         assert_non_null(fgets(line, sizeof line, f));
         assert_non_null(strstr(line, ",level,sparsity,token_density,mask_ms,fwd_ms,fwd_mask_ms,bwd_ms,"));
+        assert_non_null(strstr(line, ",fwd_tflops,bwd_tflops,step_ms\n"));
         for (int row = 0; row < 2; row++) {
             assert_non_null(fgets(line, sizeof line, f));
             const char *level = strstr(line, row ? ",0.5," : ",dense,");
@@ -49,9 +51,10 @@ static void test_bench_csv(void **state)
             for (int i = 0; i < 5; i++, cursor++) /* sparsity, density, mask, fwd, fwd+mask */
                 v[i] = strtod(cursor, &cursor);
             double bwd = strtod(cursor, NULL);
-            print_message("--timing %s, level %s: sparsity %.3f mask %.4g fwd %.4g fwd+mask %.4g bwd %.4g ms\n",
-                          modes[m], row ? "0.5" : "dense", v[0], v[2], v[3], v[4], bwd);
-            assert_true(v[3] > 0 && v[4] > 0 && bwd > 0);
+            const double step = strtod(strrchr(line, ',') + 1, NULL);
+            print_message("--timing %s, level %s: sparsity %.3f mask %.4g fwd %.4g fwd+mask %.4g bwd %.4g step %.4g ms\n",
+                          modes[m], row ? "0.5" : "dense", v[0], v[2], v[3], v[4], bwd, step);
+            assert_true(v[3] > 0 && v[4] > 0 && bwd > 0 && step > 0);
             if (row) {
                 assert_true(v[0] > 0.3 && v[0] < 0.7 && v[2] > 0);
             } else {
