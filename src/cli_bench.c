@@ -133,10 +133,7 @@ static sparge_status op_bwd(void *p)
 }
 static sparge_status op_step(void *p)
 {
-    bench_ctx *c = p;
-    sparge_status s = c->step_predicts ? op_mask(p) : SPARGE_OK;
-    if (!s)
-        s = op_fwd(p);
+    sparge_status s = ((bench_ctx *)p)->step_predicts ? op_mask_fwd(p) : op_fwd(p);
     return s ? s : op_bwd(p);
 }
 

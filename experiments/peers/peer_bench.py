@@ -199,7 +199,7 @@ def main():
                 print(f"{name:<22} unavailable: {str(e).splitlines()[0]}")
 
     flex = torch.compile(flex_attention, dynamic=False)
-    flex_bwd_ok = []
+    flex_bwd_known = None  # the backward attempt that compiled for an earlier mask, tried first
     for meta, blocks, prefix in masks:
         bq, bk = meta["block_q"], meta["block_k"]
         blk = blocks.to(dev)
@@ -216,8 +216,9 @@ def main():
         sparsity = 1.0 - blk.float().mean().item()
         name = prefix.split("/")[-1]
         attempts = [((bq, bk), None)]
-        if args.backward:  # the first that compiles is timed; later masks start from it
-            attempts = flex_bwd_ok[-1:] + [a for a in flex_bwd_attempts(bq, bk) if a not in flex_bwd_ok[-1:]]
+        if args.backward:  # the first that compiles is timed
+            tries = flex_bwd_attempts(bq, bk)
+            attempts = [a for a in tries if a == flex_bwd_known] + [a for a in tries if a != flex_bwd_known]
         for (fq, fk), options in attempts:
             block_mask = block_mask_at(fq, fk)
             tag = name if (fq, fk) == (bq, bk) else f"{name}@{fq}x{fk}"
@@ -226,7 +227,7 @@ def main():
                        lambda: flex(q, k, v, block_mask=block_mask, scale=scale, kernel_options=options))
                 if args.backward:
                     print(f"{'':<22} (FlexAttention ran with {fq}x{fk} blocks, kernel_options {options})", flush=True)
-                    flex_bwd_ok.append(((fq, fk), options))
+                    flex_bwd_known = ((fq, fk), options)
                 break
             except Exception as e:  # no kernel for these blocks and options: say why, try the next
                 print(f"{'flex':<22} {tag:<28} failed with kernel_options {options}: {type(e).__name__}: "

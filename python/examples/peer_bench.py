@@ -91,7 +91,7 @@ class Flex:
         self.attend = torch.compile(flex_attention, dynamic=False)
         self.keep = torch.zeros(keep_shape, dtype=torch.bool, device=device)
         self.bq, self.bk = bq, bk
-        self.bwd_ok = []  # (grain, kernel_options) of the backward attempts that compiled
+        self.bwd_known = None  # (grain, kernel_options) of the backward that compiled for an earlier level
 
     def block_mask(self, dense, Nq, Nk, grain=None):
         """dense's token pattern as a BlockMask of grain (default: the mask's own bq × bk) blocks."""
@@ -196,7 +196,9 @@ def run_level(level, q, k, v, d_o, flex, scale, record, failed, args):
     elif flex_attend is not None:
         failures = []
         # The attempt that worked for an earlier level first: failed compilations take long.
-        for grain, options in flex.bwd_ok[-1:] + [a for a in FLEX_BWD_ATTEMPTS if a not in flex.bwd_ok[-1:]]:
+        known = flex.bwd_known
+        attempts = [a for a in FLEX_BWD_ATTEMPTS if a == known] + [a for a in FLEX_BWD_ATTEMPTS if a != known]
+        for grain, options in attempts:
             bwd_mask = block_mask if grain is None else flex.block_mask(keep, N, N, grain)
             attend = lambda a, b, c, m=bwd_mask, o=options: flex.attend(  # noqa: E731
                 a, b, c, block_mask=m, scale=scale, kernel_options=o)
@@ -205,7 +207,7 @@ def run_level(level, q, k, v, d_o, flex, scale, record, failed, args):
             except Exception as e:
                 failures.append(f"{grain or (bq, bk)} blocks, {options}: {first_line(e)[:80]}")
                 continue
-            flex.bwd_ok.append((grain, options))
+            flex.bwd_known = (grain, options)
             errs = [rel_l2(a, b) for a, b in zip(grads_s, grads_f)]
             checks.append(f"dQ/dK/dV sparge-flex (flex {grain or (bq, bk)} blocks, kernel_options {options}) " +
                           "/".join(f"{e:.2e}" for e in errs))
