@@ -6,6 +6,7 @@
  * Exits 77 when the backend is compiled in but has no device.
  * Combinations a backend does not support must fail cleanly with
  * SPARGE_ERR_UNSUPPORTED and leave the outputs untouched. */
+#define _POSIX_C_SOURCE 200809L /* setenv, unsetenv, strdup */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -289,6 +290,78 @@ static void test_grid(void **state)
                 run_case(&grid[g], dtypes[d], (tu_layout)lay, &rng);
     printf("  %d forward/backward cases ran, %d unsupported combinations refused cleanly\n", ran, skipped);
     assert_true(ran > 0);
+}
+
+/* Sets (value non-NULL) or removes an environment variable; returns its previous value (to free), or NULL. */
+static char *swap_env(const char *name, const char *value)
+{
+    const char *old = getenv(name);
+    char *saved = old ? strdup(old) : NULL;
+    if (value)
+        assert_int_equal(setenv(name, value, 1), 0);
+    else
+        assert_int_equal(unsetenv(name), 0);
+    return saved;
+}
+
+static char *order_env_saved;
+static int order_env_setup(void **state)
+{
+    (void)state;
+    order_env_saved = swap_env("SPARGE_CUDA_FWD_ORDER", NULL);
+    return 0;
+}
+static int order_env_teardown(void **state)
+{
+    (void)state;
+    free(swap_env("SPARGE_CUDA_FWD_ORDER", order_env_saved));
+    free(order_env_saved);
+    order_env_saved = NULL;
+    return 0;
+}
+
+/* cuda: the tensor-core cases of the grid again with the forward's launch order per head and without one
+ * (SPARGE_CUDA_FWD_ORDER=head|natural; test_grid ran the default, all rows heaviest first). An order has one entry
+ * per work item, so one that dropped or repeated an item leaves poisoned output rows. Then an invalid choice is
+ * refused with a message naming the variable, and nothing is written. */
+static void test_grid_fwd_orders(void **state)
+{
+    (void)state;
+    if (strcmp(BACKEND, "cuda"))
+        skip();
+    tu_rng rng = {20261202};
+    static const char *const orders[2] = {"head", "natural"};
+    for (int oc = 0; oc < 2; oc++) {
+        const int ran0 = ran;
+        free(swap_env("SPARGE_CUDA_FWD_ORDER", orders[oc]));
+        for (int g = 0; g < GRID; g++)
+            if (grid[g].D == 64 || grid[g].D == 128)
+                for (int d = 1; d < 3; d++) /* f16, bf16 */
+                    run_case(&grid[g], dtypes[d], TU_BHND, &rng);
+        printf("  %d cases ran with SPARGE_CUDA_FWD_ORDER=%s\n", ran - ran0, orders[oc]);
+        assert_true(ran > ran0);
+    }
+
+    free(swap_env("SPARGE_CUDA_FWD_ORDER", "bogus"));
+    tu_tensor x[4];
+    for (int i = 0; i < 4; i++) {
+        x[i] = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, 2, 300, 64);
+        if (i < 3)
+            tu_fill_normal(&x[i], &rng, 1.0);
+        else
+            tu_poison(&x[i]);
+    }
+    sparge_mask *m;
+    assert_int_equal(sparge_mask_create(dev, 1, 2, 300, 300, 128, 64, &m), SPARGE_OK);
+    sparge_mask_params mp = {128, 64, 0.5, 0.0, 0.0f};
+    assert_int_equal(sparge_mask_predict(dev, &x[0].t, &x[1].t, &mp, m), SPARGE_OK);
+    assert_int_equal(sparge_attention_forward(dev, &x[0].t, &x[1].t, &x[2].t, m, NULL, &x[3].t, NULL),
+                     SPARGE_ERR_INVALID);
+    assert_non_null(strstr(sparge_last_error(), "SPARGE_CUDA_FWD_ORDER"));
+    assert_true(tu_still_poisoned(&x[3]));
+    sparge_mask_destroy(m);
+    for (int i = 0; i < 4; i++)
+        tu_free(&x[i]);
 }
 
 /* The shared vectors: each row as a 1-row pooled map; rows with margin < 1e-5 may flip. */
@@ -682,6 +755,7 @@ int main(void)
         cmocka_unit_test(test_predict_many_tiles),
         cmocka_unit_test(test_predict_shapes),
         cmocka_unit_test(test_predict_selection_arms),
+        cmocka_unit_test_setup_teardown(test_grid_fwd_orders, order_env_setup, order_env_teardown),
         cmocka_unit_test(test_grad_finite_differences),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);

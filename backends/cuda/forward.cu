@@ -19,8 +19,9 @@
  * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
  *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
- * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order off;
- * SPARGE_CUDA_FWD_KERNEL=mma|wgmma forces either kernel. */
+ * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=heavy|head|natural orders all rows
+ * heaviest first (the default), each head's rows heaviest first, or not at all; SPARGE_CUDA_FWD_KERNEL=mma|wgmma
+ * forces either kernel. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -297,14 +298,17 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     }
 }
 
-/* The launch order: every (b, h, query block) work item, heaviest first (most kept
- * blocks), by a counting sort in one CTA. Counts beyond ORDER_BUCKETS - 1 share the top
- * bucket; inside a bucket items stay roughly in (b, h, i) order, which keeps the CTAs in
- * flight on few heads (K/V reuse in L2). The order only schedules: every item's result
- * is the same whichever order it runs in. */
+/* The launch order: the (b, h, query block) work items of each group of per_group consecutive items (one
+ * CTA per group), heaviest first (most kept blocks), by a counting sort. One group of all items is the global
+ * heavy-first order; a group per (b, h) keeps the CTAs in flight on about one head's K/V (L2 reuse) and orders
+ * each head's rows heaviest first. Counts beyond ORDER_BUCKETS - 1 share the top bucket; inside a bucket items
+ * stay roughly in (b, h, i) order. The order only schedules: every item's result is the same whichever order
+ * it runs in. */
 constexpr int ORDER_BUCKETS = 8192, ORDER_THREADS = 1024;
-__global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t *counts, int n_items, int32_t *order)
+__global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t *counts, int n_items, int per_group,
+                                                                      int32_t *order)
 {
+    const int first = blockIdx.x * per_group, end = min(first + per_group, n_items);
     __shared__ int32_t slot[ORDER_BUCKETS]; /* slot 0 = heaviest */
     __shared__ int32_t warp_total[ORDER_THREADS / 32];
     constexpr int PER_THREAD = ORDER_BUCKETS / ORDER_THREADS;
@@ -312,7 +316,7 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
     for (int i = tid; i < ORDER_BUCKETS; i += ORDER_THREADS)
         slot[i] = 0;
     __syncthreads();
-    for (int i = tid; i < n_items; i += ORDER_THREADS)
+    for (int i = first + tid; i < end; i += ORDER_THREADS)
         atomicAdd(&slot[ORDER_BUCKETS - 1 - min(counts[i], ORDER_BUCKETS - 1)], 1);
     __syncthreads();
     /* Exclusive scan: each thread owns PER_THREAD consecutive slots. */
@@ -348,8 +352,8 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
         offset += mine[j];
     }
     __syncthreads();
-    for (int i = tid; i < n_items; i += ORDER_THREADS)
-        order[atomicAdd(&slot[ORDER_BUCKETS - 1 - min(counts[i], ORDER_BUCKETS - 1)], 1)] = i;
+    for (int i = first + tid; i < end; i += ORDER_THREADS)
+        order[first + atomicAdd(&slot[ORDER_BUCKETS - 1 - min(counts[i], ORDER_BUCKETS - 1)], 1)] = i;
 }
 
 template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
@@ -448,12 +452,17 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.counts = m->counts;
         p.indices = m->indices;
         const char *order_env = getenv("SPARGE_CUDA_FWD_ORDER");
+        if (order_env && strcmp(order_env, "natural") && strcmp(order_env, "heavy") && strcmp(order_env, "head"))
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_ORDER must be \"heavy\", \"head\" or "
+                               "\"natural\", got \"%s\"", order_env);
         if (!(order_env && !strcmp(order_env, "natural"))) {
+            const bool per_head = order_env && !strcmp(order_env, "head");
             void *ws;
             if ((s = gpu_workspace(ctx, (size_t)n_items * sizeof(int32_t), &ws)))
                 return s;
             p.order = (const int32_t *)ws;
-            order_rows_kernel<<<1, ORDER_THREADS, 0, ctx->stream>>>(m->counts, (int)n_items, (int32_t *)ws);
+            order_rows_kernel<<<per_head ? (unsigned)(B * H) : 1u, ORDER_THREADS, 0, ctx->stream>>>(
+                m->counts, (int)n_items, per_head ? (int)Nqb : (int)n_items, (int32_t *)ws);
             if ((s = GPU_CHECK_LAUNCH("order_rows_kernel")))
                 return s;
         }
