@@ -7,11 +7,11 @@
  * multi-stage shared-memory ring. O is written in the input dtype, LSE in fp32.
  *
  * Load balance: under the hybrid mask rows keep very different numbers of
- * blocks. A one-CTA counting sort on the device orders all (b, h, query block)
- * items by descending block count (no host synchronization after mask
- * prediction); the grid runs them in that order, so the heaviest rows start in
- * the first wave and the last wave holds light rows (short tail). Equal counts
- * stay in (b, h, i) order, which keeps K/V reuse in L2 for the bulk of the rows.
+ * blocks. A stable counting sort on the device (one CTA per head, no host
+ * synchronization after mask prediction) orders each head's query blocks by
+ * descending block count; the grid runs them in that order, so the heaviest
+ * rows start early and the last wave holds light rows (short tail), while the
+ * CTAs in flight stay on about one head (K/V reuse in L2).
  *
  * Layers: kernel (templated on dtype, D, warps, stages, score split) → launcher → entry point.
  *
@@ -19,9 +19,8 @@
  * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
  *
  * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
- * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=heavy|head|natural orders all rows
- * heaviest first (the default), each head's rows heaviest first, or not at all; SPARGE_CUDA_FWD_KERNEL=mma|wgmma
- * forces either kernel. */
+ * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order
+ * off (head, the default, keeps it); SPARGE_CUDA_FWD_KERNEL=mma|wgmma forces either kernel. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -298,34 +297,34 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     }
 }
 
-/* The launch order: the (b, h, query block) work items of each group of per_group consecutive items (one
- * CTA per group), heaviest first (most kept blocks), by a counting sort. One group of all items is the global
- * heavy-first order; a group per (b, h) keeps the CTAs in flight on about one head's K/V (L2 reuse) and orders
- * each head's rows heaviest first. Counts beyond ORDER_BUCKETS - 1 share the top bucket; inside a bucket items
- * stay roughly in (b, h, i) order. The order only schedules: every item's result is the same whichever order
- * it runs in. */
-constexpr int ORDER_BUCKETS = 8192, ORDER_THREADS = 1024;
-__global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t *counts, int n_items, int per_group,
+/* The launch order: each (b, h)'s query blocks heaviest first (most kept blocks), equal counts in ascending
+ * order, by a stable counting sort with one CTA per (b, h). The heavy rows start in the first waves and the
+ * last wave holds light ones (short tail), while the CTAs in flight stay on about one head's K/V (L2 reuse);
+ * under an even mask (Top-k) it is the natural order. Counts beyond ORDER_BUCKETS - 1 share the top bucket.
+ * The order only schedules: every item's result is the same whichever order it runs in. */
+constexpr int ORDER_BUCKETS = 8192, ORDER_THREADS = 256;
+__global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t *counts, int Nqb, int Nkb,
                                                                       int32_t *order)
 {
-    const int first = blockIdx.x * per_group, end = min(first + per_group, n_items);
-    __shared__ int32_t slot[ORDER_BUCKETS]; /* slot 0 = heaviest */
+    __shared__ int32_t slot[ORDER_BUCKETS]; /* slot 0 = heaviest; then each bucket's next position */
     __shared__ int32_t warp_total[ORDER_THREADS / 32];
-    constexpr int PER_THREAD = ORDER_BUCKETS / ORDER_THREADS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int i = tid; i < ORDER_BUCKETS; i += ORDER_THREADS)
-        slot[i] = 0;
+    const int buckets = min(Nkb + 1, ORDER_BUCKETS), first = blockIdx.x * Nqb;
+    auto bucket = [&](int32_t c) { return buckets - 1 - min(c, buckets - 1); };
+    const int32_t *c = counts + first;
+    gpu_wait_for_previous_kernel();
+    for (int j = tid; j < buckets; j += ORDER_THREADS)
+        slot[j] = 0;
     __syncthreads();
-    for (int i = first + tid; i < end; i += ORDER_THREADS)
-        atomicAdd(&slot[ORDER_BUCKETS - 1 - min(counts[i], ORDER_BUCKETS - 1)], 1);
+    for (int i = tid; i < Nqb; i += ORDER_THREADS)
+        atomicAdd(&slot[bucket(c[i])], 1);
     __syncthreads();
-    /* Exclusive scan: each thread owns PER_THREAD consecutive slots. */
-    int mine[PER_THREAD], sum = 0;
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; j++) {
-        mine[j] = slot[tid * PER_THREAD + j];
-        sum += mine[j];
-    }
+    /* Exclusive scan: each thread owns a run of consecutive buckets. */
+    const int per = (buckets + ORDER_THREADS - 1) / ORDER_THREADS, lo = min(tid * per, buckets),
+              hi = min(lo + per, buckets);
+    int sum = 0;
+    for (int j = lo; j < hi; j++)
+        sum += slot[j];
     int incl = sum;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -336,24 +335,42 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
         warp_total[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-        int w = warp_total[lane], wincl = w;
+        const int w = lane < ORDER_THREADS / 32 ? warp_total[lane] : 0;
+        int wincl = w;
 #pragma unroll
         for (int d = 1; d < 32; d <<= 1) {
             const int x = __shfl_up_sync(0xffffffffu, wincl, d);
             wincl += lane >= d ? x : 0;
         }
-        warp_total[lane] = wincl - w;
+        if (lane < ORDER_THREADS / 32)
+            warp_total[lane] = wincl - w;
     }
     __syncthreads();
-    int offset = warp_total[warp] + incl - sum;
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; j++) {
-        slot[tid * PER_THREAD + j] = offset;
-        offset += mine[j];
+    for (int j = lo, offset = warp_total[warp] + incl - sum; j < hi; j++) {
+        const int n = slot[j];
+        slot[j] = offset;
+        offset += n;
     }
     __syncthreads();
-    for (int i = first + tid; i < end; i += ORDER_THREADS)
-        order[first + atomicAdd(&slot[ORDER_BUCKETS - 1 - min(counts[i], ORDER_BUCKETS - 1)], 1)] = i;
+    /* One warp places the items 32 at a time in ascending order: equal buckets by lane within the 32. */
+    if (warp == 0) {
+        int32_t next = lane < Nqb ? c[lane] : 0;
+        for (int i0 = 0; i0 < Nqb; i0 += 32) {
+            const int i = i0 + lane;
+            const int32_t mine = next;
+            next = i + 32 < Nqb ? c[i + 32] : 0;
+            const int bk = i < Nqb ? bucket(mine) : -1;
+            const unsigned peers = __match_any_sync(0xffffffffu, bk);
+            const int rank = __popc(peers & ((1u << lane) - 1u));
+            if (i < Nqb)
+                order[first + slot[bk] + rank] = first + i;
+            __syncwarp();
+            if (i < Nqb && rank == 0)
+                slot[bk] += __popc(peers);
+            __syncwarp();
+        }
+    }
+    gpu_allow_next_kernel();
 }
 
 template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
@@ -452,18 +469,16 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.counts = m->counts;
         p.indices = m->indices;
         const char *order_env = getenv("SPARGE_CUDA_FWD_ORDER");
-        if (order_env && strcmp(order_env, "natural") && strcmp(order_env, "heavy") && strcmp(order_env, "head"))
-            return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_ORDER must be \"heavy\", \"head\" or "
-                               "\"natural\", got \"%s\"", order_env);
+        if (order_env && strcmp(order_env, "natural") && strcmp(order_env, "head"))
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_ORDER must be \"head\" or \"natural\", got "
+                               "\"%s\"", order_env);
         if (!(order_env && !strcmp(order_env, "natural"))) {
-            const bool per_head = order_env && !strcmp(order_env, "head");
             void *ws;
             if ((s = gpu_workspace(ctx, (size_t)n_items * sizeof(int32_t), &ws)))
                 return s;
             p.order = (const int32_t *)ws;
-            order_rows_kernel<<<per_head ? (unsigned)(B * H) : 1u, ORDER_THREADS, 0, ctx->stream>>>(
-                m->counts, (int)n_items, per_head ? (int)Nqb : (int)n_items, (int32_t *)ws);
-            if ((s = GPU_CHECK_LAUNCH("order_rows_kernel")))
+            if ((s = gpu_launch_after(ctx, order_rows_kernel, (unsigned)(B * H), ORDER_THREADS, 0, "order_rows_kernel",
+                                      m->counts, (int)Nqb, (int)m->Nkb, (int32_t *)ws)))
                 return s;
         }
     } else {

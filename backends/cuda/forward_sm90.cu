@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
 
     const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
+    gpu_wait_for_previous_kernel();
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
     const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BLOCK_Q;
 
@@ -220,8 +221,8 @@ sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
     auto kernel = wgmma_fwd_kernel<T, D>;
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
-    kernel<<<(unsigned)n_items, THREADS, SMEM, ctx->stream>>>(p);
-    return GPU_CHECK_LAUNCH("wgmma_fwd_kernel");
+    /* sm_90a code only: the kernel holds the wait, so its CTAs may be set up while the launch order drains. */
+    return gpu_launch_dependent(ctx, kernel, (unsigned)n_items, THREADS, SMEM, "wgmma_fwd_kernel", p);
 }
 
 } // namespace

@@ -75,6 +75,27 @@ sparge_status gpu_launch_dependent(gpu_ctx *ctx, void (*kernel)(Params...), unsi
 }
 #endif
 
+/* Queues kernel on ctx's stream, as a programmatic dependent (gpu_launch_dependent) where its device code holds
+ * gpu_wait_for_previous_kernel(): PTX built for sm_90 or later, on an sm_90+ device; a plain launch elsewhere
+ * (an sm_80 build JIT-compiled on an H200 has no wait). */
+template <typename... Params, typename... Args>
+sparge_status gpu_launch_after(gpu_ctx *ctx, void (*kernel)(Params...), unsigned grid, unsigned block, size_t smem,
+                               const char *what, Args... args)
+{
+#ifndef SPARGE_USE_HIP
+    if (ctx->cc_major >= 9) {
+        cudaFuncAttributes fa;
+        sparge_status s = gpu_check(cudaFuncGetAttributes(&fa, kernel), __FILE__, __LINE__, what);
+        if (s)
+            return s;
+        if (fa.ptxVersion >= 90)
+            return gpu_launch_dependent(ctx, kernel, grid, block, smem, what, args...);
+    }
+#endif
+    kernel<<<grid, block, smem, ctx->stream>>>(args...);
+    return GPU_CHECK_LAUNCH(what);
+}
+
 /* Element load/store for the three storage dtypes, fp32 in registers. */
 template <typename T> __device__ __forceinline__ float to_f32(T x);
 template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
