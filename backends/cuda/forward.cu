@@ -302,22 +302,29 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
  * last wave holds light ones (short tail), while the CTAs in flight stay on about one head's K/V (L2 reuse);
  * under an even mask (Top-k) it is the natural order. Counts beyond ORDER_BUCKETS - 1 share the top bucket.
  * The order only schedules: every item's result is the same whichever order it runs in. */
-constexpr int ORDER_BUCKETS = 8192, ORDER_THREADS = 256;
+constexpr int ORDER_BUCKETS = 8192, ORDER_THREADS = 256, ORDER_STAGED = 2048;
 __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t *counts, int Nqb, int Nkb,
                                                                       int32_t *order)
 {
     __shared__ int32_t slot[ORDER_BUCKETS]; /* slot 0 = heaviest; then each bucket's next position */
+    __shared__ int32_t staged[ORDER_STAGED]; /* the first counts, so that the placement loop reads no global memory */
     __shared__ int32_t warp_total[ORDER_THREADS / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int buckets = min(Nkb + 1, ORDER_BUCKETS), first = blockIdx.x * Nqb;
     auto bucket = [&](int32_t c) { return buckets - 1 - min(c, buckets - 1); };
     const int32_t *c = counts + first;
     gpu_wait_for_previous_kernel();
+    /* The forward's CTAs may take their SMs now: they wait for this whole grid before reading the order. */
+    gpu_allow_next_kernel();
     for (int j = tid; j < buckets; j += ORDER_THREADS)
         slot[j] = 0;
     __syncthreads();
-    for (int i = tid; i < Nqb; i += ORDER_THREADS)
-        atomicAdd(&slot[bucket(c[i])], 1);
+    for (int i = tid; i < Nqb; i += ORDER_THREADS) {
+        const int32_t n = c[i];
+        if (i < ORDER_STAGED)
+            staged[i] = n;
+        atomicAdd(&slot[bucket(n)], 1);
+    }
     __syncthreads();
     /* Exclusive scan: each thread owns a run of consecutive buckets. */
     const int per = (buckets + ORDER_THREADS - 1) / ORDER_THREADS, lo = min(tid * per, buckets),
@@ -354,12 +361,9 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
     __syncthreads();
     /* One warp places the items 32 at a time in ascending order: equal buckets by lane within the 32. */
     if (warp == 0) {
-        int32_t next = lane < Nqb ? c[lane] : 0;
         for (int i0 = 0; i0 < Nqb; i0 += 32) {
             const int i = i0 + lane;
-            const int32_t mine = next;
-            next = i + 32 < Nqb ? c[i + 32] : 0;
-            const int bk = i < Nqb ? bucket(mine) : -1;
+            const int bk = i < Nqb ? bucket(i < ORDER_STAGED ? staged[i] : c[i]) : -1;
             const unsigned peers = __match_any_sync(0xffffffffu, bk);
             const int rank = __popc(peers & ((1u << lane) - 1u));
             if (i < Nqb)
@@ -370,7 +374,6 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
             __syncwarp();
         }
     }
-    gpu_allow_next_kernel();
 }
 
 template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
