@@ -31,6 +31,7 @@ typedef struct {
     int bq, bk;
     int32_t *counts;    /* [B*H*Nqb] */
     int32_t *indices;   /* [B*H*Nqb*Nkb], ascending, -1 past count */
+    /* the transpose, written only by mask_transpose: */
     int32_t *t_counts;  /* [B*H*Nkb] */
     int32_t *t_indices; /* [B*H*Nkb*Nqb], ascending, -1 past count */
     uint8_t *dense;     /* [B*H*Nqb*Nkb] */
@@ -78,7 +79,7 @@ typedef struct {
     float scale;
     int bq, bk;
     int deterministic;
-    const sparge_mask_view *mask; /* NULL: dense */
+    const sparge_mask_view *mask; /* NULL: dense; its transpose is current */
 } sparge_bwd_args;
 
 typedef enum { SPARGE_COPY_H2D, SPARGE_COPY_D2H, SPARGE_COPY_D2D } sparge_copy_kind;
@@ -102,10 +103,13 @@ typedef struct sparge_backend {
 
     sparge_status (*pool)(void *impl, const sparge_pool_args *a);
     sparge_status (*pooled_map)(void *impl, const sparge_map_args *a);
-    /* Also builds the transpose from the dense view. */
+    /* Writes dense, row_mass, counts and indices; the transpose is left to mask_transpose. */
     sparge_status (*mask_select)(void *impl, const sparge_select_args *a);
-    /* Builds counts/indices and the transpose from mask.dense (after set_dense). */
+    /* Builds counts/indices from mask.dense (after set_dense), not the transpose. */
     sparge_status (*mask_from_dense)(void *impl, const sparge_mask_view *m);
+    /* Builds t_counts/t_indices from m->dense. The core calls it once per selection, when the
+     * backward or sparge_mask_get_csr first needs the transpose; a refusal writes nothing. */
+    sparge_status (*mask_transpose)(void *impl, const sparge_mask_view *m);
     sparge_status (*forward)(void *impl, const sparge_fwd_args *a);
     sparge_status (*backward)(void *impl, const sparge_bwd_args *a);
     /* Optional fused prediction; NULL: the core calls pool, pooled_map and mask_select. */

@@ -22,6 +22,7 @@ struct sparge_mask {
     float *map;           /* [B,H,Nqb,Nkb] f32 */
     int predicted;        /* map and row_mass hold a prediction */
     int filled;           /* the mask holds a selection */
+    int transposed;       /* t_counts/t_indices hold the transpose of that selection */
 };
 
 /* Validate t as a tensor of the given role; fills the flat view. */
@@ -32,6 +33,8 @@ int sparge_mul_overflows(int64_t a, int64_t b, int64_t *out);
 
 /* Ranges of k, p, block sizes and scale. */
 sparge_status sparge_check_mask_params(const sparge_mask_params *p, const char *fn);
+/* Builds the transpose of the mask's selection unless it is already current: once per selection. */
+sparge_status sparge_mask_ensure_transpose(const sparge_mask *mask);
 /* The mask's device arrays, or an error if it is not usable with these shapes on dev. */
 sparge_status sparge_check_mask_for(sparge_device *dev, const sparge_mask *mask, const sparge_view *q,
                                     const sparge_view *k, const char *fn);

@@ -115,6 +115,12 @@ static sparge_status ensure(sparge_mask *m, float **buf, int64_t count)
     return alloc_array(m, count, sizeof(float), (void **)buf);
 }
 
+/* A new selection is under way: what the mask held, its transpose included, no longer applies. */
+static void forget_selection(sparge_mask *m)
+{
+    m->predicted = m->filled = m->transposed = 0;
+}
+
 static sparge_status select_into(sparge_device *dev, const sparge_view *map, const sparge_mask_params *p,
                                  sparge_mask *mask)
 {
@@ -169,8 +175,7 @@ sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, co
     float scale = params->scale != 0.0f ? params->scale : 1.0f / sqrtf((float)qv.D);
     sparge_pool_args pa = {qv, m->bq, pq}, pb = {kv, m->bk, pk};
     sparge_map_args ma = {pq, pk, scale, map};
-    mask->predicted = 0;
-    mask->filled = 0;
+    forget_selection(mask);
     if (dev->be->mask_predict) {
         sparge_predict_args fa = {pa, pb, ma, params->topk, params->topp, mask->v};
         if ((s = dev->be->mask_predict(dev->impl, &fa)))
@@ -197,8 +202,7 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
     if (mv.B != mask->v.B || mv.H != mask->v.H || mv.N != mask->v.Nqb || mv.D != mask->v.Nkb)
         return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: pooled_map [%lld,%lld,%lld,%lld] is not the mask's [B,H,Nqb,Nkb]", fn,
                            (long long)mv.B, (long long)mv.H, (long long)mv.N, (long long)mv.D);
-    mask->predicted = 0;
-    mask->filled = 0;
+    forget_selection(mask);
     return select_into(dev, &mv, params, mask);
 }
 
@@ -230,8 +234,7 @@ sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host
             norm[i] = dense_host[i] != 0;
         for (int64_t r = 0; r < rows; r++)
             nan_mass[r] = NAN;
-        mask->predicted = 0;
-        mask->filled = 0;
+        forget_selection(mask);
         if (!(s = dev->be->copy(dev->impl, m->dense, norm, (size_t)(rows * m->Nkb), SPARGE_COPY_H2D)) &&
             !(s = dev->be->copy(dev->impl, m->row_mass, nan_mass, (size_t)rows * sizeof(float), SPARGE_COPY_H2D)) &&
             !(s = dev->be->mask_from_dense(dev->impl, m)))
@@ -239,6 +242,23 @@ sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host
     }
     free(norm);
     free(nan_mass);
+    return s;
+}
+
+/* Only the backward and sparge_mask_get_csr read the transpose, so the first of them to need it builds it,
+ * not the producers of the selection: forward-only use never pays for it. It is a cache derived from the
+ * selection, which building it leaves unchanged, hence the cast from const (masks always come writable from
+ * sparge_mask_create). */
+sparge_status sparge_mask_ensure_transpose(const sparge_mask *mask)
+{
+    if (mask->transposed)
+        return SPARGE_OK;
+    sparge_device *dev = mask->dev;
+    if (!dev->be->mask_transpose)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask transpose is not implemented by backend '%s'", dev->be->name);
+    sparge_status s = dev->be->mask_transpose(dev->impl, &mask->v);
+    if (!s)
+        ((sparge_mask *)mask)->transposed = 1;
     return s;
 }
 
@@ -262,6 +282,8 @@ sparge_status sparge_mask_get_csr(const sparge_mask *mask, int32_t *counts, int3
 {
     sparge_status s = need_filled(mask, "sparge_mask_get_csr");
     if (s)
+        return s;
+    if ((t_counts || t_indices) && (s = sparge_mask_ensure_transpose(mask)))
         return s;
     const sparge_mask_view *m = &mask->v;
     int64_t bh = m->B * m->H;

@@ -146,6 +146,8 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
         return s;
     if (!lse)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: lse is NULL (pass the forward's LSE)", fn);
+    if (mask && (s = sparge_mask_ensure_transpose(mask))) /* queued ahead of the backward on GPUs, no wait */
+        return s;
     sparge_bwd_args a = {qv, kv, vv, ov, dov, dqv, dkv, dvv, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
                          mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, params ? params->deterministic : 0,
                          mask ? &mask->v : NULL};

@@ -117,8 +117,10 @@ sparge_mask_params sparge_mask_params_default(void);
 
 /* A block mask for one (B, H, Nq, Nk, bq, bk), stored on its device:
  * per (b,h,i) a count and ascending kept key blocks (CSR, row stride Nkb),
- * the transpose per (b,h,j) (row stride Nqb), a dense uint8 [B,H,Nqb,Nkb] view,
- * and the pooled map and kept pooled mass per row when it was predicted. */
+ * a dense uint8 [B,H,Nqb,Nkb] view, the pooled map and kept pooled mass per row
+ * when it was predicted, and the transpose per (b,h,j) (row stride Nqb). The
+ * transpose is built on first use, once per selection, by the backward or
+ * sparge_mask_get_csr, so forward-only use never pays for it. */
 typedef struct sparge_mask sparge_mask;
 
 sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64_t Nq, int64_t Nk,
@@ -133,8 +135,8 @@ typedef struct {
 sparge_status sparge_mask_get_shape(const sparge_mask *mask, sparge_mask_shape *out);
 
 /* Pool Q and K, build the pooled map, select per row (hybrid Top-k ∪ Top-p),
- * write CSR, transpose, dense view and row masses. params->block_q/k must
- * match the mask's (or be 0). Asynchronous on GPU devices. */
+ * write CSR, dense view and row masses (not the transpose: see above).
+ * params->block_q/k must match the mask's (or be 0). Asynchronous on GPU devices. */
 sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                   const sparge_mask_params *params, sparge_mask *mask);
 
@@ -147,7 +149,8 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
 sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host);
 
 /* Copies to host. Any output may be NULL. counts: [B,H,Nqb]; indices: [B,H,Nqb,Nkb]
- * (entries past the count are -1); t_counts [B,H,Nkb]; t_indices [B,H,Nkb,Nqb]. */
+ * (entries past the count are -1); t_counts [B,H,Nkb]; t_indices [B,H,Nkb,Nqb]
+ * (asking for either builds the transpose if this selection has none yet). */
 sparge_status sparge_mask_get_csr(const sparge_mask *mask, int32_t *counts, int32_t *indices,
                                   int32_t *t_counts, int32_t *t_indices);
 sparge_status sparge_mask_get_dense(const sparge_mask *mask, uint8_t *dense_host);
@@ -192,7 +195,9 @@ sparge_status sparge_attention_forward(sparge_device *dev, const sparge_tensor *
                                        const sparge_tensor *v, const sparge_mask *mask,
                                        const sparge_attn_params *params, sparge_tensor *o, float *lse);
 
-/* dQ, dK, dV of the forward with the mask held fixed. lse must come from the forward. */
+/* dQ, dK, dV of the forward with the mask held fixed. lse must come from the forward.
+ * The first backward of a selection also builds the mask's transpose (queued
+ * on the device's stream like the rest). */
 sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                         const sparge_tensor *v, const sparge_tensor *o,
                                         const sparge_tensor *d_o, const float *lse, const sparge_mask *mask,

@@ -96,6 +96,22 @@ static int close_call(const float *row, int64_t n, double k, double p, int64_t k
     return close;
 }
 
+/* The transpose lists exactly the kept (i, j) pairs of dense, ascending, -1 past each count. */
+static void check_transpose(const sparge_mask_shape *ms, const uint8_t *dense, const int32_t *tcnt, const int32_t *tidx)
+{
+    for (int64_t bh = 0; bh < ms->B * ms->H; bh++)
+        for (int64_t j = 0; j < ms->Nkb; j++) {
+            const int32_t *list = tidx + (bh * ms->Nkb + j) * ms->Nqb;
+            int64_t c = 0;
+            for (int64_t i = 0; i < ms->Nqb; i++)
+                if (dense[(bh * ms->Nqb + i) * ms->Nkb + j])
+                    assert_int_equal(list[c++], i);
+            assert_int_equal(tcnt[bh * ms->Nkb + j], c);
+            for (; c < ms->Nqb; c++)
+                assert_int_equal(list[c], -1);
+        }
+}
+
 static void compare_masks(sparge_mask *got, sparge_mask *want, const sparge_mask_params *mp, const shape *s)
 {
     sparge_mask_shape ms;
@@ -128,15 +144,7 @@ static void compare_masks(sparge_mask *got, sparge_mask *want, const sparge_mask
     }
     if (differing)
         printf("  note: %lld mask row(s) differ within the 1e-5 rounding margin\n", (long long)differing);
-    /* the transpose lists exactly the kept (i, j) pairs, ascending */
-    for (int64_t bh = 0; bh < ms.B * ms.H; bh++)
-        for (int64_t j = 0; j < ms.Nkb; j++) {
-            int64_t c = 0;
-            for (int64_t i = 0; i < ms.Nqb; i++)
-                if (dg[(bh * ms.Nqb + i) * ms.Nkb + j])
-                    assert_int_equal(tidx[(bh * ms.Nkb + j) * ms.Nqb + c++], i);
-            assert_int_equal(tcnt[bh * ms.Nkb + j], c);
-        }
+    check_transpose(&ms, dg, tcnt, tidx);
     free(dg);
     free(dw);
     free(map);
@@ -650,6 +658,110 @@ static void test_predict_selection_arms(void **state)
     }
 }
 
+/* get_csr's transpose of m (which builds it if this selection has none yet) against the dense view. */
+static void expect_transpose(sparge_mask *m, const uint8_t *dense)
+{
+    sparge_mask_shape ms;
+    assert_int_equal(sparge_mask_get_shape(m, &ms), SPARGE_OK);
+    const int64_t cols = ms.B * ms.H * ms.Nkb;
+    int32_t *tcnt = malloc((size_t)cols * 4), *tidx = malloc((size_t)(cols * ms.Nqb) * 4);
+    assert_int_equal(sparge_mask_get_csr(m, NULL, NULL, tcnt, tidx), SPARGE_OK);
+    check_transpose(&ms, dense, tcnt, tidx);
+    free(tcnt);
+    free(tidx);
+}
+
+/* The transpose is built once per selection, by whichever of the backward and get_csr needs it first. One mask
+ * object holds in turn a prediction (the backward builds its transpose), the complement set from the host
+ * (get_csr builds it) and the prediction again; each time get_csr's transpose and the backward's gradients
+ * (against cpu-ref on the same selection) must follow the selection: a transpose left from the last one fails. */
+static void test_transpose_follows_selection(void **state)
+{
+    (void)state;
+    const shape s = {1, 2, 520, 390, 64, 128, 64};
+    const sparge_dtype dt = SPARGE_BF16;
+    const int64_t nkb = (s.Nk + s.bk - 1) / s.bk, rows = s.B * s.H * ((s.Nq + s.bq - 1) / s.bq);
+    const int64_t nlse = s.B * s.H * s.Nq;
+    enum { Q, K, V, DO, O, DQ, DK, DV, ROLES };
+    static const int like_k[ROLES] = {0, 1, 1, 0, 0, 0, 1, 1};
+    static const char *grad_names[3] = {"dQ", "dK", "dV"};
+    tu_tensor x[ROLES], rx[ROLES];
+    tu_rng rng = {20261205};
+    for (int i = 0; i < ROLES; i++) {
+        const int64_t n = like_k[i] ? s.Nk : s.Nq;
+        x[i] = tu_alloc(dev, dt, TU_BHND, s.B, s.H, n, s.D);
+        rx[i] = tu_alloc(ref, dt, TU_BHND, s.B, s.H, n, s.D);
+        if (i <= DO) { /* the inputs, alike on both sides; K with a sink block so the mask is not flat */
+            const uint64_t seed = tu_next(&rng);
+            tu_rng r1 = {seed}, r2 = {seed};
+            fill_inputs(&x[i], &r1, i == K ? 3 : -1, s.bk, 1.0);
+            fill_inputs(&rx[i], &r2, i == K ? 3 : -1, s.bk, 1.0);
+        }
+    }
+    const sparge_mask_params mp = {s.bq, s.bk, 0.1, 0.5, 0.0f};
+    sparge_mask *m, *rm;
+    assert_int_equal(sparge_mask_create(dev, s.B, s.H, s.Nq, s.Nk, s.bq, s.bk, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(ref, s.B, s.H, s.Nq, s.Nk, s.bq, s.bk, &rm), SPARGE_OK);
+    uint8_t *dense = malloc((size_t)(rows * nkb));
+    float *lse, *rlse = malloc((size_t)nlse * 4);
+    assert_int_equal(sparge_malloc(dev, (size_t)nlse * 4, (void **)&lse), SPARGE_OK);
+    for (int sel = 0; sel < 3; sel++) {
+        const int from_host = sel == 1; /* then get_csr builds the transpose, else the backward does */
+        if (from_host) { /* the complement of the prediction, a block kept where a row would keep none */
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t kept = 0;
+                for (int64_t j = 0; j < nkb; j++) {
+                    dense[r * nkb + j] = !dense[r * nkb + j];
+                    kept += dense[r * nkb + j];
+                }
+                dense[r * nkb] |= !kept;
+            }
+            assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
+        } else {
+            assert_int_equal(sparge_mask_predict(dev, &x[Q].t, &x[K].t, &mp, m), SPARGE_OK);
+            assert_int_equal(sparge_mask_get_dense(m, dense), SPARGE_OK);
+        }
+        assert_int_equal(sparge_mask_set_dense(rm, dense), SPARGE_OK);
+        if (from_host)
+            expect_transpose(m, dense);
+        /* both backwards from the reference's O and LSE */
+        assert_int_equal(sparge_attention_forward(ref, &rx[Q].t, &rx[K].t, &rx[V].t, rm, NULL, &rx[O].t, rlse),
+                         SPARGE_OK);
+        double *ro = tu_get(&rx[O]);
+        tu_set(&x[O], ro);
+        free(ro);
+        assert_int_equal(sparge_memcpy_to_device(dev, lse, rlse, (size_t)nlse * 4), SPARGE_OK);
+        for (int i = DQ; i <= DV; i++)
+            tu_poison(&x[i]);
+        assert_int_equal(sparge_attention_backward(dev, &x[Q].t, &x[K].t, &x[V].t, &x[O].t, &x[DO].t, lse, m, NULL,
+                                                   &x[DQ].t, &x[DK].t, &x[DV].t),
+                         SPARGE_OK);
+        assert_int_equal(sparge_attention_backward(ref, &rx[Q].t, &rx[K].t, &rx[V].t, &rx[O].t, &rx[DO].t, rlse, rm,
+                                                   NULL, &rx[DQ].t, &rx[DK].t, &rx[DV].t),
+                         SPARGE_OK);
+        for (int i = DQ; i <= DV; i++) {
+            char what[64];
+            snprintf(what, sizeof what, "selection %d (%s): backward %s", sel, from_host ? "set" : "predicted",
+                     grad_names[i - DQ]);
+            double *g = tu_get(&x[i]), *w = tu_get(&rx[i]);
+            check_close(what, &s, dt, TU_BHND, g, w, tu_numel(&x[i]), tu_tolerance(dt));
+            free(g);
+            free(w);
+        }
+        if (!from_host)
+            expect_transpose(m, dense);
+    }
+    free(dense);
+    free(rlse);
+    sparge_free(dev, lse);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(rm);
+    for (int i = 0; i < ROLES; i++) {
+        tu_free(&x[i]);
+        tu_free(&rx[i]);
+    }
+}
+
 /* The backend's gradient of the scalar loss L = Σ w∘O (dO = w) against central finite differences of the fp64
  * reference forward, test_grad's check run on the backend's own forward and backward: one head of a ragged
  * masked shape, per dtype the backend runs, inputs rounded to the dtype so both sides see the same values. */
@@ -754,6 +866,7 @@ int main(void)
         cmocka_unit_test(test_predict_selection_arms),
         cmocka_unit_test_setup_teardown(test_grid_fwd_orders, order_env_setup, order_env_teardown),
         cmocka_unit_test(test_grad_finite_differences),
+        cmocka_unit_test(test_transpose_follows_selection),
     };
     int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
     sparge_device_close(dev);

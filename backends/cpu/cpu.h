@@ -51,10 +51,12 @@ int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp,
 /* Number of blocks kept by Top-k alone (0 when topk = 0). */
 int64_t sparge_topk_count(double topk, int64_t n);
 
-/* Select every row of a->map into a->mask (dense, row_mass, CSR, transpose). */
+/* Select every row of a->map into a->mask (dense, row_mass, CSR). */
 sparge_status sparge_cpu_mask_select(void *impl, const sparge_select_args *a);
-/* CSR rows and the transpose from m->dense. */
+/* CSR rows from m->dense. */
 sparge_status sparge_cpu_mask_from_dense(void *impl, const sparge_mask_view *m);
+/* The transpose (t_counts, t_indices) from m->dense. */
+sparge_status sparge_cpu_mask_transpose(void *impl, const sparge_mask_view *m);
 
 /* Kept key blocks of query block i of head bh: NULL mask = all. Returns count;
  * fills idx (scratch of Nkb). */

@@ -573,4 +573,4 @@ const sparge_backend sparge_backend_cpu = {
     sparge_cpu_free, sparge_cpu_copy,       sparge_cpu_fill,   NULL,           NULL,
     NULL,           NULL,
     cpu_pool,       cpu_pooled_map,         cpu_mask_select,                   sparge_cpu_mask_from_dense,
-    cpu_forward,    cpu_backward,   NULL};
+    sparge_cpu_mask_transpose,      cpu_forward,       cpu_backward,   NULL};

@@ -241,5 +241,5 @@ const sparge_backend sparge_backend_cpu_ref = {
     sparge_cpu_alloc, sparge_cpu_free,  sparge_cpu_copy,   sparge_cpu_fill,
     NULL,             NULL,             NULL,              NULL,
     ref_pool,         ref_pooled_map,
-    sparge_cpu_mask_select,             sparge_cpu_mask_from_dense,
+    sparge_cpu_mask_select,             sparge_cpu_mask_from_dense,       sparge_cpu_mask_transpose,
     ref_forward,      ref_backward, NULL};

@@ -171,6 +171,7 @@ GPU_OP(op_pool, sparge_pool_args, SPARGE_GPU_FN(pool))
 GPU_OP(op_map, sparge_map_args, SPARGE_GPU_FN(pooled_map))
 GPU_OP(op_select, sparge_select_args, SPARGE_GPU_FN(mask_select))
 GPU_OP(op_from_dense, sparge_mask_view, SPARGE_GPU_FN(mask_from_dense))
+GPU_OP(op_transpose, sparge_mask_view, SPARGE_GPU_FN(mask_transpose))
 GPU_OP(op_predict, sparge_predict_args, SPARGE_GPU_FN(mask_predict))
 GPU_OP(op_generic_forward, sparge_fwd_args, SPARGE_GPU_FN(generic_forward))
 GPU_OP(op_generic_backward, sparge_bwd_args, SPARGE_GPU_FN(generic_backward))
@@ -188,8 +189,8 @@ static sparge_status open_hip(int index, void **impl, char *desc, size_t desc_le
 
 extern "C" const sparge_backend sparge_backend_hip = {
     "hip", device_count, open_hip, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward, op_generic_backward,
-    op_predict};
+    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_transpose, op_generic_forward,
+    op_generic_backward, op_predict};
 #else
 static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_len)
 {
@@ -200,11 +201,11 @@ GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 
 extern "C" const sparge_backend sparge_backend_cuda = {
     "cuda", device_count, open_fast, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_mma_forward, op_mma_backward,
-    op_predict};
+    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_transpose, op_mma_forward,
+    op_mma_backward, op_predict};
 
 extern "C" const sparge_backend sparge_backend_cuda_generic = {
     "cuda-generic", device_count, open_generic, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync,
-    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_generic_forward,
-    op_generic_backward, op_predict};
+    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_transpose,
+    op_generic_forward, op_generic_backward, op_predict};
 #endif

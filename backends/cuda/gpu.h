@@ -133,10 +133,11 @@ sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a);
 sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a);
 sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args *a);
 sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_view *m);
+sparge_status SPARGE_GPU_FN(mask_transpose)(gpu_ctx *ctx, const sparge_mask_view *m);
 /* Pools two tensors (Q and K) in one launch; both share one dtype (pool.cu). */
 sparge_status SPARGE_GPU_FN(pool_pair)(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b);
 /* sparge_mask_predict fused (mask.cu): one pooling launch, the logits GEMM, selection with the
- * softmax in its prologue, the transpose. */
+ * softmax in its prologue. */
 sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a);
 /* Portable tier (generic.cu): any D ≤ 256, every dtype. */
 sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args *a);

@@ -1,6 +1,7 @@
-/* Mask prediction on the GPU: pooled map, per-row hybrid selection, CSR and
- * transpose bookkeeping. Everything is queued on the context's stream; nothing
- * here waits for the device.
+/* Mask prediction on the GPU: pooled map, per-row hybrid selection, CSR
+ * bookkeeping, and the transpose, which the core asks for separately when it is
+ * first needed. Everything is queued on the context's stream; nothing here waits
+ * for the device.
  *
  * Selection follows DESIGN.md §1 and backends/cpu/select.c exactly: a row is
  * sorted by descending score with ties to the lower block index (a stable
@@ -788,22 +789,6 @@ __global__ void __launch_bounds__(T_THREADS) transpose_kernel(sparge_mask_view m
     }
 }
 
-/* Limits are checked before anything is queued, so a refusal writes nothing. */
-sparge_status check_transpose(const sparge_mask_view *m)
-{
-    const int64_t blocks = m->B * m->H * ((m->Nkb + T_COLS - 1) / T_COLS);
-    if (blocks > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask transpose: %lld column tiles exceed the grid limit %d",
-                           (long long)blocks, INT32_MAX);
-    return SPARGE_OK;
-}
-
-sparge_status launch_transpose(gpu_ctx *ctx, const sparge_mask_view *m)
-{
-    const int64_t blocks = m->B * m->H * ((m->Nkb + T_COLS - 1) / T_COLS);
-    return launch_dependent(ctx, transpose_kernel, (unsigned)blocks, T_THREADS, "mask transpose kernel", *m);
-}
-
 /* Widest row the block sort holds. */
 constexpr int64_t SELECT_MAX_ROW = 512 * 16;
 
@@ -818,7 +803,7 @@ sparge_status check_select(const sparge_mask_view *m)
     if (rows > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask selection: B*H*Nqb = %lld exceeds the grid limit",
                            (long long)rows);
-    return check_transpose(m);
+    return SPARGE_OK;
 }
 
 template <int THREADS, int IPT, bool SOFTMAX>
@@ -844,26 +829,24 @@ select_params make_select_params(const sparge_view &mv, double topk, double topp
                          m->dense, m->counts, m->indices, m->row_mass};
 }
 
-/* Selection of every row (after check_select), then the transpose. */
+/* Selection of every row (after check_select). */
 template <bool SOFTMAX>
 sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, double topp, const sparge_mask_view *m)
 {
     const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb;
     const select_params p = make_select_params(mv, topk, topp, m);
-    sparge_status s;
     if (n <= 256)
-        s = launch_select_kernel<64, 4, SOFTMAX>(ctx, p, rows);
-    else if (n <= 512)
-        s = launch_select_kernel<128, 4, SOFTMAX>(ctx, p, rows);
-    else if (n <= 1024)
-        s = launch_select_kernel<128, 8, SOFTMAX>(ctx, p, rows);
-    else if (n <= 2048)
-        s = launch_select_kernel<256, 8, SOFTMAX>(ctx, p, rows);
-    else if (n <= 4096)
-        s = launch_select_kernel<256, 16, SOFTMAX>(ctx, p, rows);
-    else /* the caller ran map_softmax_kernel first: the fused prologue would spill here */
-        s = launch_select_kernel<512, 16, false>(ctx, p, rows);
-    return s ? s : launch_transpose(ctx, m);
+        return launch_select_kernel<64, 4, SOFTMAX>(ctx, p, rows);
+    if (n <= 512)
+        return launch_select_kernel<128, 4, SOFTMAX>(ctx, p, rows);
+    if (n <= 1024)
+        return launch_select_kernel<128, 8, SOFTMAX>(ctx, p, rows);
+    if (n <= 2048)
+        return launch_select_kernel<256, 8, SOFTMAX>(ctx, p, rows);
+    if (n <= 4096)
+        return launch_select_kernel<256, 16, SOFTMAX>(ctx, p, rows);
+    /* the caller ran map_softmax_kernel first: the fused prologue would spill here */
+    return launch_select_kernel<512, 16, false>(ctx, p, rows);
 }
 
 sparge_status check_map(const sparge_map_args *a)
@@ -905,7 +888,7 @@ sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
                             "pooled map softmax kernel", make_map_params(a), rows);
 }
 
-/* Softmax and selection of predicted rows up to FAST_MAX_ROW wide, then the transpose. */
+/* Softmax and selection of predicted rows up to FAST_MAX_ROW wide. */
 sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
 {
     const sparge_mask_view *m = &a->mask;
@@ -914,20 +897,17 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
     auto launch = [&](void (*kernel)(select_params, int64_t)) {
         return launch_dependent(ctx, kernel, (unsigned)blocks, FAST_THREADS, "mask selection kernel", p, rows);
     };
-    sparge_status s;
     if (n <= 256)
-        s = launch(fast_select_kernel<256>);
-    else if (n <= 512)
-        s = launch(fast_select_kernel<512>);
-    else if (n <= 1024)
-        s = launch(fast_select_kernel<1024>);
-    else if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
-        s = launch(fast_select_kernel<1280>);
-    else if (n <= 1536)
-        s = launch(fast_select_kernel<1536>);
-    else
-        s = launch(fast_select_kernel<2048>);
-    return s ? s : launch_transpose(ctx, m);
+        return launch(fast_select_kernel<256>);
+    if (n <= 512)
+        return launch(fast_select_kernel<512>);
+    if (n <= 1024)
+        return launch(fast_select_kernel<1024>);
+    if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
+        return launch(fast_select_kernel<1280>);
+    if (n <= 1536)
+        return launch(fast_select_kernel<1536>);
+    return launch(fast_select_kernel<2048>);
 }
 
 } // namespace
@@ -967,10 +947,16 @@ sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_vie
     if (rows > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask import: B*H*Nqb = %lld exceeds the grid limit",
                            (long long)rows);
-    sparge_status s = check_transpose(m);
-    if (s)
-        return s;
     csr_from_dense_kernel<<<(unsigned)rows, CSR_THREADS, 0, ctx->stream>>>(*m);
-    s = GPU_CHECK_LAUNCH("mask CSR kernel");
-    return s ? s : launch_transpose(ctx, m);
+    return GPU_CHECK_LAUNCH("mask CSR kernel");
+}
+
+/* The grid limit is checked before anything is queued, so a refusal writes nothing. */
+sparge_status SPARGE_GPU_FN(mask_transpose)(gpu_ctx *ctx, const sparge_mask_view *m)
+{
+    const int64_t blocks = m->B * m->H * ((m->Nkb + T_COLS - 1) / T_COLS);
+    if (blocks > INT32_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask transpose: %lld column tiles exceed the grid limit %d",
+                           (long long)blocks, INT32_MAX);
+    return launch_dependent(ctx, transpose_kernel, (unsigned)blocks, T_THREADS, "mask transpose kernel", *m);
 }
