@@ -97,27 +97,6 @@ template <typename Flag> __device__ int32_t write_csr_row(Flag flag, int64_t n, 
 /* By the bits: the CUDA build uses fast math. */
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 
-/* Queues kernel on ctx's stream. On sm_90+ it is launched programmatically dependent on the kernel before
- * it, so its grid is set up while that one drains instead of after (the launch gap); the kernel waits in
- * gpu_wait_for_previous_kernel(). Only where its device code holds that wait: PTX built for sm_90 or later. */
-template <typename... Params, typename... Args>
-sparge_status launch_dependent(gpu_ctx *ctx, void (*kernel)(Params...), unsigned blocks, unsigned threads,
-                               const char *what, Args... args)
-{
-#ifndef SPARGE_USE_HIP
-    if (ctx->cc_major >= 9) {
-        cudaFuncAttributes fa;
-        sparge_status s = gpu_check(cudaFuncGetAttributes(&fa, kernel), __FILE__, __LINE__, what);
-        if (s)
-            return s;
-        if (fa.ptxVersion >= 90)
-            return gpu_launch_dependent(ctx, kernel, blocks, threads, 0, what, args...);
-    }
-#endif
-    kernel<<<blocks, threads, 0, ctx->stream>>>(args...);
-    return GPU_CHECK_LAUNCH(what);
-}
-
 /* ---------------------------------------------------------------- pooled map */
 
 constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 128;
@@ -809,7 +788,7 @@ sparge_status check_select(const sparge_mask_view *m)
 template <int THREADS, int IPT, bool SOFTMAX>
 sparge_status launch_select_kernel(gpu_ctx *ctx, const select_params &p, int64_t rows)
 {
-    return launch_dependent(ctx, select_kernel<THREADS, IPT, SOFTMAX>, (unsigned)rows, THREADS,
+    return gpu_launch_after(ctx, select_kernel<THREADS, IPT, SOFTMAX>, (unsigned)rows, THREADS, 0,
                             "mask selection kernel", p);
 }
 
@@ -875,16 +854,16 @@ sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
     const sparge_view &q = a->qbar, &k = a->kbar;
     auto tiles = [&](int64_t tq) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + MAP_TILE - 1) / MAP_TILE); };
     if (tiles(128) >= 1024)
-        return launch_dependent(ctx, map_logits_kernel<8>, (unsigned)tiles(128), MAP_THREADS, "pooled map kernel",
+        return gpu_launch_after(ctx, map_logits_kernel<8>, (unsigned)tiles(128), MAP_THREADS, 0, "pooled map kernel",
                                 make_map_params(a));
-    return launch_dependent(ctx, map_logits_kernel<4>, (unsigned)tiles(64), MAP_THREADS, "pooled map kernel",
+    return gpu_launch_after(ctx, map_logits_kernel<4>, (unsigned)tiles(64), MAP_THREADS, 0, "pooled map kernel",
                             make_map_params(a));
 }
 
 sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const int64_t rows = a->qbar.B * a->qbar.H * a->qbar.N, per_block = 256 / SPARGE_WARP_SIZE;
-    return launch_dependent(ctx, map_softmax_kernel, (unsigned)((rows + per_block - 1) / per_block), 256,
+    return gpu_launch_after(ctx, map_softmax_kernel, (unsigned)((rows + per_block - 1) / per_block), 256, 0,
                             "pooled map softmax kernel", make_map_params(a), rows);
 }
 
@@ -895,7 +874,7 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
     const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb, blocks = (rows + FAST_ROWS - 1) / FAST_ROWS;
     const select_params p = make_select_params(a->map.map, a->topk, a->topp, m);
     auto launch = [&](void (*kernel)(select_params, int64_t)) {
-        return launch_dependent(ctx, kernel, (unsigned)blocks, FAST_THREADS, "mask selection kernel", p, rows);
+        return gpu_launch_after(ctx, kernel, (unsigned)blocks, FAST_THREADS, 0, "mask selection kernel", p, rows);
     };
     if (n <= 256)
         return launch(fast_select_kernel<256>);
@@ -958,5 +937,5 @@ sparge_status SPARGE_GPU_FN(mask_transpose)(gpu_ctx *ctx, const sparge_mask_view
     if (blocks > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask transpose: %lld column tiles exceed the grid limit %d",
                            (long long)blocks, INT32_MAX);
-    return launch_dependent(ctx, transpose_kernel, (unsigned)blocks, T_THREADS, "mask transpose kernel", *m);
+    return gpu_launch_after(ctx, transpose_kernel, (unsigned)blocks, T_THREADS, 0, "mask transpose kernel", *m);
 }
