@@ -17,13 +17,20 @@ through autograd (TFLOP/s ×2.5, DESIGN.md section 4), dQ checked against fp64 o
 FlexAttention's backward is tried on the mask's own blocks first, then on the same tokens in finer and in
 its default 128×128 blocks (flex_bwd_attempts); the row's mask name carries the granularity that ran.
 
-usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE] [--backward]
+With --sparge, sparge itself runs in the same process through its Python binding (python/sparge; the library from
+SPARGE_BUILD_DIR or SPARGE_LIBRARY) on the identical mask, set from the file, with the same tensors, checks and
+timing as the peers: its forward (or, with --backward, its backward through autograd), and its mask prediction on
+these tensors (Top-k --topk ∪ Top-p --topp; a prediction costs about the same whatever it selects), so that
+"mask prediction included" comparisons need no second process.
+
+usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE] [--backward] [--sparge]
        peer_bench.py --B 1 --H 12 --N 32760 --D 128       (dense peers only)
 """
 import argparse
 import csv
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -139,7 +146,13 @@ def main():
     ap.add_argument("--no-dense", action="store_true", help="skip the SDPA peers")
     ap.add_argument("--csv", help="write the rows here")
     ap.add_argument("--backward", action="store_true", help="time the peers' backward (dQ, dK, dV) instead")
+    ap.add_argument("--sparge", action="store_true", help="also time sparge on each mask (Python binding)")
+    ap.add_argument("--topk", type=float, default=0.03, help="--sparge: Top-k of the timed mask prediction")
+    ap.add_argument("--topp", type=float, default=0.2, help="--sparge: Top-p of the timed mask prediction")
     args = ap.parse_args()
+    if args.sparge:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+        import sparge
 
     masks = [load_mask(p) + (p,) for p in args.mask]
     if masks:  # the shape comes from the (first) mask
@@ -233,6 +246,17 @@ def main():
                 print(f"{'flex':<22} {tag:<28} failed with kernel_options {options}: {type(e).__name__}: "
                       f"{' '.join(str(e).split())[:300]}", flush=True)
                 torch._dynamo.reset()
+        if args.sparge:
+            smask = sparge.Mask.from_dense(blk, Nq, Nk, bq, bk, device=dev)
+            report("sparge", name, sparsity,
+                   lambda: sparge.sparge_attention(q, k, v, mask=smask, block_q=bq, block_k=bk))
+            predicted = sparge.Mask(B, H, Nq, Nk, bq, bk, device=dev)
+            ms = time_ms(lambda: predicted.predict(q, k, topk=args.topk, topp=args.topp), args.warmup, args.reps)
+            rows.append({**rows[-1], "peer": "sparge-mask-prediction", "mask": f"k={args.topk} p={args.topp}",
+                         "sparsity": predicted.sparsity(), "ms": ms, "tflops": float("nan"),
+                         "eff_tflops": float("nan"), "rel_l2": float("nan"), "verified": True})
+            print(f"{'sparge-mask-prediction':<22} {'(these tensors)':<28} {100 * predicted.sparsity():7.2f}% "
+                  f"{ms:9.3f}", flush=True)
 
     if args.csv:
         with open(args.csv, "w", newline="") as f:
