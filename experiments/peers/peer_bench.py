@@ -253,9 +253,9 @@ def main():
             predicted = sparge.Mask(B, H, Nq, Nk, bq, bk, device=dev)
             ms = time_ms(lambda: predicted.predict(q, k, topk=args.topk, topp=args.topp), args.warmup, args.reps)
             rows.append({**rows[-1], "peer": "sparge-mask-prediction", "mask": f"k={args.topk} p={args.topp}",
-                         "sparsity": predicted.sparsity(), "ms": ms, "tflops": float("nan"),
+                         "sparsity": predicted.sparsity, "ms": ms, "tflops": float("nan"),
                          "eff_tflops": float("nan"), "rel_l2": float("nan"), "verified": True})
-            print(f"{'sparge-mask-prediction':<22} {'(these tensors)':<28} {100 * predicted.sparsity():7.2f}% "
+            print(f"{'sparge-mask-prediction':<22} {'(these tensors)':<28} {100 * predicted.sparsity:7.2f}% "
                   f"{ms:9.3f}", flush=True)
 
     if args.csv:
