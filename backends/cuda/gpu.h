@@ -37,11 +37,9 @@ sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
 
 /* Programmatic dependent launch (CUDA, sm_90+). A kernel queued with it (gpu_launch_dependent below) calls
  * gpu_wait_for_previous_kernel() before touching global memory: it returns once the kernel queued before it
- * has completed and its writes are visible. gpu_allow_next_kernel() lets such a next kernel be scheduled once
- * every block of this grid has called it (or exited), before this grid has drained; it orders no memory (the
- * wait does, whatever this grid writes after it). Called at the start of a kernel that runs in one wave, the
- * next grid's blocks take the room this one leaves free and start the moment it ends. Both are empty before
- * sm_90 and on HIP, where stream order alone applies. */
+ * has completed and its writes are visible. gpu_allow_next_kernel(), after a block's last writes, lets such
+ * a next kernel be scheduled before this grid has fully drained; it orders no memory (the wait does). Both
+ * are empty before sm_90 and on HIP, where stream order alone applies. */
 __device__ __forceinline__ void gpu_wait_for_previous_kernel()
 {
 #if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -120,7 +120,6 @@ template <int TQ>
 __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel(map_params p)
 {
     gpu_wait_for_previous_kernel();
-    gpu_allow_next_kernel(); /* see gpu_allow_next_kernel: the next kernel may take free room now */
     constexpr int TILE_Q = 16 * TQ, TILE_K = MAP_TILE, TK = 8;
     constexpr int ROW_STEP = MAP_THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
     static_assert(TQ % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
@@ -205,13 +204,13 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
                         out[s * p.md] = x[s] * p.scale;
         }
     }
+    gpu_allow_next_kernel();
 }
 
 /* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
 __global__ void map_softmax_kernel(map_params p, int64_t rows)
 {
     gpu_wait_for_previous_kernel();
-    gpu_allow_next_kernel(); /* see gpu_allow_next_kernel: the next kernel may take free room now */
     const int64_t row = (int64_t)blockIdx.x * (blockDim.x / SPARGE_WARP_SIZE) + threadIdx.x / SPARGE_WARP_SIZE;
     if (row >= rows)
         return;
@@ -237,6 +236,7 @@ __global__ void map_softmax_kernel(map_params p, int64_t rows)
     const float inv = 1.0f / sum;
     for (int64_t j = lane; j < p.Nkb; j += SPARGE_WARP_SIZE)
         m[j * p.md] = nan ? NAN : expf(m[j * p.md] - mx) * inv;
+    gpu_allow_next_kernel();
 }
 
 /* ---------------------------------------------------------------- selection */
@@ -292,7 +292,6 @@ struct select_params {
 template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(THREADS) select_kernel(select_params p)
 {
     gpu_wait_for_previous_kernel();
-    gpu_allow_next_kernel(); /* see gpu_allow_next_kernel: the next kernel may take free room now */
     using sorter = row_sort<THREADS, IPT>;
     __shared__ union {
         typename sorter::storage sort;
@@ -422,6 +421,7 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
             idx[at++] = (int32_t)(s0 + e);
     for (int64_t j = kept + threadIdx.x; j < n; j += THREADS)
         idx[j] = -1;
+    gpu_allow_next_kernel();
 }
 
 /* ---------------------------------------------------------------- fused softmax + selection, one warp per row */
@@ -669,6 +669,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         p.counts[row] = kept;
         p.row_mass[row] = (float)mass;
     }
+    gpu_allow_next_kernel();
 }
 
 /* Up to 512 key blocks: at most 80 registers, so that 6 CTAs share an SM and Wan2.1-1.3B's 3072 rows run in
@@ -678,7 +679,6 @@ template <int CAP> __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 
     constexpr int warps = FAST_THREADS / SPARGE_WARP_SIZE;
     __shared__ uint32_t lists[warps][CAP];
     gpu_wait_for_previous_kernel();
-    gpu_allow_next_kernel(); /* see gpu_allow_next_kernel: the next kernel may take free room now */
     for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
         const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
         if (row < rows)
