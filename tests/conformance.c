@@ -312,19 +312,19 @@ static char *swap_env(const char *name, const char *value)
     return saved;
 }
 
-static char *order_env_saved;
-static int order_env_setup(void **state)
+/* Setup and teardown of a test that sets the environment variable named by its initial state (a string): the
+ * variable starts unset and gets its previous value back afterwards. */
+static char *env_saved;
+static int env_setup(void **state)
 {
-    (void)state;
-    order_env_saved = swap_env("SPARGE_CUDA_FWD_ORDER", NULL);
+    env_saved = swap_env((const char *)*state, NULL);
     return 0;
 }
-static int order_env_teardown(void **state)
+static int env_teardown(void **state)
 {
-    (void)state;
-    free(swap_env("SPARGE_CUDA_FWD_ORDER", order_env_saved));
-    free(order_env_saved);
-    order_env_saved = NULL;
+    free(swap_env((const char *)*state, env_saved));
+    free(env_saved);
+    env_saved = NULL;
     return 0;
 }
 
@@ -367,6 +367,53 @@ static void test_grid_fwd_orders(void **state)
     sparge_mask_destroy(m);
     for (int i = 0; i < 4; i++)
         tu_free(&x[i]);
+}
+
+/* cuda: the pooled map's three tile shapes (SPARGE_CUDA_MAP_TILE=128x64|64x64|64x32; the default picks by size) on
+ * ragged tiles must give the same bits (each logit is one fmaf chain over D in order) and so the same selection.
+ * Then an invalid choice is refused with a message naming the variable. */
+static void test_map_tiles(void **state)
+{
+    (void)state;
+    if (strcmp(BACKEND, "cuda"))
+        skip();
+    tu_rng rng = {20261203};
+    const int64_t H = 3, N = 9000, Nqb = (N + 127) / 128, Nkb = (N + 63) / 64, cells = H * Nqb * Nkb;
+    tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, H, N, 128), k = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, H, N, 128);
+    tu_fill_normal(&q, &rng, 1.0);
+    tu_fill_normal(&k, &rng, 1.0);
+    sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
+    static const char *const tiles[3] = {"128x64", "64x64", "64x32"};
+    float *maps[3];
+    int32_t *idx[3];
+    for (int t = 0; t < 3; t++) {
+        free(swap_env("SPARGE_CUDA_MAP_TILE", tiles[t]));
+        sparge_mask *m;
+        assert_int_equal(sparge_mask_create(dev, 1, H, N, N, 128, 64, &m), SPARGE_OK);
+        assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+        maps[t] = malloc((size_t)cells * sizeof(float));
+        idx[t] = malloc((size_t)cells * sizeof(int32_t));
+        assert_int_equal(sparge_mask_get_pooled_map(m, maps[t]), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_csr(m, NULL, idx[t], NULL, NULL), SPARGE_OK);
+        sparge_mask_destroy(m);
+        if (t > 0) {
+            assert_memory_equal(maps[t], maps[0], (size_t)cells * sizeof(float));
+            assert_memory_equal(idx[t], idx[0], (size_t)cells * sizeof(int32_t));
+        }
+    }
+    for (int t = 0; t < 3; t++) {
+        free(maps[t]);
+        free(idx[t]);
+    }
+
+    free(swap_env("SPARGE_CUDA_MAP_TILE", "bogus"));
+    sparge_mask *m;
+    assert_int_equal(sparge_mask_create(dev, 1, H, N, N, 128, 64, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_ERR_INVALID);
+    assert_non_null(strstr(sparge_last_error(), "SPARGE_CUDA_MAP_TILE"));
+    sparge_mask_destroy(m);
+    tu_free(&q);
+    tu_free(&k);
 }
 
 /* The shared vectors: each row as a 1-row pooled map; rows with margin < 1e-5 may flip. */
@@ -864,7 +911,10 @@ int main(void)
         cmocka_unit_test(test_predict_many_tiles),
         cmocka_unit_test(test_predict_shapes),
         cmocka_unit_test(test_predict_selection_arms),
-        cmocka_unit_test_setup_teardown(test_grid_fwd_orders, order_env_setup, order_env_teardown),
+        cmocka_unit_test_prestate_setup_teardown(test_grid_fwd_orders, env_setup, env_teardown,
+                                                 (void *)"SPARGE_CUDA_FWD_ORDER"),
+        cmocka_unit_test_prestate_setup_teardown(test_map_tiles, env_setup, env_teardown,
+                                                 (void *)"SPARGE_CUDA_MAP_TILE"),
         cmocka_unit_test(test_grad_finite_differences),
         cmocka_unit_test(test_transpose_follows_selection),
     };

@@ -10,6 +10,8 @@
  * set is the first max(n_k, n_p, 1) blocks; a row holding NaN keeps all. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "gpu.h"
 
@@ -99,7 +101,7 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 
 /* ---------------------------------------------------------------- pooled map */
 
-constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 128;
+constexpr int MAP_TILE_MIN = 32, MAP_DCHUNK = 16, MAP_THREADS = 128; /* MAP_TILE_MIN: the narrowest tile side */
 
 struct map_params {
     const float *q, *k;
@@ -110,19 +112,19 @@ struct map_params {
     float scale;
 };
 
-/* Logits map = scale · qbar kbarᵀ, a (16·TQ)×64 tile per block. Thread (ty,tx)
- * of the 16×8 grid owns the TQ rows ty·4 + 64g + r and the 8 columns
- * tx·4 + 32h + s: per d it reads TQ/4 + 2 float4 (a warp's reads are
- * broadcasts or one contiguous 128 bytes) for 8·TQ FMAs. Each output is one
+/* Logits map = scale · qbar kbarᵀ, a (16·TQ)×(8·TK) tile per block. Thread
+ * (ty,tx) of the 16×8 grid owns the TQ rows ty·4 + 64g + r and the TK columns
+ * tx·4 + 32h + s: per d it reads TQ/4 + TK/4 float4 (a warp's reads are
+ * broadcasts or one contiguous 128 bytes) for TQ·TK FMAs. Each output is one
  * fmaf chain over d = 0, 1, ... in order, so every tile shape gives the same
  * bits. The D chunks are double-buffered: one barrier per chunk. */
-template <int TQ>
-__global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel(map_params p)
+template <int TQ, int TK>
+__global__ void __launch_bounds__(MAP_THREADS, TQ * TK > 32 ? 3 : TQ * TK > 16 ? 4 : 8) map_logits_kernel(map_params p)
 {
     gpu_wait_for_previous_kernel();
-    constexpr int TILE_Q = 16 * TQ, TILE_K = MAP_TILE, TK = 8;
+    constexpr int TILE_Q = 16 * TQ, TILE_K = 8 * TK;
     constexpr int ROW_STEP = MAP_THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
-    static_assert(TQ % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
+    static_assert(TQ % 4 == 0 && TK % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
     __shared__ __align__(16) float qs[2][MAP_DCHUNK][TILE_Q + 4];
     __shared__ __align__(16) float ks[2][MAP_DCHUNK][TILE_K + 4];
     const int64_t ktiles = (p.Nkb + TILE_K - 1) / TILE_K, qtiles = (p.Nqb + TILE_Q - 1) / TILE_Q;
@@ -828,13 +830,28 @@ sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, do
     return launch_select_kernel<512, 16, false>(ctx, p, rows);
 }
 
+/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE=128x64|64x64|64x32 forces the logits tile; -1: unset. */
+int map_tile_choice(void)
+{
+    const char *env = getenv("SPARGE_CUDA_MAP_TILE");
+    static const char *const names[3] = {"128x64", "64x64", "64x32"};
+    for (int i = 0; env && i < 3; i++)
+        if (!strcmp(env, names[i]))
+            return i;
+    return env ? 3 : -1;
+}
+
 sparge_status check_map(const sparge_map_args *a)
 {
+    if (map_tile_choice() == 3)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be 128x64, 64x64 or 64x32, "
+                           "got \"%s\"", getenv("SPARGE_CUDA_MAP_TILE"));
     const sparge_view &q = a->qbar, &k = a->kbar;
-    const int64_t bh = q.B * q.H, tiles = bh * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
+    const int64_t bh = q.B * q.H;
+    const int64_t tiles = bh * ((q.N + 63) / 64) * ((k.N + MAP_TILE_MIN - 1) / MAP_TILE_MIN); /* the most tiles */
     if (tiles > INT32_MAX || bh * q.N > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pooled map: %lld tiles of 64x64 exceed the grid limit %d",
-                           (long long)tiles, INT32_MAX);
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pooled map: %lld tiles of 64x%d exceed the grid limit %d",
+                           (long long)tiles, MAP_TILE_MIN, INT32_MAX);
     return SPARGE_OK;
 }
 
@@ -845,19 +862,25 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map (after check_map). 128×64 tiles
- * (8×8 outputs per thread: twice the FMAs per shared-memory read) once they
- * fill the device several times over, as at Wan2.1-14B (3800 tiles); 64×64
- * tiles (4×8 per thread) otherwise, as at Wan2.1-1.3B (384 tiles, one wave). */
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). The kernel is latency-bound unless the tiles
+ * fill the device several times over: 128×64 tiles (8×8 outputs per thread: twice the FMAs per shared-memory
+ * read) when they do, as at Wan2.1-14B (3800 tiles); else 64×64 tiles (4×8 per thread) if those still give
+ * every SM 4 blocks; else 64×32 (4×4 per thread, up to 8 blocks per SM), as at Wan2.1-1.3B (768 tiles, where
+ * 64×64 gave 384 tiles, 18 % occupancy and 16.6 µs on the H200). */
 sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
-    auto tiles = [&](int64_t tq) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + MAP_TILE - 1) / MAP_TILE); };
-    if (tiles(128) >= 1024)
-        return gpu_launch_after(ctx, map_logits_kernel<8>, (unsigned)tiles(128), MAP_THREADS, 0, "pooled map kernel",
-                                make_map_params(a));
-    return gpu_launch_after(ctx, map_logits_kernel<4>, (unsigned)tiles(64), MAP_THREADS, 0, "pooled map kernel",
-                            make_map_params(a));
+    auto tiles = [&](int64_t tq, int64_t tk) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + tk - 1) / tk); };
+    const map_params p = make_map_params(a);
+    const int forced = map_tile_choice();
+    if (forced == 0 || (forced < 0 && tiles(128, 64) >= 1024))
+        return gpu_launch_after(ctx, map_logits_kernel<8, 8>, (unsigned)tiles(128, 64), MAP_THREADS, 0,
+                                "pooled map kernel", p);
+    if (forced == 1 || (forced < 0 && tiles(64, 64) >= 4 * (int64_t)ctx->sm_count))
+        return gpu_launch_after(ctx, map_logits_kernel<4, 8>, (unsigned)tiles(64, 64), MAP_THREADS, 0,
+                                "pooled map kernel", p);
+    return gpu_launch_after(ctx, map_logits_kernel<4, 4>, (unsigned)tiles(64, 32), MAP_THREADS, 0,
+                            "pooled map kernel", p);
 }
 
 sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
