@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
 {
     __shared__ int32_t slot[ORDER_BUCKETS]; /* slot 0 = heaviest; then each bucket's next position */
     __shared__ int32_t staged[ORDER_STAGED]; /* the first counts, so that the placement loop reads no global memory */
-    __shared__ int32_t warp_total[ORDER_THREADS / 32];
+    __shared__ int scan_scratch[GPU_MAX_WARPS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int buckets = min(Nkb + 1, ORDER_BUCKETS), first = blockIdx.x * Nqb;
     auto bucket = [&](int32_t c) { return buckets - 1 - min(c, buckets - 1); };
@@ -329,31 +329,10 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
     /* Exclusive scan: each thread owns a run of consecutive buckets. */
     const int per = (buckets + ORDER_THREADS - 1) / ORDER_THREADS, lo = min(tid * per, buckets),
               hi = min(lo + per, buckets);
-    int sum = 0;
+    int sum = 0, total;
     for (int j = lo; j < hi; j++)
         sum += slot[j];
-    int incl = sum;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, incl, d);
-        incl += lane >= d ? x : 0;
-    }
-    if (lane == 31)
-        warp_total[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        const int w = lane < ORDER_THREADS / 32 ? warp_total[lane] : 0;
-        int wincl = w;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const int x = __shfl_up_sync(0xffffffffu, wincl, d);
-            wincl += lane >= d ? x : 0;
-        }
-        if (lane < ORDER_THREADS / 32)
-            warp_total[lane] = wincl - w;
-    }
-    __syncthreads();
-    for (int j = lo, offset = warp_total[warp] + incl - sum; j < hi; j++) {
+    for (int j = lo, offset = block_exclusive_scan(sum, &total, scan_scratch); j < hi; j++) {
         const int n = slot[j];
         slot[j] = offset;
         offset += n;

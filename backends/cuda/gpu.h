@@ -96,6 +96,40 @@ sparge_status gpu_launch_after(gpu_ctx *ctx, void (*kernel)(Params...), unsigned
     return GPU_CHECK_LAUNCH(what);
 }
 
+constexpr int GPU_MAX_WARPS = 1024 / 32; /* warps of the largest block */
+
+/* Exclusive prefix sum over the block; *total gets the block's sum. scratch
+ * holds GPU_MAX_WARPS values. All threads must call it. */
+template <typename T> __device__ T block_exclusive_scan(T x, T *total, T *scratch)
+{
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
+    const int warps = (blockDim.x + SPARGE_WARP_SIZE - 1) / SPARGE_WARP_SIZE;
+    T incl = x;
+    for (int o = 1; o < SPARGE_WARP_SIZE; o <<= 1) {
+        T y = sparge_shfl_up(incl, o);
+        if (lane >= o)
+            incl += y;
+    }
+    if (lane == SPARGE_WARP_SIZE - 1)
+        scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < warps ? scratch[lane] : T(0);
+        for (int o = 1; o < SPARGE_WARP_SIZE; o <<= 1) {
+            T y = sparge_shfl_up(w, o);
+            if (lane >= o)
+                w += y;
+        }
+        if (lane < warps)
+            scratch[lane] = w;
+    }
+    __syncthreads();
+    T before = warp > 0 ? scratch[warp - 1] : T(0);
+    *total = scratch[warps - 1];
+    __syncthreads(); /* scratch may be reused right away */
+    return before + incl - x;
+}
+
 /* Element load/store for the three storage dtypes, fp32 in registers. */
 template <typename T> __device__ __forceinline__ float to_f32(T x);
 template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }

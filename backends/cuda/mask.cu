@@ -25,42 +25,8 @@ namespace {
 
 /* ---------------------------------------------------------------- block helpers */
 
-constexpr int MAX_WARPS = 1024 / 32;
-
-/* Exclusive prefix sum over the block; *total gets the block's sum. scratch
- * holds MAX_WARPS values. All threads must call it. */
-template <typename T> __device__ T block_exclusive_scan(T x, T *total, T *scratch)
-{
-    const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
-    const int warps = (blockDim.x + SPARGE_WARP_SIZE - 1) / SPARGE_WARP_SIZE;
-    T incl = x;
-    for (int o = 1; o < SPARGE_WARP_SIZE; o <<= 1) {
-        T y = sparge_shfl_up(incl, o);
-        if (lane >= o)
-            incl += y;
-    }
-    if (lane == SPARGE_WARP_SIZE - 1)
-        scratch[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        T w = lane < warps ? scratch[lane] : T(0);
-        for (int o = 1; o < SPARGE_WARP_SIZE; o <<= 1) {
-            T y = sparge_shfl_up(w, o);
-            if (lane >= o)
-                w += y;
-        }
-        if (lane < warps)
-            scratch[lane] = w;
-    }
-    __syncthreads();
-    T before = warp > 0 ? scratch[warp - 1] : T(0);
-    *total = scratch[warps - 1];
-    __syncthreads(); /* scratch may be reused right away */
-    return before + incl - x;
-}
-
 /* Reduction over the block with op; every thread gets the result. scratch
- * holds MAX_WARPS values. All threads must call it. */
+ * holds GPU_MAX_WARPS values. All threads must call it. */
 template <typename T, typename Op> __device__ T block_reduce(T x, Op op, T *scratch)
 {
     const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
@@ -297,11 +263,11 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
     using sorter = row_sort<THREADS, IPT>;
     __shared__ union {
         typename sorter::storage sort;
-        double dscan[MAX_WARPS];
-        int32_t iscan[MAX_WARPS];
+        double dscan[GPU_MAX_WARPS];
+        int32_t iscan[GPU_MAX_WARPS];
     } tmp;
-    __shared__ float fred[MAX_WARPS];
-    __shared__ uint32_t ured[MAX_WARPS];
+    __shared__ float fred[GPU_MAX_WARPS];
+    __shared__ uint32_t ured[GPU_MAX_WARPS];
     __shared__ uint8_t keep[THREADS * IPT];
     __shared__ int32_t np_shared;
 
@@ -694,7 +660,7 @@ constexpr int CSR_THREADS = 128;
 
 __global__ void __launch_bounds__(CSR_THREADS) csr_from_dense_kernel(sparge_mask_view m)
 {
-    __shared__ int32_t scratch[MAX_WARPS];
+    __shared__ int32_t scratch[GPU_MAX_WARPS];
     const int64_t row = blockIdx.x;
     const uint8_t *dense = m.dense + row * m.Nkb;
     const int32_t c = write_csr_row([&](int64_t j) { return dense[j] != 0; }, m.Nkb, m.indices + row * m.Nkb, scratch);
