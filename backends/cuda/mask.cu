@@ -67,7 +67,7 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 
 /* ---------------------------------------------------------------- pooled map */
 
-constexpr int MAP_TILE_MIN = 32, MAP_DCHUNK = 16, MAP_THREADS = 128; /* MAP_TILE_MIN: the narrowest tile side */
+constexpr int MAP_DCHUNK = 16;
 
 struct map_params {
     const float *q, *k;
@@ -78,19 +78,21 @@ struct map_params {
     float scale;
 };
 
-/* Logits map = scale · qbar kbarᵀ, a (16·TQ)×(8·TK) tile per block. Thread
- * (ty,tx) of the 16×8 grid owns the TQ rows ty·4 + 64g + r and the TK columns
+/* Logits map = scale · qbar kbarᵀ, a (GY·TQ)×(8·TK) tile per block of GY×8
+ * threads. Thread (ty,tx) owns the TQ rows ty·4 + 4·GY·g + r and the TK columns
  * tx·4 + 32h + s: per d it reads TQ/4 + TK/4 float4 (a warp's reads are
- * broadcasts or one contiguous 128 bytes) for TQ·TK FMAs. Each output is one
- * fmaf chain over d = 0, 1, ... in order, so every tile shape gives the same
- * bits. The D chunks are double-buffered: one barrier per chunk. */
-template <int TQ, int TK>
-__global__ void __launch_bounds__(MAP_THREADS, TQ * TK > 32 ? 3 : TQ * TK > 16 ? 4 : 8) map_logits_kernel(map_params p)
+ * broadcasts or one contiguous 128 bytes) for TQ·TK FMAs, so more outputs per
+ * thread means less shared-memory traffic per FMA, which is what bounds the
+ * kernel. Each output is one fmaf chain over d = 0, 1, ... in order, so every
+ * tile shape gives the same bits. The D chunks are double-buffered: one
+ * barrier per chunk. */
+template <int TQ, int TK, int GY>
+__global__ void __launch_bounds__(GY * 8, TQ * TK > 32 ? 3 : 4) map_logits_kernel(map_params p)
 {
     gpu_wait_for_previous_kernel();
-    constexpr int TILE_Q = 16 * TQ, TILE_K = 8 * TK;
-    constexpr int ROW_STEP = MAP_THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
-    static_assert(TQ % 4 == 0 && TK % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
+    constexpr int THREADS = GY * 8, TILE_Q = GY * TQ, TILE_K = 8 * TK;
+    constexpr int ROW_STEP = THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
+    static_assert(TQ % 4 == 0 && TK % 4 == 0 && THREADS % MAP_DCHUNK == 0, "float4 per group, whole rows per load step");
     __shared__ __align__(16) float qs[2][MAP_DCHUNK][TILE_Q + 4];
     __shared__ __align__(16) float ks[2][MAP_DCHUNK][TILE_K + 4];
     const int64_t ktiles = (p.Nkb + TILE_K - 1) / TILE_K, qtiles = (p.Nqb + TILE_Q - 1) / TILE_Q;
@@ -99,8 +101,8 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ * TK > 32 ? 3 : TQ * TK > 16 ?
     const int q_rows = (int)(p.Nqb - i0 < TILE_Q ? p.Nqb - i0 : TILE_Q);
     const int k_rows = (int)(p.Nkb - j0 < TILE_K ? p.Nkb - j0 : TILE_K);
     const int ty = threadIdx.x / 8, tx = threadIdx.x % 8;
-    /* Thread t loads column dd = t % 16 of rows t / 16 + 8u; the next D chunk
-     * is fetched into registers while this one is multiplied. */
+    /* Thread t loads column dd = t % 16 of rows t / 16 + ROW_STEP·u; the next
+     * D chunk is fetched into registers while this one is multiplied. */
     const int dd_mine = threadIdx.x % MAP_DCHUNK, r_mine = threadIdx.x / MAP_DCHUNK;
     const float *q_mine = p.q + b * p.qb + h * p.qh + (i0 + r_mine) * p.qn + dd_mine * p.qd;
     const float *k_mine = p.k + b * p.kb + h * p.kh + (j0 + r_mine) * p.kn + dd_mine * p.kd;
@@ -136,7 +138,7 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ * TK > 32 ? 3 : TQ * TK > 16 ?
             float a[TQ], c[TK];
 #pragma unroll
             for (int g = 0; g < TQ / 4; g++) {
-                const float4 v = *(const float4 *)&qc[dd * (TILE_Q + 4) + g * 64];
+                const float4 v = *(const float4 *)&qc[dd * (TILE_Q + 4) + g * 4 * GY];
                 a[4 * g] = v.x, a[4 * g + 1] = v.y, a[4 * g + 2] = v.z, a[4 * g + 3] = v.w;
             }
 #pragma unroll
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ * TK > 32 ? 3 : TQ * TK > 16 ?
     const bool vec = p.md == 1 && p.mn % 4 == 0 && ((uintptr_t)m & 15u) == 0;
 #pragma unroll
     for (int r = 0; r < TQ; r++) {
-        const int64_t i = i0 + r / 4 * 64 + ty * 4 + r % 4;
+        const int64_t i = i0 + r / 4 * 4 * GY + ty * 4 + r % 4;
         if (i >= p.Nqb)
             continue;
 #pragma unroll
@@ -796,13 +798,13 @@ sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, do
     return launch_select_kernel<512, 16, false>(ctx, p, rows);
 }
 
-/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE=128x64|64x64|64x32 forces the logits tile; -1: unset. */
+/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits tile (below); -1: unset, 3: invalid. */
+const char *const map_tile_names[3] = {"128x64", "64x64", "64x64/64"};
 int map_tile_choice(void)
 {
     const char *env = getenv("SPARGE_CUDA_MAP_TILE");
-    static const char *const names[3] = {"128x64", "64x64", "64x32"};
     for (int i = 0; env && i < 3; i++)
-        if (!strcmp(env, names[i]))
+        if (!strcmp(env, map_tile_names[i]))
             return i;
     return env ? 3 : -1;
 }
@@ -810,14 +812,14 @@ int map_tile_choice(void)
 sparge_status check_map(const sparge_map_args *a)
 {
     if (map_tile_choice() == 3)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be 128x64, 64x64 or 64x32, "
-                           "got \"%s\"", getenv("SPARGE_CUDA_MAP_TILE"));
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be %s, %s or %s, got \"%s\"",
+                           map_tile_names[0], map_tile_names[1], map_tile_names[2], getenv("SPARGE_CUDA_MAP_TILE"));
     const sparge_view &q = a->qbar, &k = a->kbar;
     const int64_t bh = q.B * q.H;
-    const int64_t tiles = bh * ((q.N + 63) / 64) * ((k.N + MAP_TILE_MIN - 1) / MAP_TILE_MIN); /* the most tiles */
+    const int64_t tiles = bh * ((q.N + 63) / 64) * ((k.N + 63) / 64); /* the most tiles */
     if (tiles > INT32_MAX || bh * q.N > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pooled map: %lld tiles of 64x%d exceed the grid limit %d",
-                           (long long)tiles, MAP_TILE_MIN, INT32_MAX);
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pooled map: %lld tiles of 64x64 exceed the grid limit %d",
+                           (long long)tiles, INT32_MAX);
     return SPARGE_OK;
 }
 
@@ -828,11 +830,12 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map (after check_map). The kernel is latency-bound unless the tiles
- * fill the device several times over: 128×64 tiles (8×8 outputs per thread: twice the FMAs per shared-memory
- * read) when they do, as at Wan2.1-14B (3800 tiles); else 64×64 tiles (4×8 per thread) if those still give
- * every SM 4 blocks; else 64×32 (4×4 per thread, up to 8 blocks per SM), as at Wan2.1-1.3B (768 tiles, where
- * 64×64 gave 384 tiles, 18 % occupancy and 16.6 µs on the H200). */
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). The kernel is bound by shared-memory reads per FMA
+ * when the tiles fill the device several times over, and by latency when they do not: 128×64 tiles of 128
+ * threads (8×8 outputs each) when there are 1024 or more, as at Wan2.1-14B (3800 tiles); else 64×64 tiles of
+ * 128 threads (4×8 each) if those give every SM 4 blocks; else 64×64 tiles of 64 threads (8×8 each), as at
+ * Wan2.1-1.3B (384 tiles; 4×8 per thread ran at 18 % occupancy, 16.6 µs on the H200, and 4×4 in 64×32
+ * tiles, twice the blocks, took 19.7 µs). */
 sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
@@ -840,13 +843,12 @@ sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
     const map_params p = make_map_params(a);
     const int forced = map_tile_choice();
     if (forced == 0 || (forced < 0 && tiles(128, 64) >= 1024))
-        return gpu_launch_after(ctx, map_logits_kernel<8, 8>, (unsigned)tiles(128, 64), MAP_THREADS, 0,
+        return gpu_launch_after(ctx, map_logits_kernel<8, 8, 16>, (unsigned)tiles(128, 64), 128, 0,
                                 "pooled map kernel", p);
     if (forced == 1 || (forced < 0 && tiles(64, 64) >= 4 * (int64_t)ctx->sm_count))
-        return gpu_launch_after(ctx, map_logits_kernel<4, 8>, (unsigned)tiles(64, 64), MAP_THREADS, 0,
+        return gpu_launch_after(ctx, map_logits_kernel<4, 8, 16>, (unsigned)tiles(64, 64), 128, 0,
                                 "pooled map kernel", p);
-    return gpu_launch_after(ctx, map_logits_kernel<4, 4>, (unsigned)tiles(64, 32), MAP_THREADS, 0,
-                            "pooled map kernel", p);
+    return gpu_launch_after(ctx, map_logits_kernel<8, 8, 8>, (unsigned)tiles(64, 64), 64, 0, "pooled map kernel", p);
 }
 
 sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
