@@ -98,28 +98,30 @@ sparge_status gpu_launch_after(gpu_ctx *ctx, void (*kernel)(Params...), unsigned
 
 constexpr int GPU_MAX_WARPS = 1024 / 32; /* warps of the largest block */
 
+/* Inclusive prefix sum over the warp's lanes. */
+template <typename T> __device__ __forceinline__ T warp_inclusive_scan(T x)
+{
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE;
+    for (int o = 1; o < SPARGE_WARP_SIZE; o <<= 1) {
+        const T y = sparge_shfl_up(x, o);
+        if (lane >= o)
+            x += y;
+    }
+    return x;
+}
+
 /* Exclusive prefix sum over the block; *total gets the block's sum. scratch
  * holds GPU_MAX_WARPS values. All threads must call it. */
 template <typename T> __device__ T block_exclusive_scan(T x, T *total, T *scratch)
 {
     const int lane = threadIdx.x % SPARGE_WARP_SIZE, warp = threadIdx.x / SPARGE_WARP_SIZE;
     const int warps = (blockDim.x + SPARGE_WARP_SIZE - 1) / SPARGE_WARP_SIZE;
-    T incl = x;
-    for (int o = 1; o < SPARGE_WARP_SIZE; o <<= 1) {
-        T y = sparge_shfl_up(incl, o);
-        if (lane >= o)
-            incl += y;
-    }
+    const T incl = warp_inclusive_scan(x);
     if (lane == SPARGE_WARP_SIZE - 1)
         scratch[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-        T w = lane < warps ? scratch[lane] : T(0);
-        for (int o = 1; o < SPARGE_WARP_SIZE; o <<= 1) {
-            T y = sparge_shfl_up(w, o);
-            if (lane >= o)
-                w += y;
-        }
+        const T w = warp_inclusive_scan(lane < warps ? scratch[lane] : T(0));
         if (lane < warps)
             scratch[lane] = w;
     }

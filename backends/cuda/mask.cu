@@ -454,6 +454,19 @@ __device__ __forceinline__ uint32_t warp_and(uint32_t x)
 #endif
 }
 
+/* The warp's values in descending order across the lanes (a bitonic network). */
+__device__ __forceinline__ uint32_t warp_sort_descending(uint32_t x)
+{
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE;
+    for (int size = 2; size <= SPARGE_WARP_SIZE; size <<= 1)
+        for (int stride = size / 2; stride > 0; stride >>= 1) {
+            const uint32_t y = sparge_shfl_xor(x, stride);
+            const bool larger = ((lane & size) == 0) == ((lane & stride) == 0);
+            x = larger ? (x > y ? x : y) : (x < y ? x : y);
+        }
+    return x;
+}
+
 /* list: this warp's CAP slots of shared memory. */
 template <int CAP> __device__ void fast_select_row(const select_params &p, int64_t row, uint32_t *list)
 {
@@ -537,6 +550,7 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
     const bool whole = use_p && total < p.topp;
 
     uint32_t T = 0u, ties_taken = 0u;
+    bool all_ties = true; /* every block with key T is kept */
     double mass = total;
     if (!whole) {
         /* The candidates (keys not yet known to lie above or below the boundary) are compacted into this
@@ -546,7 +560,8 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
         uint32_t c_or = key_or, c_and = key_and; /* over the candidates */
         int64_t above = 0; /* blocks ordered before the candidates, and their mass */
         double above_mass = 0.0;
-        for (bool in_registers = true; c_or != c_and; in_registers = false) {
+        bool in_registers = true;
+        for (; c_or != c_and && nc > SPARGE_WARP_SIZE; in_registers = false) {
             /* The candidates agree on every bit above `bit`; those with it set come first. */
             const int bit = 31 - __clz((int)(c_or ^ c_and));
             if (!in_registers) {
@@ -597,6 +612,24 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
             c_or = warp_or(o);
             c_and = warp_and(a);
         }
+        if (c_or != c_and) { /* at most a warp's width of distinct candidates: sorted, they give T at once */
+            uint32_t k = in_registers ? key[0] : lane < nc ? list[lane] : 0u; /* rows this narrow: key[0] only */
+            k = warp_sort_descending(k);
+            const double v = k ? key_prob(k) : 0.0;
+            const double incl = use_p ? warp_inclusive_scan(v) : 0.0;
+            const double excl = use_p ? (lane ? sparge_shfl_up(incl, 1) : 0.0) : 0.0;
+            const unsigned long long ok =
+                sparge_ballot(k && above + lane + 1 >= least && (!use_p || above_mass + incl >= p.topp));
+            /* The splits left the boundary among the candidates; a rounding difference in the scan's sum
+             * can only move it to the last one. */
+            const int at = ok ? __ffsll((long long)ok) - 1 : nc - 1;
+            c_and = sparge_shfl(k, at);
+            const unsigned long long ties = sparge_ballot(k == c_and);
+            const int first = __ffsll((long long)ties) - 1;
+            above += first;
+            above_mass += sparge_shfl(excl, first);
+            nc = __popcll(ties);
+        }
         /* The nc candidates left all equal T; above / above_mass cover exactly the keys > T. */
         T = c_and;
         if (!use_p) { /* the mass of the keys > T, in any order: it only feeds row_mass */
@@ -613,19 +646,24 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
             ties_taken++;
             mass += v;
         } while ((int)ties_taken < nc && !(above + ties_taken >= least && (!use_p || mass >= p.topp)));
+        all_ties = (int)ties_taken == nc;
     }
 
-    /* Dense row and ascending CSR indices, a ballot per register slot. */
+    /* Dense row and ascending CSR indices, a ballot per register slot; the ties at T are ranked only when
+     * some of them drop out. */
     const unsigned long long below = (1ull << lane) - 1ull;
     int32_t kept = 0;
     uint32_t ties_seen = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
         const int64_t j = e * SPARGE_WARP_SIZE + lane;
-        const unsigned long long tie = sparge_ballot(key[e] != 0u && key[e] == T);
-        const uint32_t rank = ties_seen + (uint32_t)__popcll(tie & below);
-        ties_seen += (uint32_t)__popcll(tie);
-        const bool keep = key[e] != 0u && (whole || key[e] > T || (key[e] == T && rank < ties_taken));
+        bool keep = key[e] != 0u && key[e] >= T; /* whole: T = 0 */
+        if (!all_ties) {
+            const unsigned long long tie = sparge_ballot(key[e] != 0u && key[e] == T);
+            const uint32_t rank = ties_seen + (uint32_t)__popcll(tie & below);
+            ties_seen += (uint32_t)__popcll(tie);
+            keep = key[e] != 0u && (key[e] > T || (key[e] == T && rank < ties_taken));
+        }
         const unsigned long long kb = sparge_ballot(keep);
         if (keep)
             idx[kept + __popcll(kb & below)] = (int32_t)j;
