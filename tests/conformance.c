@@ -369,7 +369,7 @@ static void test_grid_fwd_orders(void **state)
         tu_free(&x[i]);
 }
 
-/* cuda: the pooled map's three tile shapes (SPARGE_CUDA_MAP_TILE=128x64|64x64|64x64/64; the default picks by size) on
+/* cuda: the pooled map's two tile shapes (SPARGE_CUDA_MAP_TILE=128x64|64x64; the default picks by size) on
  * ragged tiles must give the same bits (each logit is one fmaf chain over D in order) and so the same selection.
  * Then an invalid choice is refused with a message naming the variable. */
 static void test_map_tiles(void **state)
@@ -383,10 +383,10 @@ static void test_map_tiles(void **state)
     tu_fill_normal(&q, &rng, 1.0);
     tu_fill_normal(&k, &rng, 1.0);
     sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
-    static const char *const tiles[3] = {"128x64", "64x64", "64x64/64"};
-    float *maps[3];
-    int32_t *idx[3];
-    for (int t = 0; t < 3; t++) {
+    static const char *const tiles[2] = {"128x64", "64x64"};
+    float *maps[2];
+    int32_t *idx[2];
+    for (int t = 0; t < 2; t++) {
         free(swap_env("SPARGE_CUDA_MAP_TILE", tiles[t]));
         sparge_mask *m;
         assert_int_equal(sparge_mask_create(dev, 1, H, N, N, 128, 64, &m), SPARGE_OK);
@@ -401,7 +401,7 @@ static void test_map_tiles(void **state)
             assert_memory_equal(idx[t], idx[0], (size_t)cells * sizeof(int32_t));
         }
     }
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < 2; t++) {
         free(maps[t]);
         free(idx[t]);
     }

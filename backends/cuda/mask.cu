@@ -67,7 +67,7 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 
 /* ---------------------------------------------------------------- pooled map */
 
-constexpr int MAP_DCHUNK = 16;
+constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 128;
 
 struct map_params {
     const float *q, *k;
@@ -78,21 +78,19 @@ struct map_params {
     float scale;
 };
 
-/* Logits map = scale · qbar kbarᵀ, a (GY·TQ)×(8·TK) tile per block of GY×8
- * threads. Thread (ty,tx) owns the TQ rows ty·4 + 4·GY·g + r and the TK columns
- * tx·4 + 32h + s: per d it reads TQ/4 + TK/4 float4 (a warp's reads are
- * broadcasts or one contiguous 128 bytes) for TQ·TK FMAs, so more outputs per
- * thread means less shared-memory traffic per FMA, which is what bounds the
- * kernel. Each output is one fmaf chain over d = 0, 1, ... in order, so every
- * tile shape gives the same bits. The D chunks are double-buffered: one
- * barrier per chunk. */
-template <int TQ, int TK, int GY>
-__global__ void __launch_bounds__(GY * 8, TQ * TK > 32 ? 3 : 4) map_logits_kernel(map_params p)
+/* Logits map = scale · qbar kbarᵀ, a (16·TQ)×64 tile per block. Thread (ty,tx)
+ * of the 16×8 grid owns the TQ rows ty·4 + 64g + r and the 8 columns
+ * tx·4 + 32h + s: per d it reads TQ/4 + 2 float4 (a warp's reads are
+ * broadcasts or one contiguous 128 bytes) for 8·TQ FMAs. Each output is one
+ * fmaf chain over d = 0, 1, ... in order, so every tile shape gives the same
+ * bits. The D chunks are double-buffered: one barrier per chunk. */
+template <int TQ>
+__global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel(map_params p)
 {
     gpu_wait_for_previous_kernel();
-    constexpr int THREADS = GY * 8, TILE_Q = GY * TQ, TILE_K = 8 * TK;
-    constexpr int ROW_STEP = THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
-    static_assert(TQ % 4 == 0 && TK % 4 == 0 && THREADS % MAP_DCHUNK == 0, "float4 per group, whole rows per load step");
+    constexpr int TILE_Q = 16 * TQ, TILE_K = MAP_TILE, TK = 8;
+    constexpr int ROW_STEP = MAP_THREADS / MAP_DCHUNK, LOADS_Q = TILE_Q / ROW_STEP, LOADS_K = TILE_K / ROW_STEP;
+    static_assert(TQ % 4 == 0 && MAP_THREADS == 16 * 8, "the thread grid is 16 x 8, float4 per group");
     __shared__ __align__(16) float qs[2][MAP_DCHUNK][TILE_Q + 4];
     __shared__ __align__(16) float ks[2][MAP_DCHUNK][TILE_K + 4];
     const int64_t ktiles = (p.Nkb + TILE_K - 1) / TILE_K, qtiles = (p.Nqb + TILE_Q - 1) / TILE_Q;
@@ -101,8 +99,8 @@ __global__ void __launch_bounds__(GY * 8, TQ * TK > 32 ? 3 : 4) map_logits_kerne
     const int q_rows = (int)(p.Nqb - i0 < TILE_Q ? p.Nqb - i0 : TILE_Q);
     const int k_rows = (int)(p.Nkb - j0 < TILE_K ? p.Nkb - j0 : TILE_K);
     const int ty = threadIdx.x / 8, tx = threadIdx.x % 8;
-    /* Thread t loads column dd = t % 16 of rows t / 16 + ROW_STEP·u; the next
-     * D chunk is fetched into registers while this one is multiplied. */
+    /* Thread t loads column dd = t % 16 of rows t / 16 + 8u; the next D chunk
+     * is fetched into registers while this one is multiplied. */
     const int dd_mine = threadIdx.x % MAP_DCHUNK, r_mine = threadIdx.x / MAP_DCHUNK;
     const float *q_mine = p.q + b * p.qb + h * p.qh + (i0 + r_mine) * p.qn + dd_mine * p.qd;
     const float *k_mine = p.k + b * p.kb + h * p.kh + (j0 + r_mine) * p.kn + dd_mine * p.kd;
@@ -138,7 +136,7 @@ __global__ void __launch_bounds__(GY * 8, TQ * TK > 32 ? 3 : 4) map_logits_kerne
             float a[TQ], c[TK];
 #pragma unroll
             for (int g = 0; g < TQ / 4; g++) {
-                const float4 v = *(const float4 *)&qc[dd * (TILE_Q + 4) + g * 4 * GY];
+                const float4 v = *(const float4 *)&qc[dd * (TILE_Q + 4) + g * 64];
                 a[4 * g] = v.x, a[4 * g + 1] = v.y, a[4 * g + 2] = v.z, a[4 * g + 3] = v.w;
             }
 #pragma unroll
@@ -158,7 +156,7 @@ __global__ void __launch_bounds__(GY * 8, TQ * TK > 32 ? 3 : 4) map_logits_kerne
     const bool vec = p.md == 1 && p.mn % 4 == 0 && ((uintptr_t)m & 15u) == 0;
 #pragma unroll
     for (int r = 0; r < TQ; r++) {
-        const int64_t i = i0 + r / 4 * 4 * GY + ty * 4 + r % 4;
+        const int64_t i = i0 + r / 4 * 64 + ty * 4 + r % 4;
         if (i >= p.Nqb)
             continue;
 #pragma unroll
@@ -617,7 +615,8 @@ template <int CAP> __device__ void fast_select_row(const select_params &p, int64
             k = warp_sort_descending(k);
             const double v = k ? key_prob(k) : 0.0;
             const double incl = use_p ? warp_inclusive_scan(v) : 0.0;
-            const double excl = use_p ? (lane ? sparge_shfl_up(incl, 1) : 0.0) : 0.0;
+            const double up = sparge_shfl_up(incl, 1); /* every lane shuffles: lane 0 then drops it */
+            const double excl = lane ? up : 0.0;
             const unsigned long long ok =
                 sparge_ballot(k && above + lane + 1 >= least && (!use_p || above_mass + incl >= p.topp));
             /* The splits left the boundary among the candidates; a rounding difference in the scan's sum
@@ -836,25 +835,24 @@ sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, do
     return launch_select_kernel<512, 16, false>(ctx, p, rows);
 }
 
-/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits tile (below); -1: unset, 3: invalid. */
-const char *const map_tile_names[3] = {"128x64", "64x64", "64x64/64"};
+/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits tile (below); -1: unset, 2: invalid. */
+const char *const map_tile_names[2] = {"128x64", "64x64"};
 int map_tile_choice(void)
 {
     const char *env = getenv("SPARGE_CUDA_MAP_TILE");
-    for (int i = 0; env && i < 3; i++)
+    for (int i = 0; env && i < 2; i++)
         if (!strcmp(env, map_tile_names[i]))
             return i;
-    return env ? 3 : -1;
+    return env ? 2 : -1;
 }
 
 sparge_status check_map(const sparge_map_args *a)
 {
-    if (map_tile_choice() == 3)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be %s, %s or %s, got \"%s\"",
-                           map_tile_names[0], map_tile_names[1], map_tile_names[2], getenv("SPARGE_CUDA_MAP_TILE"));
+    if (map_tile_choice() == 2)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be %s or %s, got \"%s\"",
+                           map_tile_names[0], map_tile_names[1], getenv("SPARGE_CUDA_MAP_TILE"));
     const sparge_view &q = a->qbar, &k = a->kbar;
-    const int64_t bh = q.B * q.H;
-    const int64_t tiles = bh * ((q.N + 63) / 64) * ((k.N + 63) / 64); /* the most tiles */
+    const int64_t bh = q.B * q.H, tiles = bh * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
     if (tiles > INT32_MAX || bh * q.N > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pooled map: %lld tiles of 64x64 exceed the grid limit %d",
                            (long long)tiles, INT32_MAX);
@@ -868,25 +866,22 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map (after check_map). The kernel is bound by shared-memory reads per FMA
- * when the tiles fill the device several times over, and by latency when they do not: 128×64 tiles of 128
- * threads (8×8 outputs each) when there are 1024 or more, as at Wan2.1-14B (3800 tiles); else 64×64 tiles of
- * 128 threads (4×8 each) if those give every SM 4 blocks; else 64×64 tiles of 64 threads (8×8 each), as at
- * Wan2.1-1.3B (384 tiles; 4×8 per thread ran at 18 % occupancy, 16.6 µs on the H200, and 4×4 in 64×32
- * tiles, twice the blocks, took 19.7 µs). */
+/* The logits scale·qbar kbarᵀ into a->map (after check_map). 128×64 tiles
+ * (8×8 outputs per thread: twice the FMAs per shared-memory read) once they
+ * fill the device several times over, as at Wan2.1-14B (3800 tiles); 64×64
+ * tiles (4×8 per thread) otherwise, as at Wan2.1-1.3B (384 tiles, one wave; on the H200 fewer outputs per
+ * thread in 64×32 tiles, twice the blocks, took 19.7 against 17 µs, and 8×8 per thread in 64×64 tiles of 64
+ * threads 20.4 µs). SPARGE_CUDA_MAP_TILE forces one. */
 sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
-    auto tiles = [&](int64_t tq, int64_t tk) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + tk - 1) / tk); };
-    const map_params p = make_map_params(a);
+    auto tiles = [&](int64_t tq) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + MAP_TILE - 1) / MAP_TILE); };
     const int forced = map_tile_choice();
-    if (forced == 0 || (forced < 0 && tiles(128, 64) >= 1024))
-        return gpu_launch_after(ctx, map_logits_kernel<8, 8, 16>, (unsigned)tiles(128, 64), 128, 0,
-                                "pooled map kernel", p);
-    if (forced == 1 || (forced < 0 && tiles(64, 64) >= 4 * (int64_t)ctx->sm_count))
-        return gpu_launch_after(ctx, map_logits_kernel<4, 8, 16>, (unsigned)tiles(64, 64), 128, 0,
-                                "pooled map kernel", p);
-    return gpu_launch_after(ctx, map_logits_kernel<8, 8, 8>, (unsigned)tiles(64, 64), 64, 0, "pooled map kernel", p);
+    if (forced == 0 || (forced < 0 && tiles(128) >= 1024))
+        return gpu_launch_after(ctx, map_logits_kernel<8>, (unsigned)tiles(128), MAP_THREADS, 0, "pooled map kernel",
+                                make_map_params(a));
+    return gpu_launch_after(ctx, map_logits_kernel<4>, (unsigned)tiles(64), MAP_THREADS, 0, "pooled map kernel",
+                            make_map_params(a));
 }
 
 sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
