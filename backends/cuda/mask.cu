@@ -401,11 +401,13 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
  * last block: at the highest bit on which the candidates still differ, the
  * blocks above them plus the candidates with that bit set either satisfy both
  * bounds (the boundary lies among those, the rest drop out) or are all kept
- * before it (the rest stay candidates). Ties at T are then taken by ascending
- * index, adding their mass one by one as the reference does. The row lives in
- * registers: lane l holds blocks l, l + warp, l + 2·warp, ...; the candidates
- * are compacted into the warp's shared list after each split. The map's rows
- * must be contiguous (md = 1). */
+ * before it (the rest stay candidates). Once at most a warp's width of
+ * candidates is left, a warp sort and a scan of their mass place T at once
+ * (about half of a row's splits at Wan2.1-1.3B). Ties at T are then taken by
+ * ascending index, adding their mass one by one as the reference does. The row
+ * lives in registers: lane l holds blocks l, l + warp, l + 2·warp, ...; the
+ * candidates are compacted into the warp's shared list after each split. The
+ * map's rows must be contiguous (md = 1). */
 constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
 constexpr int64_t FAST_MAX_ROW = 2048;
 
