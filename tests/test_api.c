@@ -1,5 +1,6 @@
 /* Every bad input gets a specific status and a message, leaves the outputs
  * untouched, and never crashes; NaN/Inf inputs propagate. */
+#define _POSIX_C_SOURCE 200809L /* setenv, unsetenv, strdup */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,6 +64,18 @@ static void test_devices(void **state)
     assert_null(d);
     assert_int_equal(sparge_device_open("auto", &d), SPARGE_OK);
     sparge_device_close(d);
+    /* An unknown SIMD tier is refused; a known one this CPU cannot run falls back to the widest it can. */
+    char *simd = getenv("SPARGE_CPU_SIMD") ? strdup(getenv("SPARGE_CPU_SIMD")) : NULL;
+    d = NULL;
+    assert_int_equal(setenv("SPARGE_CPU_SIMD", "avx-512", 1), 0);
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_open("cpu", &d));
+    assert_non_null(strstr(sparge_last_error(), "SPARGE_CPU_SIMD"));
+    assert_null(d);
+    assert_int_equal(setenv("SPARGE_CPU_SIMD", "avx512", 1), 0);
+    assert_int_equal(sparge_device_open("cpu", &d), SPARGE_OK);
+    sparge_device_close(d);
+    assert_int_equal(simd ? setenv("SPARGE_CPU_SIMD", simd, 1) : unsetenv("SPARGE_CPU_SIMD"), 0);
+    free(simd);
     assert_string_equal(sparge_status_name(SPARGE_ERR_SHAPE), "SPARGE_ERR_SHAPE");
     void *p = NULL;
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_malloc(dev, 0, &p));

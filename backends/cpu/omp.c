@@ -26,8 +26,8 @@ typedef struct {
 } cpu_ctx;
 
 /* The widest tier this CPU runs, or the one named by SPARGE_CPU_SIMD
- * ("generic", "avx2", "avx512") when the CPU runs that one (tests use it to
- * cover every tier on one machine). */
+ * ("generic", "avx2", "avx512"; cpu_open refuses other names) when the CPU
+ * runs that one (tests use it to cover every tier on one machine). */
 const sparge_simd_ops *sparge_simd_best(void)
 {
     const sparge_simd_ops *usable[3];
@@ -67,6 +67,12 @@ static sparge_status cpu_open(int index, void **impl, char *desc, size_t len)
     cpu_ctx *ctx = malloc(sizeof *ctx);
     if (!ctx)
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory");
+    const char *want = getenv("SPARGE_CPU_SIMD");
+    if (want && strcmp(want, "generic") && strcmp(want, "avx2") && strcmp(want, "avx512")) {
+        free(ctx);
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cpu: SPARGE_CPU_SIMD must be generic, avx2 or avx512, got \"%s\"",
+                           want);
+    }
     ctx->simd = sparge_simd_best();
     int bound = sparge_cpu_bind_threads();
     snprintf(desc, len, "%d OpenMP thread(s), SIMD %s, %s", max_threads(), ctx->simd->name,
