@@ -25,9 +25,9 @@ typedef struct {
     const sparge_simd_ops *simd;
 } cpu_ctx;
 
-/* The widest tier this CPU runs, or the one named by SPARGE_CPU_SIMD
- * ("generic", "avx2", "avx512"; cpu_open refuses other names) when the CPU
- * runs that one (tests use it to cover every tier on one machine). */
+/* The widest tier this CPU runs, or the one named by SPARGE_CPU_SIMD when the
+ * CPU runs that one (tests use it to cover every tier on one machine); NULL
+ * when SPARGE_CPU_SIMD names no tier. */
 const sparge_simd_ops *sparge_simd_best(void)
 {
     const sparge_simd_ops *usable[3];
@@ -44,6 +44,8 @@ const sparge_simd_ops *sparge_simd_best(void)
 #endif
     usable[n++] = &sparge_simd_generic;
     const char *want = getenv("SPARGE_CPU_SIMD");
+    if (want && strcmp(want, "generic") && strcmp(want, "avx2") && strcmp(want, "avx512"))
+        return NULL;
     for (int i = 0; want && i < n; i++)
         if (strcmp(want, usable[i]->name) == 0)
             return usable[i];
@@ -67,13 +69,11 @@ static sparge_status cpu_open(int index, void **impl, char *desc, size_t len)
     cpu_ctx *ctx = malloc(sizeof *ctx);
     if (!ctx)
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory");
-    const char *want = getenv("SPARGE_CPU_SIMD");
-    if (want && strcmp(want, "generic") && strcmp(want, "avx2") && strcmp(want, "avx512")) {
+    if (!(ctx->simd = sparge_simd_best())) {
         free(ctx);
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "cpu: SPARGE_CPU_SIMD must be generic, avx2 or avx512, got \"%s\"",
-                           want);
+                           getenv("SPARGE_CPU_SIMD"));
     }
-    ctx->simd = sparge_simd_best();
     int bound = sparge_cpu_bind_threads();
     snprintf(desc, len, "%d OpenMP thread(s), SIMD %s, %s", max_threads(), ctx->simd->name,
              bound ? "workers bound to cores by hwloc" : "not bound");
