@@ -9,7 +9,8 @@ lookup M[b,h,q//bq,k//bk] (DESIGN.md section 4: BlockMask.from_kv_blocks gave wr
 outputs). Every peer's output is checked against an fp64 masked reference on sampled
 query blocks before it is timed; a peer that fails the check is reported, not timed.
 
-Timing: CUDA events, median of --reps runs after --warmup runs (DESIGN.md section 4).
+Timing: CUDA events, median of --reps runs after --warmup runs (DESIGN.md section 4). The "host ms" column is the
+host's time per call while queuing those runs: where it nears the GPU time, the GPU waits for the host.
 Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t; effective = that times the kept density.
 
 With --backward (added by cuda-bwd) each peer's backward is timed instead: dQ, dK, dV of its forward
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -53,17 +55,21 @@ def load_mask(prefix):
 
 
 def time_ms(fn, warmup, reps):
-    """Median ms between CUDA events around each run. The runs are queued back to back and synchronized once,
-    so the host's launch overhead (large for a compiled FlexAttention call) overlaps the previous run."""
+    """(Median ms between CUDA events around each run, mean host ms per call.) The runs are queued back to back and
+    synchronized once, so the host's launch overhead (large for a compiled FlexAttention call) overlaps the
+    previous run; where the host takes longer per call than the GPU, the GPU waits and the events include that."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    t0 = time.perf_counter()
     for start, stop in events:
         start.record()
         fn()
         stop.record()
+    host_ms = (time.perf_counter() - t0) * 1e3 / reps
     torch.cuda.synchronize()
-    return float(np.median([start.elapsed_time(stop) for start, stop in events]))
+    return float(np.median([start.elapsed_time(stop) for start, stop in events])), host_ms
 
 
 def reference_rel_l2(out, q, k, v, scale, blocks, block_q, block_k, samples, seed=0):
@@ -179,7 +185,7 @@ def main():
     rows = []
     print(f"peers on {torch.cuda.get_device_name()} (torch {torch.__version__}), B={B} H={H} Nq={Nq} Nk={Nk} D={D} "
           f"{str(dtype).split('.')[-1]}, median of {args.reps} after {args.warmup} warm-up, CUDA events")
-    print(f"{'peer':<22} {'mask':<28} {'sparsity':>8} {'ms':>9} {'TFLOP/s':>9} {'eff TF/s':>9} {'relL2':>9}")
+    print(f"{'peer':<22} {'mask':<28} {'sparsity':>8} {'ms':>9} {'TFLOP/s':>9} {'eff TF/s':>9} {'relL2':>9} {'host ms':>8}")
 
     def report(peer, mask_name, sparsity, fn):
         out = fn()
@@ -191,13 +197,13 @@ def main():
         else:
             err = reference_rel_l2(out, q, k, v, scale, blk, bq, bk, args.samples)
         ok = math.isfinite(err) and err <= tol
-        ms = time_ms(timed, args.warmup, args.reps) if ok else float("nan")
+        ms, host_ms = time_ms(timed, args.warmup, args.reps) if ok else (float("nan"), float("nan"))
         row = {"peer": peer, "mask": mask_name, "B": B, "H": H, "Nq": Nq, "Nk": Nk, "D": D,
                "sparsity": sparsity, "ms": ms, "tflops": flops / (ms * 1e9),
-               "eff_tflops": flops * (1 - sparsity) / (ms * 1e9), "rel_l2": err, "verified": ok}
+               "eff_tflops": flops * (1 - sparsity) / (ms * 1e9), "rel_l2": err, "verified": ok, "host_ms": host_ms}
         rows.append(row)
         print(f"{peer:<22} {mask_name:<28} {100 * sparsity:7.2f}% {ms:9.3f} {row['tflops']:9.1f} "
-              f"{row['eff_tflops']:9.1f} {err:9.2e}{'' if ok else '  FAILED the reference check, not timed'}",
+              f"{row['eff_tflops']:9.1f} {err:9.2e} {host_ms:8.3f}{'' if ok else '  FAILED the reference check, not timed'}",
               flush=True)
 
     blk, bq, bk = None, 128, 64
@@ -251,12 +257,12 @@ def main():
             report("sparge", name, sparsity,
                    lambda: sparge.sparge_attention(q, k, v, mask=smask, block_q=bq, block_k=bk))
             predicted = sparge.Mask(B, H, Nq, Nk, bq, bk, device=dev)
-            ms = time_ms(lambda: predicted.predict(q, k, topk=args.topk, topp=args.topp), args.warmup, args.reps)
+            ms, host_ms = time_ms(lambda: predicted.predict(q, k, topk=args.topk, topp=args.topp), args.warmup, args.reps)
             rows.append({**rows[-1], "peer": "sparge-mask-prediction", "mask": f"k={args.topk} p={args.topp}",
                          "sparsity": predicted.sparsity, "ms": ms, "tflops": float("nan"),
-                         "eff_tflops": float("nan"), "rel_l2": float("nan"), "verified": True})
+                         "eff_tflops": float("nan"), "rel_l2": float("nan"), "verified": True, "host_ms": host_ms})
             print(f"{'sparge-mask-prediction':<22} {'(these tensors)':<28} {100 * predicted.sparsity:7.2f}% "
-                  f"{ms:9.3f}", flush=True)
+                  f"{ms:9.3f} {'':9} {'':9} {'':9} {host_ms:8.3f}", flush=True)
 
     if args.csv:
         with open(args.csv, "w", newline="") as f:
