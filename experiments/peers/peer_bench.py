@@ -22,7 +22,9 @@ With --sparge, sparge itself runs in the same process through its Python binding
 SPARGE_BUILD_DIR or SPARGE_LIBRARY) on the identical mask, set from the file, with the same tensors, checks and
 timing as the peers: its forward (or, with --backward, its backward through autograd), and its mask prediction on
 these tensors (Top-k --topk ∪ Top-p --topp; a prediction costs about the same whatever it selects), so that
-"mask prediction included" comparisons need no second process.
+"mask prediction included" comparisons need no second process. The sparge+mask-prediction row times the two as
+one operation, the prediction on these tensors then the forward on the file's mask, queued as a model runs them
+(timed alone, the short prediction waits for its own host overhead; see the host ms column).
 
 usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE] [--backward] [--sparge]
        peer_bench.py --B 1 --H 12 --N 32760 --D 128       (dense peers only)
@@ -263,6 +265,11 @@ def main():
                          "eff_tflops": float("nan"), "rel_l2": float("nan"), "verified": True, "host_ms": host_ms})
             print(f"{'sparge-mask-prediction':<22} {'(these tensors)':<28} {100 * predicted.sparsity:7.2f}% "
                   f"{ms:9.3f} {'':9} {'':9} {'':9} {host_ms:8.3f}", flush=True)
+            if not args.backward:  # both queued as one operation, as a model runs them (host time overlaps)
+                def predict_then_forward():
+                    predicted.predict(q, k, topk=args.topk, topp=args.topp)
+                    return sparge.sparge_attention(q, k, v, mask=smask, block_q=bq, block_k=bk)
+                report("sparge+mask-prediction", name, sparsity, predict_then_forward)
 
     if args.csv:
         with open(args.csv, "w", newline="") as f:
