@@ -150,11 +150,6 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
 
         /* Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys × 64 queries). */
         float s[32], dp[32];
-#pragma unroll
-        for (int i = 0; i < 32; i++) {
-            fence_operand(s[i] = 0.0f);
-            fence_operand(dp[i] = 0.0f);
-        }
         wgmma_fence();
         wgmma_a_bt<T, D>(s, k_wg, q_tile);
         wgmma_a_bt<T, D>(dp, v_wg, do_tile);
@@ -173,10 +168,14 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
         for (int nt = 0; nt < 8; nt++) {
             const float2 l = *(const float2 *)(lv + nt * 8 + c2), d = *(const float2 *)(dv_t + nt * 8 + c2);
             float *x = s + nt * 4, *y = dp + nt * 4;
-            x[0] = key_ok0 ? exp2f(fmaf(x[0], p.scale_log2, -l.x)) : 0.0f;
-            x[1] = key_ok0 ? exp2f(fmaf(x[1], p.scale_log2, -l.y)) : 0.0f;
-            x[2] = key_ok1 ? exp2f(fmaf(x[2], p.scale_log2, -l.x)) : 0.0f;
-            x[3] = key_ok1 ? exp2f(fmaf(x[3], p.scale_log2, -l.y)) : 0.0f;
+            x[0] = exp2f(fmaf(x[0], p.scale_log2, -l.x));
+            x[1] = exp2f(fmaf(x[1], p.scale_log2, -l.y));
+            x[2] = exp2f(fmaf(x[2], p.scale_log2, -l.x));
+            x[3] = exp2f(fmaf(x[3], p.scale_log2, -l.y));
+            if (!key_ok0) /* only in a ragged last block */
+                x[0] = x[1] = 0.0f;
+            if (!key_ok1)
+                x[2] = x[3] = 0.0f;
             y[0] = x[0] * (y[0] - d.x);
             y[1] = x[1] * (y[1] - d.y);
             y[2] = x[2] * (y[2] - d.x);
@@ -219,14 +218,14 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
         /* dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers, B MN-major (16 queries = 2048 bytes per k step). */
         fence_dkdv_operands();
         wgmma_fence();
+        const uint64_t do_desc = sw128_desc(do_tile, PANEL_BYTES, CORE_GROUP_BYTES),
+                       q_desc = sw128_desc(q_tile, PANEL_BYTES, CORE_GROUP_BYTES);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_rs_t<T, D>(dv, pa[kk],
-                             sw128_desc(do_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+            wgmma_rs_t<T, D>(dv, pa[kk], desc_advance(do_desc, kk * 2 * CORE_GROUP_BYTES));
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-            wgmma_rs_t<T, D>(dk, dsa[kk],
-                             sw128_desc(q_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+            wgmma_rs_t<T, D>(dk, dsa[kk], desc_advance(q_desc, kk * 2 * CORE_GROUP_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
         fence_dkdv_operands();
@@ -241,16 +240,14 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
 #pragma unroll
             for (int dh = wg; dh < D / 64; dh += WGS) {
                 float dq[32];
-                zero_operands(dq);
                 wgmma_fence();
+                const uint64_t ds_desc = sw128_desc(ds_smem, PANEL_BYTES, CORE_GROUP_BYTES),
+                               k_desc = sw128_desc(k_smem + dh * PANEL_BYTES, PANEL_BYTES, CORE_GROUP_BYTES);
 #pragma unroll
-                for (int kk = 0; kk < KEYS / 16; kk++)
-                    wgmma_ss_n64<T, 1, 1>(
-                        dq, sw128_desc(ds_smem + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES),
-                        sw128_desc(k_smem + (kk >> 2) * W::TILE_BYTES + dh * PANEL_BYTES +
-                                       (kk & 3) * 2 * CORE_GROUP_BYTES,
-                                   PANEL_BYTES, CORE_GROUP_BYTES),
-                        1);
+                for (int kk = 0; kk < KEYS / 16; kk++) /* the first k step does not read dq (scale-d 0) */
+                    wgmma_ss_n64<T, 1, 1>(dq, desc_advance(ds_desc, kk * 2 * CORE_GROUP_BYTES),
+                                          desc_advance(k_desc, (kk >> 2) * W::TILE_BYTES + (kk & 3) * 2 * CORE_GROUP_BYTES),
+                                          kk > 0);
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_operands(dq);

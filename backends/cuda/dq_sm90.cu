@@ -176,13 +176,6 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         const uint32_t k_tile = k_smem(stage), v_tile = v_smem(stage);
 
         float s[N_TILES][4], dp[N_TILES][4];
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                fence_operand(s[nt][e] = 0.0f);
-                fence_operand(dp[nt][e] = 0.0f);
-            }
         wgmma_fence();
         wgmma_a_bt<T, D>(&s[0][0], q_wg, k_tile);
         wgmma_commit();
@@ -193,16 +186,22 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         fence_dq_operands();
         fence_operands(s);
 
-        /* P; keys past Nk (ragged last block, zero-filled K and V) get P = 0. */
-        const int key0 = w.key0(t);
-        const bool ragged = key0 + TILE_K > p.Nk;
+        /* P; keys past Nk (ragged last block, zero-filled K and V) get P = 0, in a branch of their own so that
+         * full tiles pay no per-element test. */
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const bool ok = !ragged || key0 + nt * 8 + c2 + (e & 1) < p.Nk;
-                s[nt][e] = ok ? exp2f(fmaf(s[nt][e], p.scale_log2, -(e < 2 ? lse_0 : lse_1))) : 0.0f;
-            }
+            for (int e = 0; e < 4; e++)
+                s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -(e < 2 ? lse_0 : lse_1)));
+        const int key0 = w.key0(t);
+        if (key0 + TILE_K > p.Nk) {
+#pragma unroll
+            for (int nt = 0; nt < N_TILES; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (key0 + nt * 8 + c2 + (e & 1) >= p.Nk)
+                        s[nt][e] = 0.0f;
+        }
 
         wgmma_wait<0>();
 #pragma unroll
@@ -219,9 +218,10 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         /* dQ += dS·K: K as the MN-major B operand (16 keys = 2048 bytes per k step), left in flight. */
         fence_dq_operands();
         wgmma_fence();
+        const uint64_t k_desc = sw128_desc(k_tile, PANEL_BYTES, CORE_GROUP_BYTES);
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; kk++)
-            wgmma_rs_t<T, D>(dq, dsa[kk], sw128_desc(k_tile + kk * 2 * CORE_GROUP_BYTES, PANEL_BYTES, CORE_GROUP_BYTES));
+            wgmma_rs_t<T, D>(dq, dsa[kk], desc_advance(k_desc, kk * 2 * CORE_GROUP_BYTES));
         wgmma_commit();
     }
     wgmma_wait<0>();

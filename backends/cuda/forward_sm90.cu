@@ -121,7 +121,6 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         issue_tile(t + STAGES - 1);
 
         float s[N_TILES][4];
-        zero_operands(s);
         const uint32_t k_tile = k_smem(stage);
         wgmma_fence();
         wgmma_a_bt<T, D>(&s[0][0], q_wg, k_tile);
@@ -178,10 +177,10 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         fence_operands(o_acc);
         fence_operands(pa);
         wgmma_fence();
+        const uint64_t v_desc = sw128_desc(v_tile, W::PANEL_BYTES, CORE_GROUP_BYTES);
 #pragma unroll
         for (int kk = 0; kk < TILE_K / 16; kk++)
-            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], sw128_desc(v_tile + kk * 2 * CORE_GROUP_BYTES, W::PANEL_BYTES,
-                                                               CORE_GROUP_BYTES));
+            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], desc_advance(v_desc, kk * 2 * CORE_GROUP_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(o_acc);

@@ -68,16 +68,19 @@ __device__ __forceinline__ void store_wg_rows(T *base, int64_t sn, int row0, int
     }
 }
 
-/* acc (64×64 f32) += A·Bᵀ over D, A and B 64-row tiles of this layout read as K-major operands: the
- * S = Q·Kᵀ-shaped products of the wgmma kernels (one group; the caller fences, commits and waits). */
+/* acc (64×64 f32) = A·Bᵀ over D, A and B 64-row tiles of this layout read as K-major operands: the
+ * S = Q·Kᵀ-shaped products of the wgmma kernels (one group; the caller fences, commits and waits). The first
+ * k step does not read acc (scale-d 0), so acc needs no clearing. */
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_a_bt(float acc[32], uint32_t a_tile, uint32_t b_tile)
 {
+    const uint64_t a0 = sparge_wgmma::sw128_desc(a_tile, 16, CORE_GROUP_BYTES),
+                   b0 = sparge_wgmma::sw128_desc(b_tile, 16, CORE_GROUP_BYTES);
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         const uint32_t off = (kk >> 2) * PANEL_BYTES + (kk & 3) * 32;
-        sparge_wgmma::wgmma_ss_n64<T, 0, 0>(acc, sparge_wgmma::sw128_desc(a_tile + off, 16, CORE_GROUP_BYTES),
-                                            sparge_wgmma::sw128_desc(b_tile + off, 16, CORE_GROUP_BYTES), 1);
+        sparge_wgmma::wgmma_ss_n64<T, 0, 0>(acc, sparge_wgmma::desc_advance(a0, off),
+                                            sparge_wgmma::desc_advance(b0, off), kk > 0);
     }
 }
 

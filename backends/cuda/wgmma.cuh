@@ -14,6 +14,12 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
     return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(sbo >> 4) << 32 |
            (uint64_t)1 << 62;
 }
+/* desc for a start address `bytes` further on: only the low word's address field (address >> 4) changes, and it
+ * cannot carry out since shared memory lies below 256 KiB, so one 32-bit add replaces rebuilding the descriptor. */
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes)
+{
+    return (desc >> 32) << 32 | (uint32_t)((uint32_t)desc + (bytes >> 4));
+}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -25,7 +31,7 @@ __device__ __forceinline__ void wgmma_wait()
 /* Keeps the compiler from moving accesses of an operand register across wgmma fences/waits. */
 __device__ __forceinline__ void fence_operand(float &r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void fence_operand(uint32_t &r) { asm volatile("" : "+r"(r)::"memory"); }
-/* fence_operand on every register of an operand array; zero_operands also clears an accumulator first. */
+/* fence_operand on every register of an operand array. */
 template <typename R, int N>
 __device__ __forceinline__ void fence_operands(R (&x)[N])
 {
@@ -39,20 +45,6 @@ __device__ __forceinline__ void fence_operands(R (&x)[N][M])
 #pragma unroll
     for (int i = 0; i < N; i++)
         fence_operands(x[i]);
-}
-template <int N>
-__device__ __forceinline__ void zero_operands(float (&x)[N])
-{
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        fence_operand(x[i] = 0.0f);
-}
-template <int N, int M>
-__device__ __forceinline__ void zero_operands(float (&x)[N][M])
-{
-#pragma unroll
-    for (int i = 0; i < N; i++)
-        zero_operands(x[i]);
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
