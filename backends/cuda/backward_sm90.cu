@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     auto lse_vec = [&](int buf) { return (float *)(smem + vec_off + buf * W::VEC_BYTES); };
     auto dt_vec = [&](int buf) { return lse_vec(buf) + QROWS; };
 
-    const int tid = threadIdx.x, lane = tid & 31, wg = tid / WG_THREADS, warp = (tid % WG_THREADS) >> 5;
+    const int tid = threadIdx.x, lane = tid & 31, wg = warp_uniform(tid / WG_THREADS), warp = (tid % WG_THREADS) >> 5;
     const int work = (int)(blockIdx.x >> sub_shift), part = (int)(blockIdx.x & ((1u << sub_shift) - 1));
     const int tile_id = p.order ? p.order[work] : work;
     const int bh = tile_id / p.Nkb, j = tile_id - bh * p.Nkb, b = bh / p.H, h = bh - b * p.H;
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     if (key0 >= p.Nk) /* the second half of a ragged last block */
         return;
     const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
-    const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb) * SUB_Q;
+    const int nsteps = warp_uniform((list ? p.t_counts[tile_id] : p.Nqb) * SUB_Q);
 
     const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
     const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh;
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     unsigned char *ds_wg = smem + (ds_smem - smem0) + wg * W::DS_BYTES; /* this warpgroup's dSᵀ */
     /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
     const int wg_key0 = key0 + wg * WG_KEYS;
-    const bool key_ok0 = wg_key0 + row0 < p.Nk, key_ok1 = wg_key0 + row0 + 8 < p.Nk;
+    const bool key_ok0 = wg_key0 + row0 < p.Nk, key_ok1 = wg_key0 + row0 + 8 < p.Nk, ragged = wg_key0 + WG_KEYS > p.Nk;
 
     float dv[ACC], dk[ACC];
 #pragma unroll
@@ -166,16 +166,26 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
         const float *lv = lse_vec(buf), *dv_t = dt_vec(buf);
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
-            const float2 l = *(const float2 *)(lv + nt * 8 + c2), d = *(const float2 *)(dv_t + nt * 8 + c2);
-            float *x = s + nt * 4, *y = dp + nt * 4;
+            const float2 l = *(const float2 *)(lv + nt * 8 + c2);
+            float *x = s + nt * 4;
             x[0] = exp2f(fmaf(x[0], p.scale_log2, -l.x));
             x[1] = exp2f(fmaf(x[1], p.scale_log2, -l.y));
             x[2] = exp2f(fmaf(x[2], p.scale_log2, -l.x));
             x[3] = exp2f(fmaf(x[3], p.scale_log2, -l.y));
-            if (!key_ok0) /* only in a ragged last block */
-                x[0] = x[1] = 0.0f;
-            if (!key_ok1)
-                x[2] = x[3] = 0.0f;
+        }
+        if (ragged) /* the warpgroup's keys run past Nk: theirs get P = 0 */
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                if (!key_ok0)
+                    s[nt * 4] = s[nt * 4 + 1] = 0.0f;
+                if (!key_ok1)
+                    s[nt * 4 + 2] = s[nt * 4 + 3] = 0.0f;
+            }
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const float2 d = *(const float2 *)(dv_t + nt * 8 + c2);
+            const float *x = s + nt * 4;
+            float *y = dp + nt * 4;
             y[0] = x[0] * (y[0] - d.x);
             y[1] = x[1] * (y[1] - d.y);
             y[2] = x[2] * (y[2] - d.x);

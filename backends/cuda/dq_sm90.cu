@@ -74,14 +74,14 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
     auto k_smem = [&](int stage) { return do_smem + 2 * W::TILE_BYTES + stage * 2 * W::TILE_BYTES; };
     auto v_smem = [&](int stage) { return k_smem(stage) + W::TILE_BYTES; };
 
-    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
+    const int tid = threadIdx.x, lane = tid & 31, wg = warp_uniform(tid >> 7), wg_tid = tid & 127;
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, sub_shift);
-    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BWD_BLOCK_Q;
+    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BWD_BLOCK_Q, n_tiles = warp_uniform(w.n_tiles);
 
     const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
     const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
     auto issue_tile = [&](int t) { /* one commit group per tile, empty past the last */
-        if (t < w.n_tiles) {
+        if (t < n_tiles) {
             const int key0 = w.key0(t), stage = t % STAGES;
             load_tile<T, D, TILE_K, THREADS>(k_smem(stage), k, p.k_sn, key0, p.Nk, tid);
             load_tile<T, D, TILE_K, THREADS>(v_smem(stage), v, p.v_sn, key0, p.Nk, tid);
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         fence_operands(dsa);
     };
 
-    for (int t = 0; t < w.n_tiles; t++) {
+    for (int t = 0; t < n_tiles; t++) {
         const int stage = t % STAGES;
         /* K/V(t) landed; every warpgroup finished tile t − 2's dQ product (it waited for it with tile t − 1's
          * S), so the prefetch may overwrite that stage. */

@@ -38,6 +38,7 @@ using namespace sparge_mma;
 using namespace sparge_wgmma;
 using sparge_sm90::load_tile;
 using sparge_sm90::store_wg_rows;
+using sparge_sm90::warp_uniform;
 using sparge_sm90::wgmma_a_bt;
 
 namespace {
@@ -68,10 +69,10 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
     unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
 
-    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, wg_tid = tid & 127;
+    const int tid = threadIdx.x, lane = tid & 31, wg = warp_uniform(tid >> 7), wg_tid = tid & 127;
     gpu_wait_for_previous_kernel();
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
-    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BLOCK_Q;
+    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BLOCK_Q, n_tiles = warp_uniform(w.n_tiles);
 
     const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
     const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     auto k_smem = [&](int stage) { return q_smem + W::Q_BYTES + stage * 2 * W::REGION_BYTES; };
     auto v_smem = [&](int stage) { return k_smem(stage) + W::REGION_BYTES; };
     auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
-        if (t < w.n_tiles) {
+        if (t < n_tiles) {
             int key0 = w.key0(t);
             load_tile<T, D, TILE_K>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
             cp_async_commit();
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         for (int e = 0; e < 4; e++)
             o_acc[dt][e] = 0.0f;
 
-    for (int t = 0; t < w.n_tiles; t++) {
+    for (int t = 0; t < n_tiles; t++) {
         const int stage = t % STAGES;
         /* K(t) landed; every warpgroup is done with tile t-1, whose buffers the prefetch reuses. */
         cp_async_wait<2 * STAGES - 3>();

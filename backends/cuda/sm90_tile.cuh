@@ -20,6 +20,11 @@ namespace sparge_sm90 {
 constexpr int REGION_ROWS = 64, PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PANEL_ROW_BYTES,
               PANEL_BYTES = REGION_ROWS * PANEL_ROW_BYTES;
 
+/* x, the same in every lane of the warp, as a value the compiler knows to be warp-uniform: what derives from it
+ * (tile addresses, wgmma descriptors, loop counters) can then stay in uniform registers instead of being moved
+ * there before every wgmma. */
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 /* Byte offset of 16-byte chunk `chunk` of row `row` (< 64) inside one region. */
 __device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
 {
@@ -35,20 +40,26 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int chunk)
 
 /* cp.async ROWS rows of D elements from global row row0 (row stride sn) into the tile at dst, spread
  * over THREADS threads (tid: this thread's index among them); rows at or past `limit` are zero-filled.
- * Not unrolled (address registers). */
+ * A thread's rows lie ROW_STEP apart, a multiple of 8 that divides the 64-row regions, so the swizzle
+ * ((row & 7) ^ chunk) is the same for all of them and each one's shared address is the first one's plus
+ * a constant: unrolled, a row costs a pointer step, a bounds test and the copy. */
 template <typename T, int D, int ROWS, int THREADS = 256>
 __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
 {
     constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
-    static_assert(REGION_ROWS % ROW_STEP == 0 && ROWS % REGION_ROWS == 0, "bad tile split");
-    const int ch = tid % ROW_CHUNKS;
-    int r = tid / ROW_CHUNKS;
-    const T *src = base + (int64_t)(row0 + r) * sn + ch * 8;
-#pragma unroll 1
-    for (; r < ROWS; r += ROW_STEP) {
-        const bool ok = row0 + r < limit;
-        sparge_mma::cp_async_16(dst + tile_offset<D>(r, ch), ok ? src : base, ok);
-        src += ROW_STEP * sn;
+    static_assert(REGION_ROWS % ROW_STEP == 0 && ROW_STEP % 8 == 0 && ROWS % REGION_ROWS == 0, "bad tile split");
+    const int ch = tid % ROW_CHUNKS, r0 = tid / ROW_CHUNKS, rows = limit - row0;
+    const T *src = base + (int64_t)(row0 + r0) * sn + ch * 8;
+    const uint32_t to = dst + tile_offset<D>(r0, ch);
+    const int64_t step = ROW_STEP * sn;
+#pragma unroll
+    for (int i = 0; i < ROWS / ROW_STEP; i++) {
+        constexpr int REGION_BYTES = REGION_ROWS * D * 2;
+        const int r = i * ROW_STEP; /* past r0; r0 < ROW_STEP never crosses a region */
+        const bool ok = r0 + r < rows;
+        sparge_mma::cp_async_16(to + (r / REGION_ROWS) * REGION_BYTES + (r % REGION_ROWS) * PANEL_ROW_BYTES,
+                                ok ? src : base, ok);
+        src += step;
     }
 }
 
