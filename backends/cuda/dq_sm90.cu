@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -(e < 2 ? lse_0 : lse_1)));
-        const int key0 = w.key0(t);
-        if (key0 + TILE_K > p.Nk) {
+        if (w.ragged(t, p.Nk)) {
+            const int key0 = w.key0(t);
 #pragma unroll
             for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll

@@ -129,8 +129,8 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         wgmma_wait<0>();
         fence_operands(s);
 
-        const int key0 = w.key0(t);
-        if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
+        if (w.ragged(t, p.Nk)) { /* keys past Nk do not exist */
+            const int key0 = w.key0(t);
 #pragma unroll
             for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll

@@ -26,6 +26,13 @@ struct row_tiles {
         n_tiles = counts ? counts[work] << shift : Nkb;
     }
 
+    /* Whether tile t < n_tiles may reach past key Nk - 1. Only the last kept block can (the indices ascend), so
+     * other tiles skip the index load, which would otherwise sit between a tile's S = Q·Kᵀ and its softmax. */
+    __device__ __forceinline__ bool ragged(int t, int Nk) const
+    {
+        return t + (1 << sub_shift) >= n_tiles && key0(t) + TILE > Nk;
+    }
+
     /* The first key of tile t < n_tiles. */
     __device__ __forceinline__ int key0(int t) const
     {
