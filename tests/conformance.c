@@ -369,6 +369,78 @@ static void test_grid_fwd_orders(void **state)
         tu_free(&x[i]);
 }
 
+/* cuda: 360 query blocks, more than the forward has CTAs resident (2 per SM, 264 on an H200), and 60 rows per head,
+ * so the launch order sorts rows of many different lengths (a hybrid mask) in several 32-row rounds per head and
+ * the rows run in several waves. Forward O and LSE against the reference, dense and masked, ragged Nq and Nk, both
+ * layouts; O starts poisoned, so a row the order dropped fails. */
+static void test_forward_many_rows(void **state)
+{
+    (void)state;
+    if (strcmp(BACKEND, "cuda"))
+        skip();
+    const shape s = {2, 3, 128 * 60 - 5, 64 * 6 + 9, 128, 128, 64};
+    const int64_t B = s.B, H = s.H, Nq = s.Nq, Nk = s.Nk, D = s.D, n_lse = B * H * Nq;
+    tu_rng rng = {20261203};
+    for (int lay = 0; lay < 2; lay++) {
+        tu_tensor x[4], rx[4]; /* q, k, v, o */
+        for (int i = 0; i < 4; i++) {
+            const int64_t N = i == 1 || i == 2 ? Nk : Nq;
+            x[i] = tu_alloc(dev, SPARGE_BF16, (tu_layout)lay, B, H, N, D);
+            rx[i] = tu_alloc(ref, SPARGE_BF16, (tu_layout)lay, B, H, N, D);
+            if (i < 3) {
+                const uint64_t seed = tu_next(&rng);
+                tu_rng r1 = {seed}, r2 = {seed};
+                fill_inputs(&x[i], &r1, i == 1 ? 5 : -1, s.bk, 1.0);
+                fill_inputs(&rx[i], &r2, i == 1 ? 5 : -1, s.bk, 1.0);
+            }
+        }
+        sparge_mask *m, *rm;
+        sparge_mask_params mp = {s.bq, s.bk, 0.1, 0.6, 0.0f};
+        assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, s.bq, s.bk, &m), SPARGE_OK);
+        assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, s.bq, s.bk, &rm), SPARGE_OK);
+        assert_int_equal(sparge_mask_predict(ref, &rx[0].t, &rx[1].t, &mp, rm), SPARGE_OK);
+        uint8_t *dense = malloc((size_t)(B * H * ((Nq + s.bq - 1) / s.bq) * ((Nk + s.bk - 1) / s.bk)));
+        assert_int_equal(sparge_mask_get_dense(rm, dense), SPARGE_OK);
+        assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
+        free(dense);
+        float *lse, *rlse = malloc((size_t)n_lse * 4), *lse_host = malloc((size_t)n_lse * 4);
+        assert_int_equal(sparge_malloc(dev, (size_t)n_lse * 4, (void **)&lse), SPARGE_OK);
+        for (int masked = 0; masked < 2; masked++) {
+            tu_poison(&x[3]);
+            assert_int_equal(sparge_memset(dev, lse, 0xff, (size_t)n_lse * 4), SPARGE_OK);
+            assert_int_equal(sparge_attention_forward(dev, &x[0].t, &x[1].t, &x[2].t, masked ? m : NULL, NULL,
+                                                      &x[3].t, lse),
+                             SPARGE_OK);
+            assert_int_equal(sparge_attention_forward(ref, &rx[0].t, &rx[1].t, &rx[2].t, masked ? rm : NULL, NULL,
+                                                      &rx[3].t, rlse),
+                             SPARGE_OK);
+            double *g = tu_get(&x[3]), *w = tu_get(&rx[3]);
+            check_close(masked ? "many rows: forward O (masked)" : "many rows: forward O (dense)", &s, SPARGE_BF16,
+                        (tu_layout)lay, g, w, tu_numel(&x[3]), tu_tolerance(SPARGE_BF16));
+            free(g);
+            free(w);
+            assert_int_equal(sparge_memcpy_to_host(dev, lse_host, lse, (size_t)n_lse * 4), SPARGE_OK);
+            double *gl = malloc((size_t)n_lse * sizeof *gl), *wl = malloc((size_t)n_lse * sizeof *wl);
+            for (int64_t t = 0; t < n_lse; t++) {
+                gl[t] = lse_host[t];
+                wl[t] = rlse[t];
+            }
+            check_close("many rows: forward LSE", &s, SPARGE_BF16, (tu_layout)lay, gl, wl, n_lse, 1e-5);
+            free(gl);
+            free(wl);
+        }
+        sparge_free(dev, lse);
+        free(rlse);
+        free(lse_host);
+        sparge_mask_destroy(m);
+        sparge_mask_destroy(rm);
+        for (int i = 0; i < 4; i++) {
+            tu_free(&x[i]);
+            tu_free(&rx[i]);
+        }
+    }
+}
+
 /* cuda: the pooled map's two tile shapes (SPARGE_CUDA_MAP_TILE=128x64|64x64; the default picks by size) on
  * ragged tiles must give the same bits (each logit is one fmaf chain over D in order) and so the same selection.
  * Then an invalid choice is refused with a message naming the variable. */
@@ -913,6 +985,7 @@ int main(void)
         cmocka_unit_test(test_predict_selection_arms),
         cmocka_unit_test_prestate_setup_teardown(test_grid_fwd_orders, env_setup, env_teardown,
                                                  (void *)"SPARGE_CUDA_FWD_ORDER"),
+        cmocka_unit_test(test_forward_many_rows),
         cmocka_unit_test_prestate_setup_teardown(test_map_tiles, env_setup, env_teardown,
                                                  (void *)"SPARGE_CUDA_MAP_TILE"),
         cmocka_unit_test(test_grad_finite_differences),
