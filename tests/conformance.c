@@ -68,6 +68,33 @@ static void check_close(const char *what, const shape *s, sparge_dtype dt, tu_la
                  sparge_dtype_name(dt), lay == TU_BHND ? "BHND" : "BNHD", e, tol);
 }
 
+/* check_close of a backend tensor against the reference's. */
+static void check_tensors(const char *what, const shape *s, sparge_dtype dt, tu_layout lay, tu_tensor *got,
+                          tu_tensor *want, double tol)
+{
+    double *g = tu_get(got), *w = tu_get(want);
+    check_close(what, s, dt, lay, g, w, tu_numel(got), tol);
+    free(g);
+    free(w);
+}
+
+/* check_close of the backend's forward LSE (n floats in device memory) against the reference's (host). */
+static void check_lse(const char *what, const shape *s, sparge_dtype dt, tu_layout lay, const float *lse,
+                      const float *want, int64_t n)
+{
+    float *host = malloc((size_t)n * sizeof *host);
+    double *g = malloc((size_t)n * sizeof *g), *w = malloc((size_t)n * sizeof *w);
+    assert_int_equal(sparge_memcpy_to_host(dev, host, lse, (size_t)n * sizeof *host), SPARGE_OK);
+    for (int64_t t = 0; t < n; t++) {
+        g[t] = host[t];
+        w[t] = want[t];
+    }
+    check_close(what, s, dt, lay, g, w, n, 1e-5);
+    free(host);
+    free(g);
+    free(w);
+}
+
 /* The decision for row i differs between the backend and the reference: accept
  * only if the reference's decision was within 1e-5 (relative) of flipping. */
 static int close_call(const float *row, int64_t n, double k, double p, int64_t kept_ref)
@@ -181,10 +208,7 @@ static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng
     if (!unsupported(st, (tu_tensor *[]){&pq}, 1, "pool")) {
         assert_int_equal(st, SPARGE_OK);
         assert_int_equal(sparge_pool(ref, &rq.t, s->bq, &rpq.t), SPARGE_OK);
-        double *g = tu_get(&pq), *w = tu_get(&rpq);
-        check_close("pool", s, dt, lay, g, w, tu_numel(&pq), 1e-5);
-        free(g);
-        free(w);
+        check_tensors("pool", s, dt, lay, &pq, &rpq, 1e-5);
     }
     tu_free(&pq);
     tu_free(&rpq);
@@ -208,7 +232,6 @@ static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng
     float *lse, *rlse;
     assert_int_equal(sparge_malloc(dev, (size_t)(B * H * Nq) * 4, (void **)&lse), SPARGE_OK);
     rlse = malloc((size_t)(B * H * Nq) * 4);
-    float *lse_host = malloc((size_t)(B * H * Nq) * 4);
     for (int masked = 0; masked < 2; masked++) {
         const sparge_mask *use = masked ? m : NULL, *ruse = masked ? rm : NULL;
         tu_poison(&o);
@@ -218,19 +241,8 @@ static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng
             continue;
         assert_int_equal(st, SPARGE_OK);
         assert_int_equal(sparge_attention_forward(ref, &rq.t, &rk.t, &rv.t, ruse, NULL, &ro.t, rlse), SPARGE_OK);
-        double *g = tu_get(&o), *w = tu_get(&ro);
-        check_close(masked ? "forward O (masked)" : "forward O (dense)", s, dt, lay, g, w, tu_numel(&o), tu_tolerance(dt));
-        free(g);
-        free(w);
-        assert_int_equal(sparge_memcpy_to_host(dev, lse_host, lse, (size_t)(B * H * Nq) * 4), SPARGE_OK);
-        double *gl = malloc((size_t)(B * H * Nq) * sizeof *gl), *wl = malloc((size_t)(B * H * Nq) * sizeof *wl);
-        for (int64_t t = 0; t < B * H * Nq; t++) {
-            gl[t] = lse_host[t];
-            wl[t] = rlse[t];
-        }
-        check_close("forward LSE", s, dt, lay, gl, wl, B * H * Nq, 1e-5);
-        free(gl);
-        free(wl);
+        check_tensors(masked ? "forward O (masked)" : "forward O (dense)", s, dt, lay, &o, &ro, tu_tolerance(dt));
+        check_lse("forward LSE", s, dt, lay, lse, rlse, B * H * Nq);
 
         /* backward from identical O and LSE (the reference's) on both sides */
         double *ref_o = tu_get(&ro);
@@ -279,7 +291,6 @@ static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng
         ran++;
     }
     free(rlse);
-    free(lse_host);
     sparge_free(dev, lse);
     sparge_mask_destroy(m);
     sparge_mask_destroy(rm);
@@ -403,7 +414,7 @@ static void test_forward_many_rows(void **state)
         assert_int_equal(sparge_mask_get_dense(rm, dense), SPARGE_OK);
         assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
         free(dense);
-        float *lse, *rlse = malloc((size_t)n_lse * 4), *lse_host = malloc((size_t)n_lse * 4);
+        float *lse, *rlse = malloc((size_t)n_lse * 4);
         assert_int_equal(sparge_malloc(dev, (size_t)n_lse * 4, (void **)&lse), SPARGE_OK);
         for (int masked = 0; masked < 2; masked++) {
             tu_poison(&x[3]);
@@ -414,24 +425,12 @@ static void test_forward_many_rows(void **state)
             assert_int_equal(sparge_attention_forward(ref, &rx[0].t, &rx[1].t, &rx[2].t, masked ? rm : NULL, NULL,
                                                       &rx[3].t, rlse),
                              SPARGE_OK);
-            double *g = tu_get(&x[3]), *w = tu_get(&rx[3]);
-            check_close(masked ? "many rows: forward O (masked)" : "many rows: forward O (dense)", &s, SPARGE_BF16,
-                        (tu_layout)lay, g, w, tu_numel(&x[3]), tu_tolerance(SPARGE_BF16));
-            free(g);
-            free(w);
-            assert_int_equal(sparge_memcpy_to_host(dev, lse_host, lse, (size_t)n_lse * 4), SPARGE_OK);
-            double *gl = malloc((size_t)n_lse * sizeof *gl), *wl = malloc((size_t)n_lse * sizeof *wl);
-            for (int64_t t = 0; t < n_lse; t++) {
-                gl[t] = lse_host[t];
-                wl[t] = rlse[t];
-            }
-            check_close("many rows: forward LSE", &s, SPARGE_BF16, (tu_layout)lay, gl, wl, n_lse, 1e-5);
-            free(gl);
-            free(wl);
+            check_tensors(masked ? "many rows: forward O (masked)" : "many rows: forward O (dense)", &s, SPARGE_BF16,
+                          (tu_layout)lay, &x[3], &rx[3], tu_tolerance(SPARGE_BF16));
+            check_lse("many rows: forward LSE", &s, SPARGE_BF16, (tu_layout)lay, lse, rlse, n_lse);
         }
         sparge_free(dev, lse);
         free(rlse);
-        free(lse_host);
         sparge_mask_destroy(m);
         sparge_mask_destroy(rm);
         for (int i = 0; i < 4; i++) {
@@ -862,10 +861,7 @@ static void test_transpose_follows_selection(void **state)
             char what[64];
             snprintf(what, sizeof what, "selection %d (%s): backward %s", sel, from_host ? "set" : "predicted",
                      grad_names[i - DQ]);
-            double *g = tu_get(&x[i]), *w = tu_get(&rx[i]);
-            check_close(what, &s, dt, TU_BHND, g, w, tu_numel(&x[i]), tu_tolerance(dt));
-            free(g);
-            free(w);
+            check_tensors(what, &s, dt, TU_BHND, &x[i], &rx[i], tu_tolerance(dt));
         }
         if (!from_host)
             expect_transpose(m, dense);
