@@ -99,7 +99,8 @@ sparge_status sparge_synchronize(sparge_device *dev);
  * events on GPUs, wall clock after a synchronize on CPUs). stop synchronizes. */
 sparge_status sparge_timer_start(sparge_device *dev);
 sparge_status sparge_timer_stop(sparge_device *dev, double *ms);
-/* Run subsequent work on this stream (cudaStream_t / hipStream_t); NULL = default. */
+/* Run subsequent work on this stream (cudaStream_t / hipStream_t); NULL = default. Switching to a different
+ * stream first waits for the work queued on the old one (the handle's scratch memory serves both). */
 sparge_status sparge_set_stream(sparge_device *dev, void *stream);
 
 /* ---------------------------------------------------------------- masks */

@@ -128,7 +128,9 @@ static sparge_status dev_set_stream(void *impl, void *stream)
 {
     gpu_ctx *ctx;
     sparge_status s = activate(impl, &ctx);
-    if (!s)
+    /* The handle's scratch (gpu_workspace: the forward's row order, the backward's accumulators) serves every
+     * stream it is given: work queued on the old stream may still read it. */
+    if (!s && ctx->stream != (gpuStream_t)stream && !(s = GPU_CHECK(gpuStreamSynchronize(ctx->stream))))
         ctx->stream = (gpuStream_t)stream;
     return s;
 }
