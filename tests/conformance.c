@@ -440,53 +440,6 @@ static void test_forward_many_rows(void **state)
     }
 }
 
-/* cuda: the pooled map's two tile shapes (SPARGE_CUDA_MAP_TILE=128x64|64x64; the default picks by size) on
- * ragged tiles must give the same bits (each logit is one fmaf chain over D in order) and so the same selection.
- * Then an invalid choice is refused with a message naming the variable. */
-static void test_map_tiles(void **state)
-{
-    (void)state;
-    if (strcmp(BACKEND, "cuda"))
-        skip();
-    tu_rng rng = {20261203};
-    const int64_t H = 3, N = 9000, Nqb = (N + 127) / 128, Nkb = (N + 63) / 64, cells = H * Nqb * Nkb;
-    tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, H, N, 128), k = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, H, N, 128);
-    tu_fill_normal(&q, &rng, 1.0);
-    tu_fill_normal(&k, &rng, 1.0);
-    sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
-    static const char *const tiles[2] = {"128x64", "64x64"};
-    float *maps[2];
-    int32_t *idx[2];
-    for (int t = 0; t < 2; t++) {
-        free(swap_env("SPARGE_CUDA_MAP_TILE", tiles[t]));
-        sparge_mask *m;
-        assert_int_equal(sparge_mask_create(dev, 1, H, N, N, 128, 64, &m), SPARGE_OK);
-        assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
-        maps[t] = malloc((size_t)cells * sizeof(float));
-        idx[t] = malloc((size_t)cells * sizeof(int32_t));
-        assert_int_equal(sparge_mask_get_pooled_map(m, maps[t]), SPARGE_OK);
-        assert_int_equal(sparge_mask_get_csr(m, NULL, idx[t], NULL, NULL), SPARGE_OK);
-        sparge_mask_destroy(m);
-        if (t > 0) {
-            assert_memory_equal(maps[t], maps[0], (size_t)cells * sizeof(float));
-            assert_memory_equal(idx[t], idx[0], (size_t)cells * sizeof(int32_t));
-        }
-    }
-    for (int t = 0; t < 2; t++) {
-        free(maps[t]);
-        free(idx[t]);
-    }
-
-    free(swap_env("SPARGE_CUDA_MAP_TILE", "bogus"));
-    sparge_mask *m;
-    assert_int_equal(sparge_mask_create(dev, 1, H, N, N, 128, 64, &m), SPARGE_OK);
-    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_ERR_INVALID);
-    assert_non_null(strstr(sparge_last_error(), "SPARGE_CUDA_MAP_TILE"));
-    sparge_mask_destroy(m);
-    tu_free(&q);
-    tu_free(&k);
-}
-
 /* The shared vectors: each row as a 1-row pooled map; rows with margin < 1e-5 may flip. */
 static void test_mask_vectors(void **state)
 {
@@ -598,6 +551,92 @@ static sparge_mask *predict_and_compare(const shape *s, sparge_dtype dt, tu_layo
     free(rmapd);
     sparge_mask_destroy(rm);
     return m;
+}
+
+/* Inputs whose pooled rows are far from zero: each token is 2·c[its block] + noise (c standard normal per
+ * block and d), so the logits reach several units and one TF32 product alone (about 1e-3 of each term) would
+ * miss the pooled map's 1e-5 tolerance; random tokens average out to logits near 0, where it would not. */
+static void fill_block_offsets(double *v, int64_t BH, int64_t N, int64_t D, int64_t bs, tu_rng *r)
+{
+    double *c = malloc((size_t)D * sizeof *c);
+    for (int64_t bh = 0; bh < BH; bh++)
+        for (int64_t n = 0; n < N; n++) {
+            if (n % bs == 0)
+                for (int64_t d = 0; d < D; d++)
+                    c[d] = 2.0 * tu_normal(r);
+            for (int64_t d = 0; d < D; d++)
+                v[(bh * N + n) * D + d] = c[d] + 0.5 * tu_normal(r);
+        }
+    free(c);
+}
+
+/* cuda: each logits kernel of the pooled map (SPARGE_CUDA_MAP_TILE=128x64|64x64 in fp32 FMAs, tf32x3 on the
+ * tensor cores, the default where it can run) on ragged tiles with logits of several units, D a multiple of 16
+ * and not: the map and the selection match cpu-ref, and the two fp32 tiles give the same bits (each logit one
+ * fmaf chain over D in order) and so the same selection. Then an invalid choice is refused with a message
+ * naming the variable. */
+static void test_map_tiles(void **state)
+{
+    (void)state;
+    if (strcmp(BACKEND, "cuda"))
+        skip();
+    tu_rng rng = {20261203};
+    static const char *const tiles[3] = {"128x64", "64x64", "tf32x3"};
+    static const int64_t Ds[2] = {128, 36};
+    for (int c = 0; c < 2; c++) {
+        const int64_t H = 3, N = 9000, D = Ds[c], Nqb = (N + 127) / 128, Nkb = (N + 63) / 64, cells = H * Nqb * Nkb;
+        const sparge_dtype dt = c ? SPARGE_F32 : SPARGE_BF16;
+        const tu_layout lay = c ? TU_BNHD : TU_BHND;
+        tu_tensor q = tu_alloc(dev, dt, lay, 1, H, N, D), k = tu_alloc(dev, dt, lay, 1, H, N, D);
+        tu_tensor rq = tu_alloc(ref, dt, lay, 1, H, N, D), rk = tu_alloc(ref, dt, lay, 1, H, N, D);
+        double *v = malloc((size_t)(H * N * D) * sizeof *v);
+        fill_block_offsets(v, H, N, D, 128, &rng);
+        tu_set(&q, v);
+        tu_set(&rq, v);
+        fill_block_offsets(v, H, N, D, 64, &rng);
+        tu_set(&k, v);
+        tu_set(&rk, v);
+        free(v);
+        sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
+        const shape s = {1, H, N, N, D, 128, 64};
+        float *maps[2];
+        int32_t *idx[2];
+        for (int t = 0; t < 3; t++) {
+            free(swap_env("SPARGE_CUDA_MAP_TILE", tiles[t]));
+            printf("  logits kernel %s, D=%lld\n", tiles[t], (long long)D);
+            sparge_mask *m = predict_and_compare(&s, dt, lay, &q, &k, &rq, &rk, &mp);
+            if (t < 2) {
+                maps[t] = malloc((size_t)cells * sizeof(float));
+                idx[t] = malloc((size_t)cells * sizeof(int32_t));
+                assert_int_equal(sparge_mask_get_pooled_map(m, maps[t]), SPARGE_OK);
+                assert_int_equal(sparge_mask_get_csr(m, NULL, idx[t], NULL, NULL), SPARGE_OK);
+            }
+            sparge_mask_destroy(m);
+        }
+        assert_memory_equal(maps[1], maps[0], (size_t)cells * sizeof(float));
+        assert_memory_equal(idx[1], idx[0], (size_t)cells * sizeof(int32_t));
+        for (int t = 0; t < 2; t++) {
+            free(maps[t]);
+            free(idx[t]);
+        }
+        tu_free(&q);
+        tu_free(&k);
+        tu_free(&rq);
+        tu_free(&rk);
+    }
+
+    tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, 1, 300, 64), k = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, 1, 300, 64);
+    tu_fill_normal(&q, &rng, 1.0);
+    tu_fill_normal(&k, &rng, 1.0);
+    sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
+    free(swap_env("SPARGE_CUDA_MAP_TILE", "bogus"));
+    sparge_mask *m;
+    assert_int_equal(sparge_mask_create(dev, 1, 1, 300, 300, 128, 64, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_ERR_INVALID);
+    assert_non_null(strstr(sparge_last_error(), "SPARGE_CUDA_MAP_TILE"));
+    sparge_mask_destroy(m);
+    tu_free(&q);
+    tu_free(&k);
 }
 
 static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout lay, tu_rng *rng)

@@ -175,6 +175,112 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
     gpu_allow_next_kernel();
 }
 
+#ifndef SPARGE_USE_HIP
+/* ---------------------------------------------------------------- pooled map on the tensor cores */
+
+/* The logits on the tensor cores (sm_80+, mma.sync m16n8k8 TF32) in 3xTF32: each fp32 operand splits into
+ * big = tf32(x) and small = tf32(x - big), and small·big + big·small + big·big recovers each product to about
+ * fp32's precision (the dropped small·small is below 2^-22 of it); one TF32 product alone would move the
+ * scores by ~1e-3 and flip mask decisions. Tile 64×64: warp w owns rows 16w..16w+15 and all 64 columns (eight
+ * n8 tiles). Operands come straight from global memory as float4: lane (g, t) reads d = d0+4t..d0+4t+3 of its
+ * rows and columns, so k position t of the first k8 step is d0+4t, t+4 is d0+4t+1, and the second step takes
+ * d0+4t+2 and +3 (the sum over d is the same in any order). The next 16 d are fetched while this 16 is used. */
+constexpr int TC_TILE = 64, TC_THREADS = 128, TC_N8 = TC_TILE / 8;
+static_assert(TC_TILE == MAP_TILE, "launch_logits counts the key tiles in MAP_TILE");
+
+/* Round to nearest TF32 by the bits (cvt.rna.tf32.f32 costs several instructions on sm_90): add half a TF32 ulp;
+ * the tensor cores ignore the 13 low bits, and big's value needs them cleared. */
+__device__ __forceinline__ void tf32_split(float x, uint32_t &big, uint32_t &small)
+{
+    big = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    small = __float_as_uint(x - __uint_as_float(big)) + 0x1000u;
+}
+
+__device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], const uint32_t b[2])
+{
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* Needs sd = 1 and 16-byte aligned rows (tc_map_ok). */
+__global__ void __launch_bounds__(TC_THREADS) map_logits_tc_kernel(map_params p)
+{
+    gpu_wait_for_previous_kernel();
+    const int64_t ktiles = (p.Nkb + TC_TILE - 1) / TC_TILE, qtiles = (p.Nqb + TC_TILE - 1) / TC_TILE;
+    const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
+    const int64_t i0 = tile / ktiles % qtiles * TC_TILE, j0 = tile % ktiles * TC_TILE;
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int64_t row0 = i0 + threadIdx.x / 32 * 16 + g, row1 = row0 + 8;
+    const float *qrow[2] = {p.q + b * p.qb + h * p.qh + row0 * p.qn + 4 * t, p.q + b * p.qb + h * p.qh + row1 * p.qn + 4 * t};
+    const bool qok[2] = {row0 < p.Nqb, row1 < p.Nqb};
+    const float *kcol = p.k + b * p.kb + h * p.kh + (j0 + g) * p.kn + 4 * t;
+    const int64_t kstep = 8 * p.kn;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 qn[2], kn[TC_N8];
+    auto fetch = [&](int64_t d0) {
+        const bool d_ok = d0 + 4 * t < p.D;
+#pragma unroll
+        for (int r = 0; r < 2; r++)
+            qn[r] = d_ok && qok[r] ? *(const float4 *)(qrow[r] + d0) : zero;
+#pragma unroll
+        for (int n = 0; n < TC_N8; n++)
+            kn[n] = d_ok && j0 + 8 * n + g < p.Nkb ? *(const float4 *)(kcol + n * kstep + d0) : zero;
+    };
+    float acc[TC_N8][4] = {};
+    fetch(0);
+    for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
+        float4 qc[2] = {qn[0], qn[1]}, kc[TC_N8];
+#pragma unroll
+        for (int n = 0; n < TC_N8; n++)
+            kc[n] = kn[n];
+        if (d0 + 16 < p.D)
+            fetch(d0 + 16);
+#pragma unroll
+        for (int step = 0; step < 2; step++) {
+            uint32_t ab[4], as[4];
+            tf32_split(step ? qc[0].z : qc[0].x, ab[0], as[0]);
+            tf32_split(step ? qc[1].z : qc[1].x, ab[1], as[1]);
+            tf32_split(step ? qc[0].w : qc[0].y, ab[2], as[2]);
+            tf32_split(step ? qc[1].w : qc[1].y, ab[3], as[3]);
+#pragma unroll
+            for (int n = 0; n < TC_N8; n++) {
+                uint32_t bb[2], bs[2];
+                tf32_split(step ? kc[n].z : kc[n].x, bb[0], bs[0]);
+                tf32_split(step ? kc[n].w : kc[n].y, bb[1], bs[1]);
+                mma_tf32(acc[n], as, bb);
+                mma_tf32(acc[n], ab, bs);
+                mma_tf32(acc[n], ab, bb);
+            }
+        }
+    }
+    /* Lane (g, t) holds columns 8n+2t and 8n+2t+1 of rows row0 (c0, c1) and row1 (c2, c3). */
+    float *m = p.map + b * p.mb + h * p.mh;
+    const bool pair = p.md == 1 && p.mn % 2 == 0 && ((uintptr_t)m & 7u) == 0;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (!qok[r])
+            continue;
+        float *out = m + (r ? row1 : row0) * p.mn;
+#pragma unroll
+        for (int n = 0; n < TC_N8; n++) {
+            const int64_t j = j0 + 8 * n + 2 * t;
+            const float x0 = acc[n][2 * r] * p.scale, x1 = acc[n][2 * r + 1] * p.scale;
+            if (pair && j + 1 < p.Nkb)
+                *(float2 *)(out + j) = make_float2(x0, x1);
+            else {
+                if (j < p.Nkb)
+                    out[j * p.md] = x0;
+                if (j + 1 < p.Nkb)
+                    out[(j + 1) * p.md] = x1;
+            }
+        }
+    }
+    gpu_allow_next_kernel();
+}
+#endif
+
 /* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
 __global__ void map_softmax_kernel(map_params p, int64_t rows)
 {
@@ -837,22 +943,42 @@ sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, do
     return launch_select_kernel<512, 16, false>(ctx, p, rows);
 }
 
-/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits tile (below); -1: unset, 2: invalid. */
-const char *const map_tile_names[2] = {"128x64", "64x64"};
+/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits kernel (below); -1: unset, 3: invalid. */
+const char *const map_tile_names[3] = {"128x64", "64x64", "tf32x3"};
+constexpr int MAP_TENSOR = 2;
 int map_tile_choice(void)
 {
     const char *env = getenv("SPARGE_CUDA_MAP_TILE");
-    for (int i = 0; env && i < 2; i++)
+    for (int i = 0; env && i < 3; i++)
         if (!strcmp(env, map_tile_names[i]))
             return i;
-    return env ? 2 : -1;
+    return env ? 3 : -1;
 }
 
-sparge_status check_map(const sparge_map_args *a)
+/* The tensor-core logits need the mma tier (not cuda-generic, not HIP, sm_80+) and float4 rows. */
+bool tc_map_ok(const gpu_ctx *ctx, const sparge_map_args *a)
 {
-    if (map_tile_choice() == 2)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be %s or %s, got \"%s\"",
-                           map_tile_names[0], map_tile_names[1], getenv("SPARGE_CUDA_MAP_TILE"));
+#ifdef SPARGE_USE_HIP
+    (void)ctx, (void)a;
+    return false;
+#else
+    auto rows16 = [](const sparge_view &v) {
+        return v.sd == 1 && v.sn % 4 == 0 && v.sh % 4 == 0 && v.sb % 4 == 0 && ((uintptr_t)v.data & 15u) == 0;
+    };
+    return !ctx->generic && ctx->cc_major >= 8 && a->qbar.D % 4 == 0 && rows16(a->qbar) && rows16(a->kbar);
+#endif
+}
+
+sparge_status check_map(const gpu_ctx *ctx, const sparge_map_args *a)
+{
+    const int forced = map_tile_choice();
+    if (forced == 3)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be %s, %s or %s, got \"%s\"",
+                           map_tile_names[0], map_tile_names[1], map_tile_names[2], getenv("SPARGE_CUDA_MAP_TILE"));
+    if (forced == MAP_TENSOR && !tc_map_ok(ctx, a))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
+                           "pooled map: SPARGE_CUDA_MAP_TILE=tf32x3 needs the \"cuda\" backend on sm_80+, D a multiple "
+                           "of 4 and pooled rows contiguous and 16-byte aligned; unset it for the fp32 tiles");
     const sparge_view &q = a->qbar, &k = a->kbar;
     const int64_t bh = q.B * q.H, tiles = bh * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
     if (tiles > INT32_MAX || bh * q.N > INT32_MAX)
@@ -868,17 +994,22 @@ map_params make_map_params(const sparge_map_args *a)
                       (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
 }
 
-/* The logits scale·qbar kbarᵀ into a->map (after check_map). 128×64 tiles
- * (8×8 outputs per thread: twice the FMAs per shared-memory read) once they
- * fill the device several times over, as at Wan2.1-14B (3800 tiles); 64×64
- * tiles (4×8 per thread) otherwise, as at Wan2.1-1.3B (384 tiles, one wave; on the H200 fewer outputs per
- * thread in 64×32 tiles, twice the blocks, took 19.7 against 17 µs, and 8×8 per thread in 64×64 tiles of 64
- * threads 20.4 µs). SPARGE_CUDA_MAP_TILE forces one. */
+/* The logits scale·qbar kbarᵀ into a->map (after check_map): on the tensor cores where tc_map_ok (at Wan2.1-1.3B
+ * on the H200 the fp32 tiles below took 16.3-17.5 µs, latency-bound with 6 M FFMA); otherwise in fp32 FMAs, each
+ * output one fmaf chain over d in order whatever the tile: 128×64 tiles (8×8 outputs per thread: twice the FMAs
+ * per shared-memory read) once they fill the device several times over, as at Wan2.1-14B (3800 tiles); 64×64
+ * tiles (4×8 per thread) otherwise (on the H200 fewer outputs per thread in 64×32 tiles, twice the blocks, took
+ * 19.7 against 17 µs, and 8×8 per thread in 64×64 tiles of 64 threads 20.4 µs). SPARGE_CUDA_MAP_TILE forces one. */
 sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar;
     auto tiles = [&](int64_t tq) { return q.B * q.H * ((q.N + tq - 1) / tq) * ((k.N + MAP_TILE - 1) / MAP_TILE); };
     const int forced = map_tile_choice();
+#ifndef SPARGE_USE_HIP
+    if (forced == MAP_TENSOR || (forced < 0 && tc_map_ok(ctx, a)))
+        return gpu_launch_after(ctx, map_logits_tc_kernel, (unsigned)tiles(TC_TILE), TC_THREADS, 0,
+                                "pooled map kernel", make_map_params(a));
+#endif
     if (forced == 0 || (forced < 0 && tiles(128) >= 1024))
         return gpu_launch_after(ctx, map_logits_kernel<8>, (unsigned)tiles(128), MAP_THREADS, 0, "pooled map kernel",
                                 make_map_params(a));
@@ -920,7 +1051,7 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
 sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a)
 {
     sparge_status s;
-    if ((s = check_map(a)) || (s = launch_logits(ctx, a)))
+    if ((s = check_map(ctx, a)) || (s = launch_logits(ctx, a)))
         return s;
     return launch_softmax(ctx, a);
 }
@@ -936,7 +1067,7 @@ sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args 
 sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a)
 {
     sparge_status s;
-    if ((s = check_map(&a->map)) || (s = check_select(&a->mask)) || (s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k)) ||
+    if ((s = check_map(ctx, &a->map)) || (s = check_select(&a->mask)) || (s = SPARGE_GPU_FN(pool_pair)(ctx, &a->q, &a->k)) ||
         (s = launch_logits(ctx, &a->map)))
         return s;
     if (a->mask.Nkb <= FAST_MAX_ROW && a->map.map.sd == 1)
