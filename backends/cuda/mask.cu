@@ -182,11 +182,16 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
  * big = tf32(x) and small = tf32(x - big), and small·big + big·small + big·big recovers each product to about
  * fp32's precision (the dropped small·small is below 2^-22 of it); one TF32 product alone would move the
  * scores by ~1e-3 and flip mask decisions. Tile 64×64: warp w owns rows 16w..16w+15 and all 64 columns (eight
- * n8 tiles). Operands come straight from global memory as float4: lane (g, t) reads d = d0+4t..d0+4t+3 of its
- * rows and columns, so k position t of the first k8 step is d0+4t, t+4 is d0+4t+1, and the second step takes
- * d0+4t+2 and +3 (the sum over d is the same in any order). The next 16 d are fetched while this 16 is used. */
+ * n8 tiles). Lane (g, t) reads d = d0+4t..d0+4t+3 of its rows and columns as float4, so k position t of the
+ * first k8 step is d0+4t, t+4 is d0+4t+1, and the second step takes d0+4t+2 and +3 (the sum over d is the same
+ * in any order). Each warp loads and splits its own query rows; the key tile is split once per block into
+ * shared memory, 16 d at a time (double-buffered: one barrier per chunk), while the next chunk is fetched.
+ * At Wan2.1-1.3B on the H200 it takes 14.1 µs (ncu) at a third of the issue rate, bound by latency with three
+ * warps per scheduler: splitting every key column in every warp ran 5.4 M instructions to this 3.3 M in 14.8 µs,
+ * and a 4-deep cp.async ring with two barriers per chunk was slower (21 µs). */
 constexpr int TC_TILE = 64, TC_THREADS = 128, TC_N8 = TC_TILE / 8;
 static_assert(TC_TILE == MAP_TILE, "launch_logits counts the key tiles in MAP_TILE");
+static_assert(TC_THREADS == 2 * TC_TILE, "two threads stage each key column");
 
 /* Round to nearest TF32 by the bits (cvt.rna.tf32.f32 costs several instructions on sm_90): add half a TF32 ulp;
  * the tensor cores ignore the 13 low bits, and big's value needs them cleared. */
@@ -207,6 +212,8 @@ __device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], const 
 /* Needs sd = 1 and 16-byte aligned rows (tc_map_ok). */
 __global__ void __launch_bounds__(TC_THREADS) map_logits_tc_kernel(map_params p)
 {
+    /* [buffer][column][t]: big and small of d0+4t..d0+4t+3; a warp's reads at one n are 512 contiguous bytes. */
+    __shared__ uint4 kbig[2][TC_TILE][4], ksmall[2][TC_TILE][4];
     gpu_wait_for_previous_kernel();
     const int64_t ktiles = (p.Nkb + TC_TILE - 1) / TC_TILE, qtiles = (p.Nqb + TC_TILE - 1) / TC_TILE;
     const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
@@ -215,45 +222,68 @@ __global__ void __launch_bounds__(TC_THREADS) map_logits_tc_kernel(map_params p)
     const int64_t row0 = i0 + threadIdx.x / 32 * 16 + g, row1 = row0 + 8;
     const float *qrow[2] = {p.q + b * p.qb + h * p.qh + row0 * p.qn + 4 * t, p.q + b * p.qb + h * p.qh + row1 * p.qn + 4 * t};
     const bool qok[2] = {row0 < p.Nqb, row1 < p.Nqb};
-    const float *kcol = p.k + b * p.kb + h * p.kh + (j0 + g) * p.kn + 4 * t;
-    const int64_t kstep = 8 * p.kn;
+    /* Staging: thread s fetches parts 2(s%2) and 2(s%2)+1 of key column s/2. */
+    const int scol = threadIdx.x / 2, spart = threadIdx.x % 2 * 2;
+    const bool sok = j0 + scol < p.Nkb;
+    const float *ksrc = p.k + b * p.kb + h * p.kh + (j0 + scol) * p.kn + 4 * spart;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float4 qn[2], kn[TC_N8];
+    float4 qn[2], kn[2];
     auto fetch = [&](int64_t d0) {
-        const bool d_ok = d0 + 4 * t < p.D;
 #pragma unroll
         for (int r = 0; r < 2; r++)
-            qn[r] = d_ok && qok[r] ? *(const float4 *)(qrow[r] + d0) : zero;
+            qn[r] = d0 + 4 * t < p.D && qok[r] ? *(const float4 *)(qrow[r] + d0) : zero;
 #pragma unroll
-        for (int n = 0; n < TC_N8; n++)
-            kn[n] = d_ok && j0 + 8 * n + g < p.Nkb ? *(const float4 *)(kcol + n * kstep + d0) : zero;
+        for (int u = 0; u < 2; u++)
+            kn[u] = sok && d0 + 4 * (spart + u) < p.D ? *(const float4 *)(ksrc + d0 + 4 * u) : zero;
+    };
+    auto stage = [&](int buf) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            uint4 big, small;
+            tf32_split(kn[u].x, big.x, small.x);
+            tf32_split(kn[u].y, big.y, small.y);
+            tf32_split(kn[u].z, big.z, small.z);
+            tf32_split(kn[u].w, big.w, small.w);
+            kbig[buf][scol][spart + u] = big;
+            ksmall[buf][scol][spart + u] = small;
+        }
     };
     float acc[TC_N8][4] = {};
     fetch(0);
-    for (int64_t d0 = 0; d0 < p.D; d0 += 16) {
-        float4 qc[2] = {qn[0], qn[1]}, kc[TC_N8];
-#pragma unroll
-        for (int n = 0; n < TC_N8; n++)
-            kc[n] = kn[n];
-        if (d0 + 16 < p.D)
+    stage(0);
+    __syncthreads();
+    int buf = 0;
+    for (int64_t d0 = 0; d0 < p.D; d0 += 16, buf ^= 1) {
+        const float4 q0 = qn[0], q1 = qn[1];
+        const bool more = d0 + 16 < p.D;
+        if (more)
             fetch(d0 + 16);
+        uint4 kb[TC_N8], ks[TC_N8];
+#pragma unroll
+        for (int n = 0; n < TC_N8; n++) {
+            kb[n] = kbig[buf][8 * n + g][t];
+            ks[n] = ksmall[buf][8 * n + g][t];
+        }
 #pragma unroll
         for (int step = 0; step < 2; step++) {
             uint32_t ab[4], as[4];
-            tf32_split(step ? qc[0].z : qc[0].x, ab[0], as[0]);
-            tf32_split(step ? qc[1].z : qc[1].x, ab[1], as[1]);
-            tf32_split(step ? qc[0].w : qc[0].y, ab[2], as[2]);
-            tf32_split(step ? qc[1].w : qc[1].y, ab[3], as[3]);
+            tf32_split(step ? q0.z : q0.x, ab[0], as[0]);
+            tf32_split(step ? q1.z : q1.x, ab[1], as[1]);
+            tf32_split(step ? q0.w : q0.y, ab[2], as[2]);
+            tf32_split(step ? q1.w : q1.y, ab[3], as[3]);
 #pragma unroll
             for (int n = 0; n < TC_N8; n++) {
-                uint32_t bb[2], bs[2];
-                tf32_split(step ? kc[n].z : kc[n].x, bb[0], bs[0]);
-                tf32_split(step ? kc[n].w : kc[n].y, bb[1], bs[1]);
+                const uint32_t bb[2] = {step ? kb[n].z : kb[n].x, step ? kb[n].w : kb[n].y};
+                const uint32_t bs[2] = {step ? ks[n].z : ks[n].x, step ? ks[n].w : ks[n].y};
                 mma_tf32(acc[n], as, bb);
                 mma_tf32(acc[n], ab, bs);
                 mma_tf32(acc[n], ab, bb);
             }
         }
+        /* buf ^ 1 was last read before the previous barrier. */
+        if (more)
+            stage(buf ^ 1);
+        __syncthreads();
     }
     /* Lane (g, t) holds columns 8n+2t and 8n+2t+1 of rows row0 (c0, c1) and row1 (c2, c3). */
     float *m = p.map + b * p.mb + h * p.mh;
@@ -995,7 +1025,7 @@ map_params make_map_params(const sparge_map_args *a)
 }
 
 /* The logits scale·qbar kbarᵀ into a->map (after check_map): on the tensor cores where tc_map_ok (at Wan2.1-1.3B
- * on the H200 the fp32 tiles below took 16.3-17.5 µs, latency-bound with 6 M FFMA); otherwise in fp32 FMAs, each
+ * on the H200 the fp32 tiles below took 16.4-17.1 µs, issue-bound with 9.3 M instructions); otherwise in fp32 FMAs, each
  * output one fmaf chain over d in order whatever the tile: 128×64 tiles (8×8 outputs per thread: twice the FMAs
  * per shared-memory read) once they fill the device several times over, as at Wan2.1-14B (3800 tiles); 64×64
  * tiles (4×8 per thread) otherwise (on the H200 fewer outputs per thread in 64×32 tiles, twice the blocks, took
