@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
  * shared memory, 16 d at a time (double-buffered: one barrier per chunk), while the next chunk is fetched.
  * At Wan2.1-1.3B on the H200 it takes 14.1 µs (ncu) at a third of the issue rate, bound by latency with three
  * warps per scheduler: splitting every key column in every warp ran 5.4 M instructions to this 3.3 M in 14.8 µs,
- * and a 4-deep cp.async ring with two barriers per chunk was slower (21 µs). */
+ * and a 4-deep cp.async ring with two barriers per chunk was slower (21 µs, measured on a build that read
+ * shifted addresses). */
 constexpr int TC_TILE = 64, TC_THREADS = 128, TC_N8 = TC_TILE / 8;
 static_assert(TC_TILE == MAP_TILE, "launch_logits counts the key tiles in MAP_TILE");
 static_assert(TC_THREADS == 2 * TC_TILE, "two threads stage each key column");
