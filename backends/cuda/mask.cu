@@ -974,16 +974,16 @@ sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, do
     return launch_select_kernel<512, 16, false>(ctx, p, rows);
 }
 
-/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits kernel (below); -1: unset, 3: invalid. */
-const char *const map_tile_names[3] = {"128x64", "64x64", "tf32x3"};
-constexpr int MAP_TENSOR = 2;
+/* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits kernel (below); -1: unset, MAP_INVALID: invalid. */
+const char *const map_tile_names[] = {"128x64", "64x64", "tf32x3"};
+constexpr int MAP_TENSOR = 2, MAP_INVALID = sizeof map_tile_names / sizeof *map_tile_names;
 int map_tile_choice(void)
 {
     const char *env = getenv("SPARGE_CUDA_MAP_TILE");
-    for (int i = 0; env && i < 3; i++)
+    for (int i = 0; env && i < MAP_INVALID; i++)
         if (!strcmp(env, map_tile_names[i]))
             return i;
-    return env ? 3 : -1;
+    return env ? MAP_INVALID : -1;
 }
 
 /* The tensor-core logits need the mma tier (not cuda-generic, not HIP, sm_80+) and float4 rows. */
@@ -1003,7 +1003,7 @@ bool tc_map_ok(const gpu_ctx *ctx, const sparge_map_args *a)
 sparge_status check_map(const gpu_ctx *ctx, const sparge_map_args *a)
 {
     const int forced = map_tile_choice();
-    if (forced == 3)
+    if (forced == MAP_INVALID)
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "pooled map: SPARGE_CUDA_MAP_TILE must be %s, %s or %s, got \"%s\"",
                            map_tile_names[0], map_tile_names[1], map_tile_names[2], getenv("SPARGE_CUDA_MAP_TILE"));
     if (forced == MAP_TENSOR && !tc_map_ok(ctx, a))
