@@ -1057,6 +1057,12 @@ sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
                             "pooled map softmax kernel", make_map_params(a), rows);
 }
 
+/* The selection kernel for rows of n <= CAP key blocks: the copy without bounds checks when n == CAP. */
+template <int CAP> auto fast_select_for(int64_t n) -> void (*)(select_params, int64_t)
+{
+    return n == CAP ? fast_select_kernel<CAP, true> : fast_select_kernel<CAP, false>;
+}
+
 /* Softmax and selection of predicted rows up to FAST_MAX_ROW wide. */
 sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
 {
@@ -1067,16 +1073,16 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
         return gpu_launch_after(ctx, kernel, (unsigned)blocks, FAST_THREADS, 0, "mask selection kernel", p, rows);
     };
     if (n <= 256)
-        return launch(n == 256 ? fast_select_kernel<256, true> : fast_select_kernel<256, false>);
+        return launch(fast_select_for<256>(n));
     if (n <= 512)
-        return launch(n == 512 ? fast_select_kernel<512, true> : fast_select_kernel<512, false>);
+        return launch(fast_select_for<512>(n));
     if (n <= 1024)
-        return launch(n == 1024 ? fast_select_kernel<1024, true> : fast_select_kernel<1024, false>);
+        return launch(fast_select_for<1024>(n));
     if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
-        return launch(n == 1280 ? fast_select_kernel<1280, true> : fast_select_kernel<1280, false>);
+        return launch(fast_select_for<1280>(n));
     if (n <= 1536)
-        return launch(n == 1536 ? fast_select_kernel<1536, true> : fast_select_kernel<1536, false>);
-    return launch(n == 2048 ? fast_select_kernel<2048, true> : fast_select_kernel<2048, false>);
+        return launch(fast_select_for<1536>(n));
+    return launch(fast_select_for<2048>(n));
 }
 
 } // namespace
