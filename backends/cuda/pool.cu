@@ -134,7 +134,7 @@ sparge_status launch(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_
     /* HIP's host pass sees a warp of 64; on wave32 devices the surplus warps exit at once. */
     const int64_t units = pp.a.units + pp.b.units, per_block = POOL_THREADS / SPARGE_WARP_SIZE;
     const int64_t blocks = (units + per_block - 1) / per_block;
-    if (blocks * per_block > UINT32_MAX)
+    if (blocks * (POOL_THREADS / 32) > UINT32_MAX) /* unit numbers as a wave32 device counts them */
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "pool: %lld pooling units exceed 2^32; pool fewer heads per call",
                            (long long)units);
     switch (a->x.dtype) {
