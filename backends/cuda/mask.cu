@@ -534,23 +534,26 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
 /* For mask prediction (rows of softmax probabilities, never negative) the
  * kept set is found without sorting. kept = max(n_k, n_p, 1) is the shortest
  * prefix of the row order holding at least max(n_k, 1) blocks and mass >= p,
- * since the prefix mass only grows. A bitwise descent finds the key T of its
- * last block: at the highest bit on which the candidates still differ, the
- * blocks above them plus the candidates with that bit set either satisfy both
- * bounds (the boundary lies among those, the rest drop out) or are all kept
- * before it (the rest stay candidates). Once at most a warp's width of
- * candidates is left, a warp sort and a scan of their mass place T at once
- * (about half of a row's splits at Wan2.1-1.3B). Ties at T are then taken by
- * ascending index, adding their mass one by one as the reference does. The row
- * lives in registers: lane l holds blocks l, l + warp, l + 2·warp, ...; the
- * candidates are compacted into the warp's shared list after each split. The
- * map's rows must be contiguous (md = 1). */
+ * since the prefix mass only grows; T is the key of its last block. A
+ * bisection over the key range [lo, hi) known to hold T finds it: if the keys
+ * >= mid satisfy both bounds, T >= mid, else they are all kept before T. Each
+ * pass counts from the registers (the row lives there: lane l holds blocks l,
+ * l + warp, l + 2·warp, ...) and snaps the range to the nearest keys on either
+ * side, so empty stretches of the key range cost nothing. Once at most a
+ * warp's width of candidates is left in [lo, hi), a warp sort and a scan of
+ * their mass place T at once. Ties at T are then taken by ascending index,
+ * adding their mass one by one as the reference does. A pass adds the mass in
+ * fp32 and only decides by it when it is clearly on one side of p; otherwise,
+ * and for every mass that reaches the output, it adds in fp64. The map's rows
+ * must be contiguous (md = 1). At Wan2.1-1.3B on the H200 (ncu) it takes 14.5 /
+ * 14.8 µs (Top-k 95 % / hybrid) where a bitwise descent that compacted the
+ * candidates into shared memory after each split took 16.2 / 18.5 µs. */
 constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
 constexpr int64_t FAST_MAX_ROW = 2048;
 
-/* Order-preserving key of a probability >= 0 (or +0 for -0); 0 marks padding. */
-__device__ __forceinline__ uint32_t prob_key(float x) { return (__float_as_uint(x) & 0x7fffffffu) + 1u; }
-__device__ __forceinline__ double key_prob(uint32_t k) { return (double)__uint_as_float(k - 1u); }
+/* Order-preserving key of a probability >= 0: its bits (+0 for -0); -1 marks padding. */
+__device__ __forceinline__ int32_t prob_key(float x) { return (int32_t)(__float_as_uint(x) & 0x7fffffffu); }
+__device__ __forceinline__ double key_prob(int32_t k) { return (double)__int_as_float(k); }
 
 template <typename T> __device__ __forceinline__ T warp_sum(T x)
 {
@@ -569,7 +572,7 @@ __device__ __forceinline__ int warp_count(int x)
 #endif
 }
 
-/* Warp-wide OR and AND: one redux instruction each on sm_80+, the shuffles elsewhere. */
+/* Warp-wide OR: one redux instruction on sm_80+, the shuffles elsewhere. */
 __device__ __forceinline__ uint32_t warp_or(uint32_t x)
 {
 #if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -580,41 +583,83 @@ __device__ __forceinline__ uint32_t warp_or(uint32_t x)
     return x;
 #endif
 }
-__device__ __forceinline__ uint32_t warp_and(uint32_t x)
+
+/* Warp-wide minimum and maximum, likewise. */
+__device__ __forceinline__ int32_t warp_min(int32_t x)
 {
 #if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    return __reduce_and_sync(SPARGE_FULL_MASK, x);
+    return __reduce_min_sync(SPARGE_FULL_MASK, x);
 #else
     for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
-        x &= sparge_shfl_xor(x, o);
+        x = min(x, sparge_shfl_xor(x, o));
+    return x;
+#endif
+}
+__device__ __forceinline__ int32_t warp_max(int32_t x)
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(SPARGE_FULL_MASK, x);
+#else
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
+        x = max(x, sparge_shfl_xor(x, o));
     return x;
 #endif
 }
 
 /* The warp's values in descending order across the lanes (a bitonic network). */
-__device__ __forceinline__ uint32_t warp_sort_descending(uint32_t x)
+__device__ __forceinline__ int32_t warp_sort_descending(int32_t x)
 {
     const int lane = threadIdx.x % SPARGE_WARP_SIZE;
     for (int size = 2; size <= SPARGE_WARP_SIZE; size <<= 1)
         for (int stride = size / 2; stride > 0; stride >>= 1) {
-            const uint32_t y = sparge_shfl_xor(x, stride);
+            const int32_t y = sparge_shfl_xor(x, stride);
             const bool larger = ((lane & size) == 0) == ((lane & stride) == 0);
-            x = larger ? (x > y ? x : y) : (x < y ? x : y);
+            x = larger ? max(x, y) : min(x, y);
         }
     return x;
 }
 
-/* list: this warp's CAP slots of shared memory. FULL: the row has exactly CAP blocks (Wan2.1-1.3B's 512), so no
- * register slot needs a bounds check (each cost a 64-bit compare and a predicate kept in a register, in four passes):
- * 8.1 M instead of 9.7 M instructions, 16.7 against 18.5 µs at Wan2.1-1.3B Top-k 95 % on the H200 (ncu). */
-template <int CAP, bool FULL> __device__ void fast_select_row(const select_params &p, int64_t row, uint32_t *list)
+/* One bisection pass over a lane's keys: how many are >= mid and (MASS) their mass in fp32, the lowest of them
+ * and the highest key below mid (padding is neither). */
+struct split_count {
+    int c;
+    float m;
+    int32_t lowest_in, highest_out;
+};
+template <int IPT, bool MASS> __device__ __forceinline__ split_count count_split(const int32_t (&key)[IPT], int32_t mid)
+{
+    split_count s = {0, 0.0f, INT32_MAX, -1};
+#pragma unroll
+    for (int e = 0; e < IPT; e++)
+        if (key[e] >= mid) {
+            s.c++;
+            if (MASS)
+                s.m += __int_as_float(key[e]);
+            s.lowest_in = min(s.lowest_in, key[e]);
+        } else
+            s.highest_out = max(s.highest_out, key[e]);
+    return s;
+}
+
+/* The warp's fp64 mass of the keys >= from (the lowest key of the row: all of them). */
+template <int IPT> __device__ __forceinline__ double mass_from(const int32_t (&key)[IPT], int32_t from)
+{
+    double m = 0.0;
+#pragma unroll
+    for (int e = 0; e < IPT; e++)
+        if (key[e] >= from)
+            m += key_prob(key[e]);
+    return warp_sum(m);
+}
+
+/* list: this warp's SPARGE_WARP_SIZE slots of shared memory. FULL: the row has exactly CAP blocks (Wan2.1-1.3B's
+ * 512), so no register slot needs a bounds check. */
+template <int CAP, bool FULL> __device__ void fast_select_row(const select_params &p, int64_t row, int32_t *list)
 {
     constexpr int IPT = CAP / SPARGE_WARP_SIZE;
     const int lane = threadIdx.x % SPARGE_WARP_SIZE, n = FULL ? CAP : (int)p.Nkb; /* n <= FAST_MAX_ROW */
     const int64_t bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H;
     float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
-    uint8_t *dense = p.dense + row * n;
-    int32_t *idx = p.indices + row * n;
     auto in_row = [&](int e) { return FULL || e * SPARGE_WARP_SIZE + lane < n; };
 
     /* Softmax as map_softmax_kernel: a row holding a NaN logit becomes all NaN. */
@@ -638,23 +683,24 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
             sum += x[e];
         }
     const float inv = 1.0f / warp_sum(sum);
-    uint32_t key[IPT], key_or = 0u, key_and = ~0u;
+    int32_t key[IPT];
+    int32_t kmin = INT32_MAX, kmax = -1;
     int nan = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
-        key[e] = 0u;
+        key[e] = -1;
         if (in_row(e)) {
             const float v = logit_nan ? NAN : x[e] * inv;
             src[e * SPARGE_WARP_SIZE + lane] = v;
             nan |= is_nan(v);
             key[e] = prob_key(v);
-            key_or |= key[e];
-            key_and &= key[e];
+            kmin = min(kmin, key[e]);
+            kmax = max(kmax, key[e]);
         }
     }
     nan = (int)warp_or((uint32_t)nan);
-    key_or = warp_or(key_or);
-    key_and = warp_and(key_and);
+    uint8_t *dense = p.dense + row * n;
+    int32_t *idx = p.indices + row * n;
     if (nan) {
         for (int j = lane; j < n; j += SPARGE_WARP_SIZE) {
             dense[j] = 1;
@@ -667,124 +713,83 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
         return;
     }
 
-    const int64_t least = p.topk_count > 1 ? p.topk_count : 1;
+    const int least = p.topk_count > 1 ? (int)p.topk_count : 1; /* <= n */
     const bool use_p = p.topp > 0.0;
-    /* The first split is counted from the registers, with the row's total: each key is converted once. */
-    const int first_bit = key_or != key_and ? 31 - __clz((int)(key_or ^ key_and)) : 0;
-    int c = 0; /* per lane: the candidates with the split's bit set, and their mass */
-    double m = 0.0, total = 0.0;
-#pragma unroll
-    for (int e = 0; e < IPT; e++)
-        if (key[e]) {
-            const double v = key_prob(key[e]);
-            total += v;
-            if (key[e] >> first_bit & 1u) {
-                c++;
-                m += v;
-            }
-        }
-    total = warp_sum(total);
+    int32_t lo = warp_min(kmin), hi = warp_max(kmax) + 1; /* T lies in [lo, hi) */
+    const double total = mass_from(key, lo);
     /* Rounding may leave the total below p: keep the whole row. */
     const bool whole = use_p && total < p.topp;
 
-    uint32_t T = 0u, ties_taken = 0u;
+    int32_t T = 0;
+    uint32_t ties_taken = 0u;
     bool all_ties = true; /* every block with key T is kept */
     double mass = total;
     if (!whole) {
-        /* The candidates (keys not yet known to lie above or below the boundary) are compacted into this
-         * warp's list after each split, so the next one looks only at them. */
-        const unsigned long long below = (1ull << lane) - 1ull;
-        int nc = (int)n;
-        uint32_t c_or = key_or, c_and = key_and; /* over the candidates */
-        int64_t above = 0; /* blocks ordered before the candidates, and their mass */
-        double above_mass = 0.0;
-        bool in_registers = true;
-        for (; c_or != c_and && nc > SPARGE_WARP_SIZE; in_registers = false) {
-            /* The candidates agree on every bit above `bit`; those with it set come first. */
-            const int bit = 31 - __clz((int)(c_or ^ c_and));
-            if (!in_registers) {
-                c = 0;
-                m = 0.0;
-                for (int t = lane; t < nc; t += SPARGE_WARP_SIZE) {
-                    const uint32_t k = list[t];
-                    if (k >> bit & 1u) {
-                        c++;
-                        if (use_p)
-                            m += key_prob(k);
-                    }
-                }
+        /* ge_lo keys are >= lo and `above` keys are >= hi. The fp32 mass of a pass is within IPT·2^-24 of its
+         * exact value, relatively (sequential sums over a lane, ftz'd terms below 2^-126 aside). */
+        const double slack = IPT * 0x1p-22;
+        int ge_lo = n, above = 0;
+        while (hi - lo > 1 && ge_lo - above > SPARGE_WARP_SIZE) {
+            const int32_t mid = lo + (hi - lo) / 2;
+            const split_count s = use_p ? count_split<IPT, true>(key, mid) : count_split<IPT, false>(key, mid);
+            const int c = warp_count(s.c);
+            bool take = c >= least; /* the keys >= mid suffice: T >= mid */
+            if (take && use_p) {
+                const double m = warp_sum((double)s.m);
+                take = fabs(m - p.topp) > slack * m + 0x1p-100 ? m >= p.topp : mass_from(key, mid) >= p.topp;
             }
-            c = warp_count(c);
-            m = use_p ? warp_sum(m) : 0.0;
-            const bool take = above + c >= least && (!use_p || above_mass + m >= p.topp);
-            if (!take) { /* the boundary lies below them: all of them are kept */
-                above += c;
-                above_mass += m;
+            if (take) {
+                lo = warp_min(s.lowest_in);
+                ge_lo = c;
+            } else { /* they are all kept before T */
+                hi = warp_max(s.highest_out) + 1;
+                above = c;
             }
-            /* Keep the side holding the boundary; from the list in place: a lane writes at or below the
-             * slot it read, after the whole warp has read. */
-            const uint32_t side = take ? 1u : 0u;
-            int kept = 0;
-            uint32_t o = 0u, a = ~0u;
-            auto place = [&](uint32_t k, bool real) {
-                const bool stay = real && (k >> bit & 1u) == side;
-                const unsigned long long sb = sparge_ballot(stay);
-                sparge_syncwarp();
-                if (stay) {
-                    list[kept + __popcll(sb & below)] = k;
-                    o |= k;
-                    a &= k;
-                }
-                kept += __popcll(sb);
-            };
-            if (in_registers) {
+        }
+        int nc = ge_lo - above; /* the candidates: the keys in [lo, hi) */
+        double above_mass = use_p && above ? mass_from(key, hi) : 0.0;
+        T = lo;
+        if (hi - lo > 1) { /* at most a warp's width of them, not all equal: sorted, they give T at once */
+            const unsigned long long below = (1ull << lane) - 1ull;
+            int placed = 0;
 #pragma unroll
-                for (int e = 0; e < IPT; e++)
-                    place(key[e], key[e] != 0u);
-            } else {
-                for (int base = 0; base < nc; base += SPARGE_WARP_SIZE)
-                    place(base + lane < nc ? list[base + lane] : 0u, base + lane < nc);
+            for (int e = 0; e < IPT; e++) {
+                const bool cand = key[e] >= lo && key[e] < hi;
+                const unsigned long long cb = sparge_ballot(cand);
+                if (cand)
+                    list[placed + __popcll(cb & below)] = key[e];
+                placed += __popcll(cb);
             }
             sparge_syncwarp();
-            nc = kept;
-            c_or = warp_or(o);
-            c_and = warp_and(a);
-        }
-        if (c_or != c_and) { /* at most a warp's width of distinct candidates: sorted, they give T at once */
-            uint32_t k = in_registers ? key[0] : lane < nc ? list[lane] : 0u; /* rows this narrow: key[0] only */
-            k = warp_sort_descending(k);
-            const double v = k ? key_prob(k) : 0.0;
-            const double incl = use_p ? warp_inclusive_scan(v) : 0.0;
+            const int32_t k = warp_sort_descending(lane < nc ? list[lane] : -1);
+            sparge_syncwarp(); /* every lane has read the list before this warp's next row writes it */
+            const double kv = k >= 0 ? key_prob(k) : 0.0;
+            const double incl = use_p ? warp_inclusive_scan(kv) : 0.0;
             const double up = sparge_shfl_up(incl, 1); /* every lane shuffles: lane 0 then drops it */
             const double excl = lane ? up : 0.0;
             const unsigned long long ok =
-                sparge_ballot(k && above + lane + 1 >= least && (!use_p || above_mass + incl >= p.topp));
-            /* The splits left the boundary among the candidates; a rounding difference in the scan's sum
-             * can only move it to the last one. */
+                sparge_ballot(k >= 0 && above + lane + 1 >= least && (!use_p || above_mass + incl >= p.topp));
+            /* The passes left T among the candidates; a rounding difference in the scan's sum can only move it
+             * to the last one. */
             const int at = ok ? __ffsll((long long)ok) - 1 : nc - 1;
-            c_and = sparge_shfl(k, at);
-            const unsigned long long ties = sparge_ballot(k == c_and);
+            T = sparge_shfl(k, at);
+            const unsigned long long ties = sparge_ballot(k == T);
             const int first = __ffsll((long long)ties) - 1;
             above += first;
             above_mass += sparge_shfl(excl, first);
             nc = __popcll(ties);
         }
-        /* The nc candidates left all equal T; above / above_mass cover exactly the keys > T. */
-        T = c_and;
-        if (!use_p) { /* the mass of the keys > T, in any order: it only feeds row_mass */
-            m = 0.0;
-#pragma unroll
-            for (int e = 0; e < IPT; e++)
-                m += key[e] > T ? key_prob(key[e]) : 0.0;
-            above_mass = warp_sum(m);
-        }
+        /* The nc candidates left all equal T; above / above_mass cover exactly the keys > T. Without Top-p the
+         * mass only feeds row_mass. */
+        if (!use_p)
+            above_mass = mass_from(key, T + 1);
         /* Ties at T by ascending index, their mass added one by one as the reference does. */
-        const double v = key_prob(T);
+        const double tv = key_prob(T);
         mass = above_mass;
         do {
             ties_taken++;
-            mass += v;
-        } while ((int)ties_taken < nc && !(above + ties_taken >= least && (!use_p || mass >= p.topp)));
+            mass += tv;
+        } while ((int)ties_taken < nc && !(above + (int)ties_taken >= least && (!use_p || mass >= p.topp)));
         all_ties = (int)ties_taken == nc;
     }
 
@@ -796,12 +801,12 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
         const int j = e * SPARGE_WARP_SIZE + lane;
-        bool keep = key[e] != 0u && key[e] >= T; /* whole: T = 0 */
+        bool keep = key[e] >= T; /* whole: T = 0, and padding is -1 */
         if (!all_ties) {
-            const unsigned long long tie = sparge_ballot(key[e] != 0u && key[e] == T);
+            const unsigned long long tie = sparge_ballot(key[e] == T);
             const uint32_t rank = ties_seen + (uint32_t)__popcll(tie & below);
             ties_seen += (uint32_t)__popcll(tie);
-            keep = key[e] != 0u && (key[e] > T || (key[e] == T && rank < ties_taken));
+            keep = key[e] > T || (key[e] == T && rank < ties_taken);
         }
         const unsigned long long kb = sparge_ballot(keep);
         if (keep)
@@ -825,7 +830,7 @@ template <int CAP, bool FULL>
 __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1) fast_select_kernel(select_params p, int64_t rows)
 {
     constexpr int warps = FAST_THREADS / SPARGE_WARP_SIZE;
-    __shared__ uint32_t lists[warps][CAP];
+    __shared__ int32_t lists[warps][SPARGE_WARP_SIZE];
     gpu_wait_for_previous_kernel();
     for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
         const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
