@@ -769,6 +769,56 @@ static void test_predict_shapes(void **state)
     }
 }
 
+/* Mask prediction where a key token is NaN in head 0 (so every row of it holds a NaN logit) and +inf in head 2
+ * (where every row's largest logit is +inf, and inf - inf leaves NaN): those rows keep every block with a NaN row
+ * mass, the rows of head 1 select as usual. Rows of 256 key blocks (a selection width exactly) and of 300. */
+static void test_predict_nonfinite(void **state)
+{
+    (void)state;
+    tu_rng rng = {20261204};
+    static const int64_t widths[] = {256, 300};
+    for (int w = 0; w < 2; w++) {
+        const int64_t H = 3, Nq = 256, Nk = 64 * widths[w], D = 64, Nqb = 2, Nkb = widths[w];
+        tu_tensor q = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, H, Nq, D), k = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, H, Nk, D);
+        double *qv = malloc((size_t)(H * Nq * D) * sizeof *qv);
+        for (int64_t i = 0; i < H * Nq * D; i++)
+            qv[i] = tu_normal(&rng);
+        for (int64_t t = 0; t < Nq; t++) /* head 2: q·k reaches +inf at key block 1, so each row's max is +inf */
+            qv[(2 * Nq + t) * D + 1] = 0.5 + fabs(qv[(2 * Nq + t) * D + 1]);
+        tu_set(&q, qv);
+        free(qv);
+        double *kv = malloc((size_t)(H * Nk * D) * sizeof *kv);
+        for (int64_t i = 0; i < H * Nk * D; i++)
+            kv[i] = tu_normal(&rng);
+        kv[(0 * Nk + 5) * D + 3] = NAN;
+        kv[(2 * Nk + 70) * D + 1] = INFINITY;
+        tu_set(&k, kv);
+        free(kv);
+        sparge_mask *m;
+        assert_int_equal(sparge_mask_create(dev, 1, H, Nq, Nk, 128, 64, &m), SPARGE_OK);
+        sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
+        assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+        int32_t cnt[3 * 2];
+        float mass[3 * 2];
+        sparge_mask_stats st;
+        assert_int_equal(sparge_mask_get_csr(m, cnt, NULL, NULL, NULL), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_stats(m, &st, NULL, mass), SPARGE_OK);
+        for (int64_t r = 0; r < H * Nqb; r++) {
+            const int finite = r / Nqb == 1;
+            if (finite) {
+                assert_true(cnt[r] >= 1 && cnt[r] < Nkb);
+                assert_true(mass[r] >= 0.2f && mass[r] <= 1.0f);
+            } else {
+                assert_int_equal(cnt[r], Nkb);
+                assert_true(isnan(mass[r]));
+            }
+        }
+        sparge_mask_destroy(m);
+        tu_free(&q);
+        tu_free(&k);
+    }
+}
+
 /* Mask prediction under each selection arm (Top-k only, Top-p only, p = 1, hybrid) on rows that mix distinct
  * scores with classes of equal ones (every third key block is a copy of one of 5 shared blocks, so exact ties sit
  * among distinct scores wherever the GPU's descent ends), at widths served by different selection kernels: the
@@ -1018,6 +1068,7 @@ int main(void)
         cmocka_unit_test(test_predict_many_tiles),
         cmocka_unit_test(test_predict_shapes),
         cmocka_unit_test(test_predict_selection_arms),
+        cmocka_unit_test(test_predict_nonfinite),
         cmocka_unit_test_prestate_setup_teardown(test_grid_fwd_orders, env_setup, env_teardown,
                                                  (void *)"SPARGE_CUDA_FWD_ORDER"),
         cmocka_unit_test(test_forward_many_rows),

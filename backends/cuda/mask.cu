@@ -195,10 +195,14 @@ static_assert(TC_TILE == MAP_TILE, "launch_logits counts the key tiles in MAP_TI
 static_assert(TC_THREADS == 2 * TC_TILE, "two threads stage each key column");
 
 /* Round to nearest TF32 by the bits (cvt.rna.tf32.f32 costs several instructions on sm_90): add half a TF32 ulp;
- * the tensor cores ignore the 13 low bits, and big's value needs them cleared. */
+ * the tensor cores ignore the 13 low bits, and big's value needs them cleared. The clamp (as a signed integer:
+ * negative values pass) keeps the GPU's NaN, 0x7fffffff, from carrying into the sign bit and turning into -0,
+ * which would hide a NaN input from the mask; small may wrap (NaN - big is NaN), big carries the NaN. Finite
+ * values and infinities round as before. NaNs that arithmetic never makes (payload only in the 13 low bits, or the
+ * sign set with the payload's high bits all ones) are still lost. */
 __device__ __forceinline__ void tf32_split(float x, uint32_t &big, uint32_t &small)
 {
-    big = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    big = ((uint32_t)min((int32_t)__float_as_uint(x), 0x7fffefff) + 0x1000u) & 0xffffe000u;
     small = __float_as_uint(x - __uint_as_float(big)) + 0x1000u;
 }
 
@@ -545,9 +549,10 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
  * adding their mass one by one as the reference does. A pass adds the mass in
  * fp32 and only decides by it when it is clearly on one side of p; otherwise,
  * and for every mass that reaches the output, it adds in fp64. The map's rows
- * must be contiguous (md = 1). At Wan2.1-1.3B on the H200 (ncu) it takes 14.5 /
- * 14.8 µs (Top-k 95 % / hybrid) where a bitwise descent that compacted the
- * candidates into shared memory after each split took 16.2 / 18.5 µs. */
+ * must be contiguous (md = 1). At Wan2.1-1.3B on the H200 (ncu) it takes
+ * 13.0-13.7 / 13.5-13.6 µs (Top-k 95 % / hybrid) where a bitwise descent that
+ * compacted the candidates into shared memory after each split took 16.2 /
+ * 18.5 µs. */
 constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
 constexpr int64_t FAST_MAX_ROW = 2048;
 
@@ -572,19 +577,7 @@ __device__ __forceinline__ int warp_count(int x)
 #endif
 }
 
-/* Warp-wide OR: one redux instruction on sm_80+, the shuffles elsewhere. */
-__device__ __forceinline__ uint32_t warp_or(uint32_t x)
-{
-#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    return __reduce_or_sync(SPARGE_FULL_MASK, x);
-#else
-    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
-        x |= sparge_shfl_xor(x, o);
-    return x;
-#endif
-}
-
-/* Warp-wide minimum and maximum, likewise. */
+/* Warp-wide minimum and maximum: one redux instruction each on sm_80+, the shuffles elsewhere. */
 __device__ __forceinline__ int32_t warp_min(int32_t x)
 {
 #if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -658,23 +651,24 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
 {
     constexpr int IPT = CAP / SPARGE_WARP_SIZE;
     const int lane = threadIdx.x % SPARGE_WARP_SIZE, n = FULL ? CAP : (int)p.Nkb; /* n <= FAST_MAX_ROW */
-    const int64_t bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H;
+    /* 32-bit decode (check_select: rows <= INT32_MAX): a 64-bit division by a run-time value is a long software
+     * sequence. */
+    const uint32_t r = (uint32_t)row, bh = r / (uint32_t)p.Nqb, i = r - bh * (uint32_t)p.Nqb, b = bh / (uint32_t)p.H,
+                   h = bh - b * (uint32_t)p.H;
     float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
     auto in_row = [&](int e) { return FULL || e * SPARGE_WARP_SIZE + lane < n; };
 
-    /* Softmax as map_softmax_kernel: a row holding a NaN logit becomes all NaN. */
+    /* Softmax as map_softmax_kernel: a row holding a NaN logit becomes all NaN. So does a row holding +inf or only
+     * -inf: each leaves a NaN in the sum (inf - inf), so 1/sum tells for the whole warp. */
     float x[IPT];
     float mx = -INFINITY;
-    int logit_nan = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
         x[e] = in_row(e) ? src[e * SPARGE_WARP_SIZE + lane] : -INFINITY;
-        logit_nan |= is_nan(x[e]);
-        mx = fmaxf(mx, x[e]);
+        mx = fmaxf(mx, x[e]); /* ignores NaN */
     }
     for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
         mx = fmaxf(mx, sparge_shfl_xor(mx, o));
-    logit_nan = (int)warp_or((uint32_t)logit_nan);
     float sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < IPT; e++)
@@ -683,22 +677,20 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
             sum += x[e];
         }
     const float inv = 1.0f / warp_sum(sum);
+    const bool nan = is_nan(inv);
     int32_t key[IPT];
     int32_t kmin = INT32_MAX, kmax = -1;
-    int nan = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
         key[e] = -1;
         if (in_row(e)) {
-            const float v = logit_nan ? NAN : x[e] * inv;
+            const float v = x[e] * inv;
             src[e * SPARGE_WARP_SIZE + lane] = v;
-            nan |= is_nan(v);
             key[e] = prob_key(v);
             kmin = min(kmin, key[e]);
             kmax = max(kmax, key[e]);
         }
     }
-    nan = (int)warp_or((uint32_t)nan);
     uint8_t *dense = p.dense + row * n;
     int32_t *idx = p.indices + row * n;
     if (nan) {
@@ -716,8 +708,9 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
     const int least = p.topk_count > 1 ? (int)p.topk_count : 1; /* <= n */
     const bool use_p = p.topp > 0.0;
     int32_t lo = warp_min(kmin), hi = warp_max(kmax) + 1; /* T lies in [lo, hi) */
-    const double total = mass_from(key, lo);
-    /* Rounding may leave the total below p: keep the whole row. */
+    /* Rounding may leave the total below p: keep the whole row. The total of a softmax row is within n·2^-23 of 1,
+     * so only p near 1 needs it. */
+    const double total = use_p && p.topp > 0.999 ? mass_from(key, lo) : 1.0;
     const bool whole = use_p && total < p.topp;
 
     int32_t T = 0;
@@ -750,15 +743,15 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
         double above_mass = use_p && above ? mass_from(key, hi) : 0.0;
         T = lo;
         if (hi - lo > 1) { /* at most a warp's width of them, not all equal: sorted, they give T at once */
-            const unsigned long long below = (1ull << lane) - 1ull;
+            const sparge_lanes below = ((sparge_lanes)1 << lane) - 1;
             int placed = 0;
 #pragma unroll
             for (int e = 0; e < IPT; e++) {
                 const bool cand = key[e] >= lo && key[e] < hi;
-                const unsigned long long cb = sparge_ballot(cand);
+                const sparge_lanes cb = sparge_ballot(cand);
                 if (cand)
-                    list[placed + __popcll(cb & below)] = key[e];
-                placed += __popcll(cb);
+                    list[placed + sparge_popc(cb & below)] = key[e];
+                placed += sparge_popc(cb);
             }
             sparge_syncwarp();
             const int32_t k = warp_sort_descending(lane < nc ? list[lane] : -1);
@@ -767,17 +760,17 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
             const double incl = use_p ? warp_inclusive_scan(kv) : 0.0;
             const double up = sparge_shfl_up(incl, 1); /* every lane shuffles: lane 0 then drops it */
             const double excl = lane ? up : 0.0;
-            const unsigned long long ok =
+            const sparge_lanes ok =
                 sparge_ballot(k >= 0 && above + lane + 1 >= least && (!use_p || above_mass + incl >= p.topp));
             /* The passes left T among the candidates; a rounding difference in the scan's sum can only move it
              * to the last one. */
-            const int at = ok ? __ffsll((long long)ok) - 1 : nc - 1;
+            const int at = ok ? sparge_ffs(ok) - 1 : nc - 1;
             T = sparge_shfl(k, at);
-            const unsigned long long ties = sparge_ballot(k == T);
-            const int first = __ffsll((long long)ties) - 1;
+            const sparge_lanes ties = sparge_ballot(k == T);
+            const int first = sparge_ffs(ties) - 1;
             above += first;
             above_mass += sparge_shfl(excl, first);
-            nc = __popcll(ties);
+            nc = sparge_popc(ties);
         }
         /* The nc candidates left all equal T; above / above_mass cover exactly the keys > T. Without Top-p the
          * mass only feeds row_mass. */
@@ -795,7 +788,7 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
 
     /* Dense row and ascending CSR indices, a ballot per register slot; the ties at T are ranked only when
      * some of them drop out. */
-    const unsigned long long below = (1ull << lane) - 1ull;
+    const sparge_lanes below = ((sparge_lanes)1 << lane) - 1;
     int32_t kept = 0;
     uint32_t ties_seen = 0;
 #pragma unroll
@@ -803,20 +796,24 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
         const int j = e * SPARGE_WARP_SIZE + lane;
         bool keep = key[e] >= T; /* whole: T = 0, and padding is -1 */
         if (!all_ties) {
-            const unsigned long long tie = sparge_ballot(key[e] == T);
-            const uint32_t rank = ties_seen + (uint32_t)__popcll(tie & below);
-            ties_seen += (uint32_t)__popcll(tie);
+            const sparge_lanes tie = sparge_ballot(key[e] == T);
+            const uint32_t rank = ties_seen + (uint32_t)sparge_popc(tie & below);
+            ties_seen += (uint32_t)sparge_popc(tie);
             keep = key[e] > T || (key[e] == T && rank < ties_taken);
         }
-        const unsigned long long kb = sparge_ballot(keep);
+        const sparge_lanes kb = sparge_ballot(keep);
         if (keep)
-            idx[kept + __popcll(kb & below)] = j;
+            idx[kept + sparge_popc(kb & below)] = j;
         if (in_row(e))
             dense[j] = keep;
-        kept += __popcll(kb);
+        kept += sparge_popc(kb);
     }
-    for (int j = kept + lane; j < n; j += SPARGE_WARP_SIZE)
-        idx[j] = -1;
+#pragma unroll
+    for (int e = 0; e < IPT; e++) {
+        const int j = e * SPARGE_WARP_SIZE + lane;
+        if (j >= kept && in_row(e))
+            idx[j] = -1;
+    }
     if (lane == 0) {
         p.counts[row] = kept;
         p.row_mass[row] = (float)mass;

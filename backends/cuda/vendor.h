@@ -58,8 +58,11 @@ typedef __half gpu_half;
 #define sparge_shfl_xor(v, m) __shfl_xor((v), (m))
 #define sparge_shfl(v, l) __shfl((v), (l))
 #define sparge_shfl_up(v, d) __shfl_up((v), (d))
-/* Bit i = predicate of lane i (the upper 32 bits are 0 on wave32). */
-#define sparge_ballot(p) ((unsigned long long)__ballot(p))
+/* Lane masks: bit i = lane i (the upper 32 bits are 0 on wave32). */
+typedef unsigned long long sparge_lanes;
+#define sparge_ballot(p) ((sparge_lanes)__ballot(p))
+#define sparge_popc(m) __popcll(m)
+#define sparge_ffs(m) __ffsll((long long)(m)) /* 1 + the lowest set lane, 0 for none */
 /* Orders the wavefront's shared-memory accesses before and after it (what __syncwarp does on CUDA). */
 #define sparge_syncwarp()                                                                                              \
     do {                                                                                                               \
@@ -123,7 +126,10 @@ typedef __nv_bfloat16 gpu_bf16;
 #define sparge_shfl_xor(v, m) __shfl_xor_sync(SPARGE_FULL_MASK, (v), (m))
 #define sparge_shfl(v, l) __shfl_sync(SPARGE_FULL_MASK, (v), (l))
 #define sparge_shfl_up(v, d) __shfl_up_sync(SPARGE_FULL_MASK, (v), (d))
-#define sparge_ballot(p) ((unsigned long long)__ballot_sync(SPARGE_FULL_MASK, (p)))
+typedef unsigned sparge_lanes; /* bit i = lane i */
+#define sparge_ballot(p) __ballot_sync(SPARGE_FULL_MASK, (p))
+#define sparge_popc(m) __popc(m)
+#define sparge_ffs(m) __ffs((int)(m))
 #define sparge_syncwarp() __syncwarp()
 #define sparge_bf16_to_float __bfloat162float
 #define sparge_float_to_bf16 __float2bfloat16_rn
