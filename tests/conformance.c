@@ -819,6 +819,81 @@ static void test_predict_nonfinite(void **state)
     }
 }
 
+/* Top-p at an exact boundary, against cpu-ref's selection on the backend's own pooled map (so the same
+ * probabilities, and the kept sets must be identical). One query block; 64 of the key blocks hold identical tokens
+ * along q̄, so they tie for the largest probability a, and p is set to their exact mass 64·a, then to the next double
+ * above it (one block more). The GPU's selection, which decides by fp32 masses only when they are clearly on one side
+ * of p, must take its fp64 path here. Rows of 512 key blocks (a selection width) and of 300. */
+static void test_predict_exact_boundary(void **state)
+{
+    (void)state;
+    tu_rng rng = {20261205};
+    static const int64_t widths[] = {512, 300};
+    for (int w = 0; w < 2; w++) {
+        const int64_t Nkb = widths[w], Nq = 128, Nk = 64 * Nkb, D = 64, ties = 64;
+        double *qv = malloc((size_t)(Nq * D) * sizeof *qv), *kv = malloc((size_t)(Nk * D) * sizeof *kv);
+        double qbar[64] = {0};
+        for (int64_t i = 0; i < Nq * D; i++) {
+            qv[i] = tu_normal(&rng);
+            qbar[i % D] += qv[i] / (double)Nq;
+        }
+        for (int64_t i = 0; i < Nk * D; i++)
+            kv[i] = tu_normal(&rng);
+        for (int64_t j = 0; j < ties; j++) /* blocks 1, 4, 7, ...: every token 12·q̄ (rounded to f32 alike) */
+            for (int64_t t = (3 * j + 1) * 64; t < (3 * j + 2) * 64; t++)
+                for (int64_t d = 0; d < D; d++)
+                    kv[t * D + d] = (float)(12.0 * qbar[d]);
+        tu_tensor q = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, 1, Nq, D), k = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, 1, Nk, D);
+        tu_set(&q, qv);
+        tu_set(&k, kv);
+        float *map = malloc((size_t)Nkb * sizeof *map);
+        sparge_mask *m;
+        assert_int_equal(sparge_mask_create(dev, 1, 1, Nq, Nk, 128, 64, &m), SPARGE_OK);
+        sparge_mask_params mp = {128, 64, 0.0, 0.2, 0.0f};
+        assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+        float a = map[1];
+        int64_t at_a = 0;
+        for (int64_t j = 0; j < Nkb; j++) {
+            assert_true(map[j] <= a);
+            at_a += map[j] == a;
+        }
+        assert_int_equal(at_a, ties);
+        const double exact = (double)ties * a; /* exact in fp64 in any order */
+        const double ps[2] = {exact, nextafter(exact, 2.0)};
+        for (int c = 0; c < 2; c++) {
+            mp.topp = ps[c];
+            assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+            tu_tensor rmap = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, 1, 1, Nkb);
+            double *md = malloc((size_t)Nkb * sizeof *md);
+            assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+            for (int64_t j = 0; j < Nkb; j++)
+                md[j] = map[j];
+            tu_set(&rmap, md);
+            sparge_mask *rm;
+            assert_int_equal(sparge_mask_create(ref, 1, 1, Nq, Nk, 128, 64, &rm), SPARGE_OK);
+            assert_int_equal(sparge_mask_select(ref, &rmap.t, &mp, rm), SPARGE_OK);
+            int32_t cnt, rcnt, *idx = malloc((size_t)Nkb * 4), *ridx = malloc((size_t)Nkb * 4);
+            assert_int_equal(sparge_mask_get_csr(m, &cnt, idx, NULL, NULL), SPARGE_OK);
+            assert_int_equal(sparge_mask_get_csr(rm, &rcnt, ridx, NULL, NULL), SPARGE_OK);
+            assert_int_equal(rcnt, c ? ties + 1 : ties);
+            assert_int_equal(cnt, rcnt);
+            assert_memory_equal(idx, ridx, (size_t)cnt * 4);
+            free(idx);
+            free(ridx);
+            free(md);
+            sparge_mask_destroy(rm);
+            tu_free(&rmap);
+        }
+        sparge_mask_destroy(m);
+        free(map);
+        free(qv);
+        free(kv);
+        tu_free(&q);
+        tu_free(&k);
+    }
+}
+
 /* Mask prediction under each selection arm (Top-k only, Top-p only, p = 1, hybrid) on rows that mix distinct
  * scores with classes of equal ones (every third key block is a copy of one of 5 shared blocks, so exact ties sit
  * among distinct scores wherever the GPU's descent ends), at widths served by different selection kernels: the
@@ -1069,6 +1144,7 @@ int main(void)
         cmocka_unit_test(test_predict_shapes),
         cmocka_unit_test(test_predict_selection_arms),
         cmocka_unit_test(test_predict_nonfinite),
+        cmocka_unit_test(test_predict_exact_boundary),
         cmocka_unit_test_prestate_setup_teardown(test_grid_fwd_orders, env_setup, env_teardown,
                                                  (void *)"SPARGE_CUDA_FWD_ORDER"),
         cmocka_unit_test(test_forward_many_rows),
