@@ -769,6 +769,15 @@ static void test_predict_shapes(void **state)
     }
 }
 
+/* n standard normal values (the caller frees them), for inputs a test edits before setting them. */
+static double *normal_values(int64_t n, tu_rng *r)
+{
+    double *v = malloc((size_t)n * sizeof *v);
+    for (int64_t i = 0; i < n; i++)
+        v[i] = tu_normal(r);
+    return v;
+}
+
 /* Mask prediction where a key token is NaN in head 0 (so every row of it holds a NaN logit) and +inf in head 2
  * (where every row's largest logit is +inf, and inf - inf leaves NaN): those rows keep every block with a NaN row
  * mass, the rows of head 1 select as usual. Rows of 256 key blocks (a selection width exactly) and of 300. */
@@ -780,16 +789,12 @@ static void test_predict_nonfinite(void **state)
     for (int w = 0; w < 2; w++) {
         const int64_t H = 3, Nq = 256, Nk = 64 * widths[w], D = 64, Nqb = 2, Nkb = widths[w];
         tu_tensor q = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, H, Nq, D), k = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, H, Nk, D);
-        double *qv = malloc((size_t)(H * Nq * D) * sizeof *qv);
-        for (int64_t i = 0; i < H * Nq * D; i++)
-            qv[i] = tu_normal(&rng);
+        double *qv = normal_values(H * Nq * D, &rng);
         for (int64_t t = 0; t < Nq; t++) /* head 2: q·k reaches +inf at key block 1, so each row's max is +inf */
             qv[(2 * Nq + t) * D + 1] = 0.5 + fabs(qv[(2 * Nq + t) * D + 1]);
         tu_set(&q, qv);
         free(qv);
-        double *kv = malloc((size_t)(H * Nk * D) * sizeof *kv);
-        for (int64_t i = 0; i < H * Nk * D; i++)
-            kv[i] = tu_normal(&rng);
+        double *kv = normal_values(H * Nk * D, &rng);
         kv[(0 * Nk + 5) * D + 3] = NAN;
         kv[(2 * Nk + 70) * D + 1] = INFINITY;
         tu_set(&k, kv);
@@ -831,14 +836,10 @@ static void test_predict_exact_boundary(void **state)
     static const int64_t widths[] = {512, 300};
     for (int w = 0; w < 2; w++) {
         const int64_t Nkb = widths[w], Nq = 128, Nk = 64 * Nkb, D = 64, ties = 64;
-        double *qv = malloc((size_t)(Nq * D) * sizeof *qv), *kv = malloc((size_t)(Nk * D) * sizeof *kv);
+        double *qv = normal_values(Nq * D, &rng), *kv = normal_values(Nk * D, &rng);
         double qbar[64] = {0};
-        for (int64_t i = 0; i < Nq * D; i++) {
-            qv[i] = tu_normal(&rng);
+        for (int64_t i = 0; i < Nq * D; i++)
             qbar[i % D] += qv[i] / (double)Nq;
-        }
-        for (int64_t i = 0; i < Nk * D; i++)
-            kv[i] = tu_normal(&rng);
         for (int64_t j = 0; j < ties; j++) /* blocks 1, 4, 7, ...: every token 12·q̄ (rounded to f32 alike) */
             for (int64_t t = (3 * j + 1) * 64; t < (3 * j + 2) * 64; t++)
                 for (int64_t d = 0; d < D; d++)
