@@ -895,6 +895,69 @@ static void test_predict_exact_boundary(void **state)
     }
 }
 
+/* Top-k prediction against cpu-ref's selection on the backend's own pooled map, so the kept sets must be identical
+ * wherever the GPU's search for the n_k-th largest score ends. Rows near uniform (random tokens) and peaked (block
+ * offsets, logits of several units), n_k from 1 to every block, at a full selection width (512), a wide one (1182)
+ * and a ragged one (300). */
+static void test_predict_topk_exact(void **state)
+{
+    (void)state;
+    tu_rng rng = {20261206};
+    static const int64_t widths[] = {512, 1182, 300};
+    static const double ks[] = {0.001, 0.03, 0.25, 0.95, 1.0};
+    for (int w = 0; w < 3; w++)
+        for (int peaked = 0; peaked < 2; peaked++) {
+            const int64_t H = 2, Nkb = widths[w], Nq = 1000, Nk = 64 * Nkb - 17, D = 64, Nqb = (Nq + 127) / 128;
+            double *qv = normal_values(H * Nq * D, &rng), *kv = normal_values(H * Nk * D, &rng);
+            if (peaked) {
+                fill_block_offsets(qv, H, Nq, D, 128, &rng);
+                fill_block_offsets(kv, H, Nk, D, 64, &rng);
+            }
+            tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, H, Nq, D),
+                      k = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, H, Nk, D);
+            tu_set(&q, qv);
+            tu_set(&k, kv);
+            tu_tensor rmap = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, Nqb, Nkb);
+            const int64_t cells = H * Nqb * Nkb;
+            float *map = malloc((size_t)cells * sizeof *map);
+            double *md = malloc((size_t)cells * sizeof *md);
+            int32_t *cnt = malloc((size_t)(H * Nqb) * 4), *rcnt = malloc((size_t)(H * Nqb) * 4);
+            int32_t *idx = malloc((size_t)cells * 4), *ridx = malloc((size_t)cells * 4);
+            sparge_mask *m, *rm;
+            assert_int_equal(sparge_mask_create(dev, 1, H, Nq, Nk, 128, 64, &m), SPARGE_OK);
+            assert_int_equal(sparge_mask_create(ref, 1, H, Nq, Nk, 128, 64, &rm), SPARGE_OK);
+            for (size_t c = 0; c < sizeof ks / sizeof ks[0]; c++) {
+                sparge_mask_params mp = {128, 64, ks[c], 0.0, 0.0f};
+                assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
+                assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+                for (int64_t i = 0; i < cells; i++)
+                    md[i] = map[i];
+                tu_set(&rmap, md);
+                assert_int_equal(sparge_mask_select(ref, &rmap.t, &mp, rm), SPARGE_OK);
+                assert_int_equal(sparge_mask_get_csr(m, cnt, idx, NULL, NULL), SPARGE_OK);
+                assert_int_equal(sparge_mask_get_csr(rm, rcnt, ridx, NULL, NULL), SPARGE_OK);
+                for (int64_t r = 0; r < H * Nqb; r++) {
+                    if (cnt[r] != rcnt[r] || memcmp(idx + r * Nkb, ridx + r * Nkb, (size_t)cnt[r] * 4))
+                        fail_msg("Top-k %g, %s rows of %lld blocks: row %lld keeps %d blocks, cpu-ref %d (or others)",
+                                 ks[c], peaked ? "peaked" : "near-uniform", (long long)Nkb, (long long)r, cnt[r], rcnt[r]);
+                }
+            }
+            sparge_mask_destroy(m);
+            sparge_mask_destroy(rm);
+            free(map);
+            free(md);
+            free(cnt);
+            free(rcnt);
+            free(idx);
+            free(ridx);
+            free(qv);
+            free(kv);
+            tu_free(&q);
+            tu_free(&k);
+            tu_free(&rmap);
+        }
+}
+
 /* Mask prediction under each selection arm (Top-k only, Top-p only, p = 1, hybrid) on rows that mix distinct
  * scores with classes of equal ones (every third key block is a copy of one of 5 shared blocks, so exact ties sit
  * among distinct scores wherever the GPU's descent ends), at widths served by different selection kernels: the
@@ -1146,6 +1209,7 @@ int main(void)
         cmocka_unit_test(test_predict_selection_arms),
         cmocka_unit_test(test_predict_nonfinite),
         cmocka_unit_test(test_predict_exact_boundary),
+        cmocka_unit_test(test_predict_topk_exact),
         cmocka_unit_test_prestate_setup_teardown(test_grid_fwd_orders, env_setup, env_teardown,
                                                  (void *)"SPARGE_CUDA_FWD_ORDER"),
         cmocka_unit_test(test_forward_many_rows),
