@@ -570,7 +570,7 @@ static void fill_block_offsets(double *v, int64_t BH, int64_t N, int64_t D, int6
     free(c);
 }
 
-/* cuda: each logits kernel of the pooled map (SPARGE_CUDA_MAP_TILE=128x64|64x64 in fp32 FMAs, tf32x3 on the
+/* cuda: each logits kernel of the pooled map (SPARGE_CUDA_MAP_TILE=128x64|64x64 in fp32 FMAs, f16x3 on the
  * tensor cores, the default where it can run) on ragged tiles with logits of several units, D a multiple of 16
  * and not: the map and the selection match cpu-ref, and the two fp32 tiles give the same bits (each logit one
  * fmaf chain over D in order) and so the same selection. Then an invalid choice is refused with a message
@@ -581,7 +581,7 @@ static void test_map_tiles(void **state)
     if (strcmp(BACKEND, "cuda"))
         skip();
     tu_rng rng = {20261203};
-    static const char *const tiles[3] = {"128x64", "64x64", "tf32x3"};
+    static const char *const tiles[3] = {"128x64", "64x64", "f16x3"};
     static const int64_t Ds[2] = {128, 36};
     for (int c = 0; c < 2; c++) {
         const int64_t H = 3, N = 9000, D = Ds[c], Nqb = (N + 127) / 128, Nkb = (N + 63) / 64, cells = H * Nqb * Nkb;

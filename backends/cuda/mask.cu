@@ -68,6 +68,7 @@ __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0
 /* ---------------------------------------------------------------- pooled map */
 
 constexpr int MAP_TILE = 64, MAP_DCHUNK = 16, MAP_THREADS = 128;
+constexpr int TC_MAX_D = 128; /* the tensor-core logits (below): larger D takes the fp32 tiles */
 
 struct map_params {
     const float *q, *k;
@@ -178,130 +179,165 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
 #ifndef SPARGE_USE_HIP
 /* ---------------------------------------------------------------- pooled map on the tensor cores */
 
-/* The logits on the tensor cores (sm_80+, mma.sync m16n8k8 TF32) in 3xTF32: each fp32 operand splits into
- * big = tf32(x) and small = tf32(x - big), and small·big + big·small + big·big recovers each product to about
- * fp32's precision (the dropped small·small is below 2^-22 of it); one TF32 product alone would move the
- * scores by ~1e-3 and flip mask decisions. Tile 64×64: warp w owns rows 16w..16w+15 and all 64 columns (eight
- * n8 tiles). Lane (g, t) reads d = d0+4t..d0+4t+3 of its rows and columns as float4, so k position t of the
- * first k8 step is d0+4t, t+4 is d0+4t+1, and the second step takes d0+4t+2 and +3 (the sum over d is the same
- * in any order). Each warp loads and splits its own query rows; the key tile is split once per block into
- * shared memory, 16 d at a time (double-buffered: one barrier per chunk), while the next chunk is fetched.
- * At Wan2.1-1.3B on the H200 it takes 14.1 µs (ncu) at a third of the issue rate, bound by latency with three
- * warps per scheduler: splitting every key column in every warp ran 5.4 M instructions to this 3.3 M in 14.8 µs,
- * and a 4-deep cp.async ring with two barriers per chunk was slower (21 µs, measured on a build that read
- * shifted addresses). */
+/* The logits on the tensor cores (sm_80+, mma.sync m16n8k16 fp16, fp32 accumulation) at fp32's precision: each
+ * pooled row of Q̄ and of K̄ is scaled by a power of two that takes its largest magnitude into [2^14, 2^15), and
+ * each scaled value x splits into fp16 hi = fp16(x) and lo = fp16(x - hi), 22 significant bits together. Each
+ * logit sums hi·hi + hi·lo + lo·hi (the dropped lo·lo is below 2^-22 of each product; values 2^-17 below their
+ * row's largest lose lo's low bits to fp16's subnormals, which is below 2^-38 of the largest product), and the
+ * powers of two come off exactly after the sum. This is the 3xTF32 scheme on fp16 operands: the same 22-bit
+ * products in half the tensor-core work, since an m16n8k16 fp16 mma costs what an m16n8k8 TF32 one does. One
+ * TF32 or fp16 product alone would move the scores by ~1e-3 and flip mask decisions.
+ *
+ * Tile 64×64, D <= 16·NCH: warp w owns rows 16w..16w+15 and all 64 columns (eight n8 tiles); lane (g, t) holds
+ * d = 16c+4t..16c+4t+3 of its two rows for every 16-d chunk c, as k positions 2t, 2t+1, 2t+8, 2t+9 (the key
+ * fragments use the same order: the sum over d is the same in any order). Every load of the tile is issued at
+ * once, so the kernel waits on memory once, not once per chunk; the key tile is split once per block into shared
+ * memory. At Wan2.1-1.3B on the H200 the 3xTF32 kernel this replaces took 14.1 µs (ncu), with its shared-memory
+ * reads of the split keys at 76 % of L1 throughput; in a standalone probe (experiments/results/h200/
+ * logits_probe_s19.cu) 3xTF32 with the same single wait took 15.3 µs/launch, this scheme 11.1, against 15.6. */
 constexpr int TC_TILE = 64, TC_THREADS = 128, TC_N8 = TC_TILE / 8;
 static_assert(TC_TILE == MAP_TILE, "launch_logits counts the key tiles in MAP_TILE");
 static_assert(TC_THREADS == 2 * TC_TILE, "two threads stage each key column");
 
-/* Round to nearest TF32 by the bits (cvt.rna.tf32.f32 costs several instructions on sm_90): add half a TF32 ulp;
- * the tensor cores ignore the 13 low bits, and big's value needs them cleared. The clamp (as a signed integer:
- * negative values pass) keeps the GPU's NaN, 0x7fffffff, from carrying into the sign bit and turning into -0,
- * which would hide a NaN input from the mask; small may wrap (NaN - big is NaN), big carries the NaN. Finite
- * values and infinities round as before. NaNs that arithmetic never makes (payload only in the 13 low bits, or the
- * sign set with the payload's high bits all ones) are still lost. */
-__device__ __forceinline__ void tf32_split(float x, uint32_t &big, uint32_t &small)
+/* The exponent s for which 2^s takes the largest magnitude, bits m (sign cleared), into [2^14, 2^15); 0 for zero
+ * or a non-finite largest value (fp16 then carries the infinity or the NaN into the logits). */
+__device__ __forceinline__ int f16_shift(uint32_t m)
 {
-    big = ((uint32_t)min((int32_t)__float_as_uint(x), 0x7fffefff) + 0x1000u) & 0xffffe000u;
-    small = __float_as_uint(x - __uint_as_float(big)) + 0x1000u;
+    if (m == 0u || m >= 0x7f800000u)
+        return 0;
+    return min(141 - (int)(m >> 23), 126);
+}
+__device__ __forceinline__ float pow2(int s) { return __int_as_float((s + 127) << 23); } /* |s| <= 126 */
+
+__device__ __forceinline__ uint32_t abs_max_bits(uint32_t m, float4 v)
+{
+    return max(max(m, max(__float_as_uint(v.x) & 0x7fffffffu, __float_as_uint(v.y) & 0x7fffffffu)),
+               max(__float_as_uint(v.z) & 0x7fffffffu, __float_as_uint(v.w) & 0x7fffffffu));
 }
 
-__device__ __forceinline__ void mma_tf32(float c[4], const uint32_t a[4], const uint32_t b[2])
+__device__ __forceinline__ float4 scaled(float4 v, float s) { return make_float4(v.x * s, v.y * s, v.z * s, v.w * s); }
+
+/* hi and lo of two scaled values, as fp16 pairs. */
+__device__ __forceinline__ void f16_split(float a, float b, uint32_t &hi, uint32_t &lo)
 {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+    const __half2 h = __floats2half2_rn(a, b);
+    const float2 hf = __half22float2(h);
+    const __half2 l = __floats2half2_rn(a - hf.x, b - hf.y);
+    hi = *(const uint32_t *)&h;
+    lo = *(const uint32_t *)&l;
+}
+
+__device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const uint32_t b[2])
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-/* Needs sd = 1 and 16-byte aligned rows (tc_map_ok). */
-__global__ void __launch_bounds__(TC_THREADS) map_logits_tc_kernel(map_params p)
+/* Needs sd = 1, 16-byte aligned rows and D <= 16·NCH (tc_map_ok). Three blocks share an SM: Wan2.1-1.3B's 384
+ * tiles in one wave on the H200. */
+template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_tc_kernel(map_params p)
 {
-    /* [buffer][column][t]: big and small of d0+4t..d0+4t+3; a warp's reads at one n are 512 contiguous bytes. */
-    __shared__ uint4 kbig[2][TC_TILE][4], ksmall[2][TC_TILE][4];
+    /* [chunk][column][t]: hi and lo of d = 16c+4t..16c+4t+3 as two fp16 pairs; a warp's reads at one n are 256
+     * contiguous bytes. */
+    __shared__ uint2 khi[NCH][TC_TILE][4], klo[NCH][TC_TILE][4];
+    __shared__ int kshift[TC_TILE];
     gpu_wait_for_previous_kernel();
     const int64_t ktiles = (p.Nkb + TC_TILE - 1) / TC_TILE, qtiles = (p.Nqb + TC_TILE - 1) / TC_TILE;
     const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
     const int64_t i0 = tile / ktiles % qtiles * TC_TILE, j0 = tile % ktiles * TC_TILE;
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int64_t row0 = i0 + threadIdx.x / 32 * 16 + g, row1 = row0 + 8;
-    const float *qrow[2] = {p.q + b * p.qb + h * p.qh + row0 * p.qn + 4 * t, p.q + b * p.qb + h * p.qh + row1 * p.qn + 4 * t};
-    const bool qok[2] = {row0 < p.Nqb, row1 < p.Nqb};
-    /* Staging: thread s fetches parts 2(s%2) and 2(s%2)+1 of key column s/2. */
-    const int scol = threadIdx.x / 2, spart = threadIdx.x % 2 * 2;
+    const int64_t row0 = i0 + threadIdx.x / 32 * 16 + g;
+    /* Staging: thread s holds key column s/2, chunks c0 .. c0 + NCH/2 - 1 (64 contiguous floats at D = 128). */
+    const int scol = threadIdx.x / 2, c0 = threadIdx.x % 2 * (NCH / 2);
     const bool sok = j0 + scol < p.Nkb;
-    const float *ksrc = p.k + b * p.kb + h * p.kh + (j0 + scol) * p.kn + 4 * spart;
+    const float *ksrc = p.k + b * p.kb + h * p.kh + (j0 + scol) * p.kn + 16 * c0;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float4 qn[2], kn[2];
-    auto fetch = [&](int64_t d0) {
+    float4 kv[NCH / 2][4], qv[2][NCH];
 #pragma unroll
-        for (int r = 0; r < 2; r++)
-            qn[r] = d0 + 4 * t < p.D && qok[r] ? *(const float4 *)(qrow[r] + d0) : zero;
+    for (int c = 0; c < NCH / 2; c++)
 #pragma unroll
-        for (int u = 0; u < 2; u++)
-            kn[u] = sok && d0 + 4 * (spart + u) < p.D ? *(const float4 *)(ksrc + d0 + 4 * u) : zero;
-    };
-    auto stage = [&](int buf) {
-#pragma unroll
-        for (int u = 0; u < 2; u++) {
-            uint4 big, small;
-            tf32_split(kn[u].x, big.x, small.x);
-            tf32_split(kn[u].y, big.y, small.y);
-            tf32_split(kn[u].z, big.z, small.z);
-            tf32_split(kn[u].w, big.w, small.w);
-            kbig[buf][scol][spart + u] = big;
-            ksmall[buf][scol][spart + u] = small;
-        }
-    };
-    float acc[TC_N8][4] = {};
-    fetch(0);
-    stage(0);
-    __syncthreads();
-    int buf = 0;
-    for (int64_t d0 = 0; d0 < p.D; d0 += 16, buf ^= 1) {
-        const float4 q0 = qn[0], q1 = qn[1];
-        const bool more = d0 + 16 < p.D;
-        if (more)
-            fetch(d0 + 16);
-        uint4 kb[TC_N8], ks[TC_N8];
-#pragma unroll
-        for (int n = 0; n < TC_N8; n++) {
-            kb[n] = kbig[buf][8 * n + g][t];
-            ks[n] = ksmall[buf][8 * n + g][t];
-        }
-#pragma unroll
-        for (int step = 0; step < 2; step++) {
-            uint32_t ab[4], as[4];
-            tf32_split(step ? q0.z : q0.x, ab[0], as[0]);
-            tf32_split(step ? q1.z : q1.x, ab[1], as[1]);
-            tf32_split(step ? q0.w : q0.y, ab[2], as[2]);
-            tf32_split(step ? q1.w : q1.y, ab[3], as[3]);
-#pragma unroll
-            for (int n = 0; n < TC_N8; n++) {
-                const uint32_t bb[2] = {step ? kb[n].z : kb[n].x, step ? kb[n].w : kb[n].y};
-                const uint32_t bs[2] = {step ? ks[n].z : ks[n].x, step ? ks[n].w : ks[n].y};
-                mma_tf32(acc[n], as, bb);
-                mma_tf32(acc[n], ab, bs);
-                mma_tf32(acc[n], ab, bb);
-            }
-        }
-        /* buf ^ 1 was last read before the previous barrier. */
-        if (more)
-            stage(buf ^ 1);
-        __syncthreads();
-    }
-    /* Lane (g, t) holds columns 8n+2t and 8n+2t+1 of rows row0 (c0, c1) and row1 (c2, c3). */
-    float *m = p.map + b * p.mb + h * p.mh;
-    const bool pair = p.md == 1 && p.mn % 2 == 0 && ((uintptr_t)m & 7u) == 0;
+        for (int u = 0; u < 4; u++)
+            kv[c][u] = sok && 16 * (c0 + c) + 4 * u < p.D ? *(const float4 *)(ksrc + 16 * c + 4 * u) : zero;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        if (!qok[r])
-            continue;
-        float *out = m + (r ? row1 : row0) * p.mn;
+        const bool ok = row0 + 8 * r < p.Nqb;
+        const float *qsrc = p.q + b * p.qb + h * p.qh + (row0 + 8 * r) * p.qn + 4 * t;
+#pragma unroll
+        for (int c = 0; c < NCH; c++)
+            qv[r][c] = ok && 16 * c + 4 * t < p.D ? *(const float4 *)(qsrc + 16 * c) : zero;
+    }
+
+    uint32_t m = 0u;
+#pragma unroll
+    for (int c = 0; c < NCH / 2; c++)
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            m = abs_max_bits(m, kv[c][u]);
+    const int ks = f16_shift(max(m, __shfl_xor_sync(SPARGE_FULL_MASK, m, 1)));
+    const float kscale = pow2(ks);
+#pragma unroll
+    for (int c = 0; c < NCH / 2; c++)
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const float4 x = scaled(kv[c][u], kscale);
+            uint2 hi, lo;
+            f16_split(x.x, x.y, hi.x, lo.x);
+            f16_split(x.z, x.w, hi.y, lo.y);
+            khi[c0 + c][scol][u] = hi;
+            klo[c0 + c][scol][u] = lo;
+        }
+    if (c0 == 0)
+        kshift[scol] = ks;
+    int qs[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        uint32_t mq = 0u;
+#pragma unroll
+        for (int c = 0; c < NCH; c++)
+            mq = abs_max_bits(mq, qv[r][c]);
+        mq = max(mq, __shfl_xor_sync(SPARGE_FULL_MASK, mq, 1));
+        qs[r] = f16_shift(max(mq, __shfl_xor_sync(SPARGE_FULL_MASK, mq, 2)));
+    }
+    const float qscale[2] = {pow2(qs[0]), pow2(qs[1])};
+    __syncthreads();
+
+    float acc[TC_N8][4] = {};
+#pragma unroll
+    for (int c = 0; c < NCH; c++) {
+        const float4 q0 = scaled(qv[0][c], qscale[0]), q1 = scaled(qv[1][c], qscale[1]);
+        uint32_t ah[4], al[4];
+        f16_split(q0.x, q0.y, ah[0], al[0]);
+        f16_split(q1.x, q1.y, ah[1], al[1]);
+        f16_split(q0.z, q0.w, ah[2], al[2]);
+        f16_split(q1.z, q1.w, ah[3], al[3]);
 #pragma unroll
         for (int n = 0; n < TC_N8; n++) {
-            const int64_t j = j0 + 8 * n + 2 * t;
-            const float x0 = acc[n][2 * r] * p.scale, x1 = acc[n][2 * r + 1] * p.scale;
+            const uint2 bh = khi[c][8 * n + g][t], bl = klo[c][8 * n + g][t];
+            const uint32_t bhi[2] = {bh.x, bh.y}, blo[2] = {bl.x, bl.y};
+            mma_f16(acc[n], al, bhi);
+            mma_f16(acc[n], ah, blo);
+            mma_f16(acc[n], ah, bhi);
+        }
+    }
+    /* Lane (g, t) holds columns 8n+2t and 8n+2t+1 of rows row0 (c0, c1) and row0 + 8 (c2, c3). The scale first:
+     * the powers of two are then exact unless the logit itself overflows or is subnormal. */
+    float *mp = p.map + b * p.mb + h * p.mh;
+    const bool pair = p.md == 1 && p.mn % 2 == 0 && ((uintptr_t)mp & 7u) == 0;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t i = row0 + 8 * r;
+        if (i >= p.Nqb)
+            continue;
+        float *out = mp + i * p.mn;
+        const float qu = pow2(-qs[r]);
+#pragma unroll
+        for (int n = 0; n < TC_N8; n++) {
+            const int jj = 8 * n + 2 * t;
+            const int64_t j = j0 + jj;
+            const float x0 = acc[n][2 * r] * p.scale * qu * pow2(-kshift[jj]);
+            const float x1 = acc[n][2 * r + 1] * p.scale * qu * pow2(-kshift[jj + 1]);
             if (pair && j + 1 < p.Nkb)
                 *(float2 *)(out + j) = make_float2(x0, x1);
             else {
@@ -979,7 +1015,7 @@ sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, do
 }
 
 /* Benchmark and test hook: SPARGE_CUDA_MAP_TILE forces the logits kernel (below); -1: unset, MAP_INVALID: invalid. */
-const char *const map_tile_names[] = {"128x64", "64x64", "tf32x3"};
+const char *const map_tile_names[] = {"128x64", "64x64", "f16x3"};
 constexpr int MAP_TENSOR = 2, MAP_INVALID = sizeof map_tile_names / sizeof *map_tile_names;
 int map_tile_choice(void)
 {
@@ -990,7 +1026,8 @@ int map_tile_choice(void)
     return env ? MAP_INVALID : -1;
 }
 
-/* The tensor-core logits need the mma tier (not cuda-generic, not HIP, sm_80+) and float4 rows. */
+/* The tensor-core logits need the mma tier (not cuda-generic, not HIP, sm_80+), float4 rows and D <= 128 (each lane
+ * holds its rows whole). */
 bool tc_map_ok(const gpu_ctx *ctx, const sparge_map_args *a)
 {
 #ifdef SPARGE_USE_HIP
@@ -1000,7 +1037,8 @@ bool tc_map_ok(const gpu_ctx *ctx, const sparge_map_args *a)
     auto rows16 = [](const sparge_view &v) {
         return v.sd == 1 && v.sn % 4 == 0 && v.sh % 4 == 0 && v.sb % 4 == 0 && ((uintptr_t)v.data & 15u) == 0;
     };
-    return !ctx->generic && ctx->cc_major >= 8 && a->qbar.D % 4 == 0 && rows16(a->qbar) && rows16(a->kbar);
+    return !ctx->generic && ctx->cc_major >= 8 && a->qbar.D % 4 == 0 && a->qbar.D <= TC_MAX_D && rows16(a->qbar) &&
+           rows16(a->kbar);
 #endif
 }
 
@@ -1012,8 +1050,9 @@ sparge_status check_map(const gpu_ctx *ctx, const sparge_map_args *a)
                            map_tile_names[0], map_tile_names[1], map_tile_names[2], getenv("SPARGE_CUDA_MAP_TILE"));
     if (forced == MAP_TENSOR && !tc_map_ok(ctx, a))
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
-                           "pooled map: SPARGE_CUDA_MAP_TILE=tf32x3 needs the \"cuda\" backend on sm_80+, D a multiple "
-                           "of 4 and pooled rows contiguous and 16-byte aligned; unset it for the fp32 tiles");
+                           "pooled map: SPARGE_CUDA_MAP_TILE=f16x3 needs the \"cuda\" backend on sm_80+, D a multiple "
+                           "of 4 up to %d and pooled rows contiguous and 16-byte aligned; unset it for the fp32 tiles",
+                           TC_MAX_D);
     const sparge_view &q = a->qbar, &k = a->kbar;
     const int64_t bh = q.B * q.H, tiles = bh * ((q.N + MAP_TILE - 1) / MAP_TILE) * ((k.N + MAP_TILE - 1) / MAP_TILE);
     if (tiles > INT32_MAX || bh * q.N > INT32_MAX)
@@ -1042,8 +1081,8 @@ sparge_status launch_logits(gpu_ctx *ctx, const sparge_map_args *a)
     const int forced = map_tile_choice();
 #ifndef SPARGE_USE_HIP
     if (forced == MAP_TENSOR || (forced < 0 && tc_map_ok(ctx, a)))
-        return gpu_launch_after(ctx, map_logits_tc_kernel, (unsigned)tiles(TC_TILE), TC_THREADS, 0,
-                                "pooled map kernel", make_map_params(a));
+        return gpu_launch_after(ctx, q.D <= 64 ? map_logits_tc_kernel<4> : map_logits_tc_kernel<TC_MAX_D / 16>,
+                                (unsigned)tiles(TC_TILE), TC_THREADS, 0, "pooled map kernel", make_map_params(a));
 #endif
     if (forced == 0 || (forced < 0 && tiles(128) >= 1024))
         return gpu_launch_after(ctx, map_logits_kernel<8>, (unsigned)tiles(128), MAP_THREADS, 0, "pooled map kernel",
