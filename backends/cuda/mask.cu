@@ -192,12 +192,12 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
  * d = 16c+4t..16c+4t+3 of its two rows for every 16-d chunk c, as k positions 2t, 2t+1, 2t+8, 2t+9 (the key
  * fragments use the same order: the sum over d is the same in any order). Every load of the tile is issued at
  * once, so the kernel waits on memory once, not once per chunk; the key tile is split once per block into shared
- * memory. At Wan2.1-1.3B on the H200 the 3xTF32 kernel this replaces took 14.1 µs (ncu), with its shared-memory
- * reads of the split keys at 76 % of L1 throughput; in a standalone probe (experiments/results/h200/
- * logits_probe_s19.cu) 3xTF32 with the same single wait took 15.3 µs/launch, this scheme 11.1, against 15.6. */
+ * memory. On the H200 (ncu) it takes 11.2 µs at Wan2.1-1.3B and 164 µs at 14B, against 14.1 and 211 for the 3xTF32
+ * kernel it replaced, which held L1 at 76 % of its throughput; the same fp16 scheme with a thread per key column
+ * (each load 32 scattered 16-byte pieces) issued twice the L1 wavefronts and took 14.9 µs. */
 constexpr int TC_TILE = 64, TC_THREADS = 128, TC_N8 = TC_TILE / 8;
 static_assert(TC_TILE == MAP_TILE, "launch_logits counts the key tiles in MAP_TILE");
-static_assert(TC_THREADS == 2 * TC_TILE, "two threads stage each key column");
+static_assert(TC_THREADS / 32 * 16 == TC_TILE, "each warp stages 16 key columns");
 
 /* The exponent s for which 2^s takes the largest magnitude, bits m (sign cleared), into [2^14, 2^15); 0 for zero
  * or a non-finite largest value (fp16 then carries the infinity or the NaN into the logits). */
@@ -239,9 +239,10 @@ __device__ __forceinline__ void mma_f16(float c[4], const uint32_t a[4], const u
  * tiles in one wave on the H200. */
 template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_tc_kernel(map_params p)
 {
-    /* [chunk][column][t]: hi and lo of d = 16c+4t..16c+4t+3 as two fp16 pairs; a warp's reads at one n are 256
-     * contiguous bytes. */
-    __shared__ uint2 khi[NCH][TC_TILE][4], klo[NCH][TC_TILE][4];
+    /* [column][chunk c ^ (column % NCH)][t]: hi and lo of d = 16c+4t..16c+4t+3 as two fp16 pairs. The swizzle
+     * spreads both the staging writes (one column per warp) and the fragment reads (eight columns, one chunk) over
+     * the banks: two wavefronts for each warp's 256 bytes. */
+    __shared__ uint2 khi[TC_TILE][NCH][4], klo[TC_TILE][NCH][4];
     __shared__ int kshift[TC_TILE];
     gpu_wait_for_previous_kernel();
     const int64_t ktiles = (p.Nkb + TC_TILE - 1) / TC_TILE, qtiles = (p.Nqb + TC_TILE - 1) / TC_TILE;
@@ -249,17 +250,15 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
     const int64_t i0 = tile / ktiles % qtiles * TC_TILE, j0 = tile % ktiles * TC_TILE;
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int64_t row0 = i0 + threadIdx.x / 32 * 16 + g;
-    /* Staging: thread s holds key column s/2, chunks c0 .. c0 + NCH/2 - 1 (64 contiguous floats at D = 128). */
-    const int scol = threadIdx.x / 2, c0 = threadIdx.x % 2 * (NCH / 2);
-    const bool sok = j0 + scol < p.Nkb;
-    const float *ksrc = p.k + b * p.kb + h * p.kh + (j0 + scol) * p.kn + 16 * c0;
+    /* Staging: warp w holds key columns 16w..16w+15, a whole pooled row per load (lane l: d = 4l..4l+3, chunk
+     * l/4), so that each load is one contiguous 512-byte row; per-thread columns took 8 times the L1 wavefronts. */
+    const int kc = lane / 4, w = threadIdx.x / 32;
+    const float *ksrc = p.k + b * p.kb + h * p.kh + (j0 + 16 * w) * p.kn + 4 * lane;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float4 kv[NCH / 2][4], qv[2][NCH];
+    float4 kv[16], qv[2][NCH];
 #pragma unroll
-    for (int c = 0; c < NCH / 2; c++)
-#pragma unroll
-        for (int u = 0; u < 4; u++)
-            kv[c][u] = sok && 16 * (c0 + c) + 4 * u < p.D ? *(const float4 *)(ksrc + 16 * c + 4 * u) : zero;
+    for (int u = 0; u < 16; u++)
+        kv[u] = j0 + 16 * w + u < p.Nkb && 4 * lane < p.D ? *(const float4 *)(ksrc + u * p.kn) : zero;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const bool ok = row0 + 8 * r < p.Nqb;
@@ -269,27 +268,20 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
             qv[r][c] = ok && 16 * c + 4 * t < p.D ? *(const float4 *)(qsrc + 16 * c) : zero;
     }
 
-    uint32_t m = 0u;
 #pragma unroll
-    for (int c = 0; c < NCH / 2; c++)
-#pragma unroll
-        for (int u = 0; u < 4; u++)
-            m = abs_max_bits(m, kv[c][u]);
-    const int ks = f16_shift(max(m, __shfl_xor_sync(SPARGE_FULL_MASK, m, 1)));
-    const float kscale = pow2(ks);
-#pragma unroll
-    for (int c = 0; c < NCH / 2; c++)
-#pragma unroll
-        for (int u = 0; u < 4; u++) {
-            const float4 x = scaled(kv[c][u], kscale);
-            uint2 hi, lo;
-            f16_split(x.x, x.y, hi.x, lo.x);
-            f16_split(x.z, x.w, hi.y, lo.y);
-            khi[c0 + c][scol][u] = hi;
-            klo[c0 + c][scol][u] = lo;
+    for (int u = 0; u < 16; u++) {
+        const int col = 16 * w + u, ks = f16_shift(__reduce_max_sync(SPARGE_FULL_MASK, abs_max_bits(0u, kv[u])));
+        const float4 x = scaled(kv[u], pow2(ks));
+        uint2 hi, lo;
+        f16_split(x.x, x.y, hi.x, lo.x);
+        f16_split(x.z, x.w, hi.y, lo.y);
+        if (kc < NCH) {
+            khi[col][kc ^ (col & (NCH - 1))][t] = hi;
+            klo[col][kc ^ (col & (NCH - 1))][t] = lo;
         }
-    if (c0 == 0)
-        kshift[scol] = ks;
+        if (lane == 0)
+            kshift[col] = ks;
+    }
     int qs[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -314,7 +306,7 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
         f16_split(q1.z, q1.w, ah[3], al[3]);
 #pragma unroll
         for (int n = 0; n < TC_N8; n++) {
-            const uint2 bh = khi[c][8 * n + g][t], bl = klo[c][8 * n + g][t];
+            const uint2 bh = khi[8 * n + g][c ^ (g & (NCH - 1))][t], bl = klo[8 * n + g][c ^ (g & (NCH - 1))][t];
             const uint32_t bhi[2] = {bh.x, bh.y}, blo[2] = {bl.x, bl.y};
             mma_f16(acc[n], al, bhi);
             mma_f16(acc[n], ah, blo);
