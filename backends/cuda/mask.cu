@@ -605,27 +605,21 @@ __device__ __forceinline__ int warp_count(int x)
 #endif
 }
 
-/* Warp-wide minimum and maximum: one redux instruction each on sm_80+, the shuffles elsewhere. */
-__device__ __forceinline__ int32_t warp_min(int32_t x)
+/* Warp-wide minimum (MAX false) or maximum: one redux instruction on sm_80+, the shuffles elsewhere. */
+template <bool MAX> __device__ __forceinline__ int32_t warp_extreme(int32_t x)
 {
 #if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    return __reduce_min_sync(SPARGE_FULL_MASK, x);
+    return MAX ? __reduce_max_sync(SPARGE_FULL_MASK, x) : __reduce_min_sync(SPARGE_FULL_MASK, x);
 #else
-    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
-        x = min(x, sparge_shfl_xor(x, o));
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1) {
+        const int32_t y = sparge_shfl_xor(x, o);
+        x = MAX ? max(x, y) : min(x, y);
+    }
     return x;
 #endif
 }
-__device__ __forceinline__ int32_t warp_max(int32_t x)
-{
-#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    return __reduce_max_sync(SPARGE_FULL_MASK, x);
-#else
-    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
-        x = max(x, sparge_shfl_xor(x, o));
-    return x;
-#endif
-}
+__device__ __forceinline__ int32_t warp_min(int32_t x) { return warp_extreme<false>(x); }
+__device__ __forceinline__ int32_t warp_max(int32_t x) { return warp_extreme<true>(x); }
 
 /* The warp's values in descending order across the lanes (a bitonic network). */
 __device__ __forceinline__ int32_t warp_sort_descending(int32_t x)
