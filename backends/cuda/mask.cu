@@ -243,7 +243,7 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
      * spreads both the staging writes (one column per warp) and the fragment reads (eight columns, one chunk) over
      * the banks: two wavefronts for each warp's 256 bytes. */
     __shared__ uint2 khi[TC_TILE][NCH][4], klo[TC_TILE][NCH][4];
-    __shared__ int kshift[TC_TILE];
+    __shared__ alignas(8) float kunscale[TC_TILE]; /* 2^-shift of each key column */
     gpu_wait_for_previous_kernel();
     const int64_t ktiles = (p.Nkb + TC_TILE - 1) / TC_TILE, qtiles = (p.Nqb + TC_TILE - 1) / TC_TILE;
     const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
@@ -280,7 +280,7 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
             klo[col][kc ^ (col & (NCH - 1))][t] = lo;
         }
         if (lane == 0)
-            kshift[col] = ks;
+            kunscale[col] = pow2(-ks);
     }
     int qs[2];
 #pragma unroll
@@ -317,19 +317,20 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
      * the powers of two are then exact unless the logit itself overflows or is subnormal. */
     float *mp = p.map + b * p.mb + h * p.mh;
     const bool pair = p.md == 1 && p.mn % 2 == 0 && ((uintptr_t)mp & 7u) == 0;
+    const float qu[2] = {pow2(-qs[0]), pow2(-qs[1])};
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int64_t i = row0 + 8 * r;
-        if (i >= p.Nqb)
-            continue;
-        float *out = mp + i * p.mn;
-        const float qu = pow2(-qs[r]);
+    for (int n = 0; n < TC_N8; n++) {
+        const int jj = 8 * n + 2 * t;
+        const int64_t j = j0 + jj;
+        const float2 ku = *(const float2 *)&kunscale[jj];
 #pragma unroll
-        for (int n = 0; n < TC_N8; n++) {
-            const int jj = 8 * n + 2 * t;
-            const int64_t j = j0 + jj;
-            const float x0 = acc[n][2 * r] * p.scale * qu * pow2(-kshift[jj]);
-            const float x1 = acc[n][2 * r + 1] * p.scale * qu * pow2(-kshift[jj + 1]);
+        for (int r = 0; r < 2; r++) {
+            const int64_t i = row0 + 8 * r;
+            if (i >= p.Nqb)
+                continue;
+            float *out = mp + i * p.mn;
+            const float x0 = acc[n][2 * r] * p.scale * qu[r] * ku.x;
+            const float x1 = acc[n][2 * r + 1] * p.scale * qu[r] * ku.y;
             if (pair && j + 1 < p.Nkb)
                 *(float2 *)(out + j) = make_float2(x0, x1);
             else {
