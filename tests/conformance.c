@@ -825,10 +825,12 @@ static void test_predict_nonfinite(void **state)
 }
 
 /* Top-p at an exact boundary, against cpu-ref's selection on the backend's own pooled map (so the same
- * probabilities, and the kept sets must be identical). One query block; 64 of the key blocks hold identical tokens
- * along q̄, so they tie for the largest probability a, and p is set to their exact mass 64·a, then to the next double
- * above it (one block more). The GPU's selection, which decides by fp32 masses only when they are clearly on one side
- * of p, must take its fp64 path here. Rows of 512 key blocks (a selection width) and of 300. */
+ * probabilities, and the kept sets must be identical). One query block; 64 key blocks spread over the row hold
+ * identical tokens along q̄, so they tie for the largest probability a, and p is set to their exact mass 64·a, then
+ * to the next double above it (one block more). The GPU's selection, which decides by fp32 masses only when they are
+ * clearly on one side of p, must take its fp64 path here. Then Top-k alone keeps 40 of the 64 ties, the first by
+ * index: a GPU that splits a row over several warps must rank ties across them. Rows of 512 key blocks (a selection
+ * width) and of 300. */
 static void test_predict_exact_boundary(void **state)
 {
     (void)state;
@@ -840,8 +842,8 @@ static void test_predict_exact_boundary(void **state)
         double qbar[64] = {0};
         for (int64_t i = 0; i < Nq * D; i++)
             qbar[i % D] += qv[i] / (double)Nq;
-        for (int64_t j = 0; j < ties; j++) /* blocks 1, 4, 7, ...: every token 12·q̄ (rounded to f32 alike) */
-            for (int64_t t = (3 * j + 1) * 64; t < (3 * j + 2) * 64; t++)
+        for (int64_t j = 0; j < ties; j++) /* blocks 1 + j·Nkb/64: every token 12·q̄ (rounded to f32 alike) */
+            for (int64_t t = (1 + j * Nkb / ties) * 64; t < (2 + j * Nkb / ties) * 64; t++)
                 for (int64_t d = 0; d < D; d++)
                     kv[t * D + d] = (float)(12.0 * qbar[d]);
         tu_tensor q = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, 1, Nq, D), k = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, 1, Nk, D);
@@ -861,9 +863,11 @@ static void test_predict_exact_boundary(void **state)
         }
         assert_int_equal(at_a, ties);
         const double exact = (double)ties * a; /* exact in fp64 in any order */
-        const double ps[2] = {exact, nextafter(exact, 2.0)};
-        for (int c = 0; c < 2; c++) {
+        const double ps[3] = {exact, nextafter(exact, 2.0), 0.0};
+        const int64_t taken = 40;
+        for (int c = 0; c < 3; c++) {
             mp.topp = ps[c];
+            mp.topk = c == 2 ? ((double)taken + 0.5) / (double)Nkb : 0.0;
             assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
             tu_tensor rmap = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, 1, 1, Nkb);
             double *md = malloc((size_t)Nkb * sizeof *md);
@@ -877,7 +881,7 @@ static void test_predict_exact_boundary(void **state)
             int32_t cnt, rcnt, *idx = malloc((size_t)Nkb * 4), *ridx = malloc((size_t)Nkb * 4);
             assert_int_equal(sparge_mask_get_csr(m, &cnt, idx, NULL, NULL), SPARGE_OK);
             assert_int_equal(sparge_mask_get_csr(rm, &rcnt, ridx, NULL, NULL), SPARGE_OK);
-            assert_int_equal(rcnt, c ? ties + 1 : ties);
+            assert_int_equal(rcnt, c == 2 ? taken : c ? ties + 1 : ties);
             assert_int_equal(cnt, rcnt);
             assert_memory_equal(idx, ridx, (size_t)cnt * 4);
             free(idx);
