@@ -243,7 +243,7 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
      * spreads both the staging writes (one column per warp) and the fragment reads (eight columns, one chunk) over
      * the banks: two wavefronts for each warp's 256 bytes. */
     __shared__ uint2 khi[TC_TILE][NCH][4], klo[TC_TILE][NCH][4];
-    __shared__ alignas(8) float kunscale[TC_TILE]; /* 2^-shift of each key column */
+    __shared__ int kshift[TC_TILE];
     gpu_wait_for_previous_kernel();
     const int64_t ktiles = (p.Nkb + TC_TILE - 1) / TC_TILE, qtiles = (p.Nqb + TC_TILE - 1) / TC_TILE;
     const int64_t tile = blockIdx.x, bh = tile / (qtiles * ktiles), b = bh / p.H, h = bh % p.H;
@@ -280,7 +280,7 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
             klo[col][kc ^ (col & (NCH - 1))][t] = lo;
         }
         if (lane == 0)
-            kunscale[col] = pow2(-ks);
+            kshift[col] = ks;
     }
     int qs[2];
 #pragma unroll
@@ -317,20 +317,19 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
      * the powers of two are then exact unless the logit itself overflows or is subnormal. */
     float *mp = p.map + b * p.mb + h * p.mh;
     const bool pair = p.md == 1 && p.mn % 2 == 0 && ((uintptr_t)mp & 7u) == 0;
-    const float qu[2] = {pow2(-qs[0]), pow2(-qs[1])};
 #pragma unroll
-    for (int n = 0; n < TC_N8; n++) {
-        const int jj = 8 * n + 2 * t;
-        const int64_t j = j0 + jj;
-        const float2 ku = *(const float2 *)&kunscale[jj];
+    for (int r = 0; r < 2; r++) {
+        const int64_t i = row0 + 8 * r;
+        if (i >= p.Nqb)
+            continue;
+        float *out = mp + i * p.mn;
+        const float qu = pow2(-qs[r]);
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int64_t i = row0 + 8 * r;
-            if (i >= p.Nqb)
-                continue;
-            float *out = mp + i * p.mn;
-            const float x0 = acc[n][2 * r] * p.scale * qu[r] * ku.x;
-            const float x1 = acc[n][2 * r + 1] * p.scale * qu[r] * ku.y;
+        for (int n = 0; n < TC_N8; n++) {
+            const int jj = 8 * n + 2 * t;
+            const int64_t j = j0 + jj;
+            const float x0 = acc[n][2 * r] * p.scale * qu * pow2(-kshift[jj]);
+            const float x1 = acc[n][2 * r + 1] * p.scale * qu * pow2(-kshift[jj + 1]);
             if (pair && j + 1 < p.Nkb)
                 *(float2 *)(out + j) = make_float2(x0, x1);
             else {
@@ -562,7 +561,7 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
     gpu_allow_next_kernel();
 }
 
-/* ---------------------------------------------------------------- fused softmax + selection, a warp or two per row */
+/* ---------------------------------------------------------------- fused softmax + selection, one warp per row */
 
 /* For mask prediction (rows of softmax probabilities, never negative) the
  * kept set is found without sorting. kept = max(n_k, n_p, 1) is the shortest
@@ -570,33 +569,20 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
  * since the prefix mass only grows; T is the key of its last block. A
  * bisection over the key range [lo, hi) known to hold T finds it: if the keys
  * >= mid satisfy both bounds, T >= mid, else they are all kept before T. Each
- * pass counts from the registers (the row lives there: lane l of the row's
- * warp w holds blocks w·part + l, w·part + l + warp, ...) and snaps the range
- * to the nearest keys on either side, so empty stretches of the key range cost
- * nothing. Once at most a warp's width of candidates is left in [lo, hi), a
- * warp sort and a scan of their mass place T at once. Ties at T are then taken
- * by ascending index, adding their mass one by one as the reference does. A
- * pass adds the mass in fp32 and only decides by it when it is clearly on one
- * side of p; otherwise, and for every mass that reaches the output, it adds in
- * fp64. The map's rows must be contiguous (md = 1).
- *
- * A row is one warp's serial stream, so a grid of one warp per row leaves half
- * the GPU idle at Wan2.1-1.3B (3,072 rows of 512 blocks on the H200). Rows of
- * up to 1024 blocks are therefore split over two warps, a thread block per
- * row: each warp reduces its part, and the warps swap their parts through
- * shared memory at one barrier per step, every warp then combining them in the
- * same order, so that all take the same decisions. */
+ * pass counts from the registers (the row lives there: lane l holds blocks l,
+ * l + warp, l + 2·warp, ...) and snaps the range to the nearest keys on either
+ * side, so empty stretches of the key range cost nothing. Once at most a
+ * warp's width of candidates is left in [lo, hi), a warp sort and a scan of
+ * their mass place T at once. Ties at T are then taken by ascending index,
+ * adding their mass one by one as the reference does. A pass adds the mass in
+ * fp32 and only decides by it when it is clearly on one side of p; otherwise,
+ * and for every mass that reaches the output, it adds in fp64. The map's rows
+ * must be contiguous (md = 1). At Wan2.1-1.3B on the H200 (ncu) it takes
+ * 13.0-13.7 / 13.5-13.6 µs (Top-k 95 % / hybrid) where a bitwise descent that
+ * compacted the candidates into shared memory after each split took 16.2 /
+ * 18.5 µs. */
+constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
 constexpr int64_t FAST_MAX_ROW = 2048;
-
-template <int CAP> struct fast_layout {
-    static constexpr int WPR = CAP <= 1024 ? 2 : 1; /* warps per row */
-    static constexpr int ROWS = WPR == 1 ? 4 : 1;   /* rows per thread block: the barrier is the block's */
-    static constexpr int THREADS = WPR * ROWS * SPARGE_WARP_SIZE;
-    static constexpr int IPT = CAP / (WPR * SPARGE_WARP_SIZE); /* keys per lane */
-    /* Thread blocks per SM. Wan2.1-1.3B's 3,072 full rows of 512 in one wave on the H200: 24, so <= 42 registers;
-     * rows of other widths as many as fit without spilling. */
-    static constexpr int min_blocks(bool full) { return CAP > 1024 ? 1 : CAP > 512 ? 12 : full ? 24 : 18; }
-};
 
 /* Order-preserving key of a probability >= 0: its bits (+0 for -0); -1 marks padding. */
 __device__ __forceinline__ int32_t prob_key(float x) { return (int32_t)(__float_as_uint(x) & 0x7fffffffu); }
@@ -648,51 +634,6 @@ __device__ __forceinline__ int32_t warp_sort_descending(int32_t x)
     return x;
 }
 
-/* The shared memory of one row: its warps' candidate lists and the parts they swap, in two sets used in turn. */
-template <int WPR> struct row_shared {
-    int32_t list[WPR][SPARGE_WARP_SIZE];
-    alignas(8) unsigned char part[2][WPR][24];
-};
-
-/* The warps of one row. swap() posts this warp's part and returns every warp's: one barrier, as a warp can post
- * again only after every warp has passed it, by then done reading the other set. All warps must call it. */
-template <int WPR> struct row_team {
-    row_shared<WPR> &sh;
-    int warp, set;
-    template <typename T> struct parts {
-        T v[WPR];
-    };
-    template <typename T> __device__ parts<T> swap(const T &mine)
-    {
-        parts<T> all;
-        if constexpr (WPR == 1)
-            all.v[0] = mine;
-        else {
-            static_assert(sizeof(T) <= sizeof(sh.part[0][0]), "row part too large");
-            if (threadIdx.x % SPARGE_WARP_SIZE == 0)
-                *reinterpret_cast<T *>(sh.part[set][warp]) = mine;
-            __syncthreads();
-            for (int w = 0; w < WPR; w++)
-                all.v[w] = *reinterpret_cast<const T *>(sh.part[set][w]);
-            set ^= 1;
-        }
-        return all;
-    }
-    /* The row's value of op over the warps' values, the same in every warp. */
-    template <typename T, typename Op> __device__ T combine(const T &mine, Op op)
-    {
-        const parts<T> all = swap(mine);
-        T r = all.v[0];
-        for (int w = 1; w < WPR; w++)
-            r = op(r, all.v[w]);
-        return r;
-    }
-    template <typename T> __device__ T sum(const T &mine)
-    {
-        return combine(mine, [](T a, T b) { return a + b; });
-    }
-};
-
 /* One bisection pass over a lane's keys: how many are >= mid and (MASS) their mass in fp32, the lowest of them
  * and the highest key below mid (padding is neither). */
 struct split_count {
@@ -714,12 +655,6 @@ template <int IPT, bool MASS> __device__ __forceinline__ split_count count_split
             s.highest_out = max(s.highest_out, key[e]);
     return s;
 }
-/* A pass over the row: the warps' counts and extremes, and their masses (fp32 per lane, fp64 across lanes). */
-struct row_split {
-    double m;
-    int c;
-    int32_t lowest_in, highest_out;
-};
 
 /* The warp's fp64 mass of the keys >= from (the lowest key of the row: all of them). */
 template <int IPT> __device__ __forceinline__ double mass_from(const int32_t (&key)[IPT], int32_t from)
@@ -732,42 +667,30 @@ template <int IPT> __device__ __forceinline__ double mass_from(const int32_t (&k
     return warp_sum(m);
 }
 
-/* How many of the warp's keys are above and at T (only where the row has several warps), and the row's mass above
- * T (only without Top-p: with it, the passes found it). */
-struct row_output {
-    double above_mass;
-    int above, at;
-};
-
-/* sh: the row's shared memory. FULL: the row has exactly CAP blocks (Wan2.1-1.3B's 512), so no register slot needs
- * a bounds check. */
-template <int CAP, bool FULL>
-__device__ void fast_select_row(const select_params &p, int64_t row, row_shared<fast_layout<CAP>::WPR> &sh)
+/* list: this warp's SPARGE_WARP_SIZE slots of shared memory. FULL: the row has exactly CAP blocks (Wan2.1-1.3B's
+ * 512), so no register slot needs a bounds check. */
+template <int CAP, bool FULL> __device__ void fast_select_row(const select_params &p, int64_t row, int32_t *list)
 {
-    using L = fast_layout<CAP>;
-    constexpr int IPT = L::IPT, WPR = L::WPR, W = SPARGE_WARP_SIZE;
-    const int lane = threadIdx.x % W, warp = threadIdx.x / W % WPR, n = FULL ? CAP : (int)p.Nkb; /* n <= CAP */
-    row_team<WPR> team{sh, warp, 0};
+    constexpr int IPT = CAP / SPARGE_WARP_SIZE;
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE, n = FULL ? CAP : (int)p.Nkb; /* n <= FAST_MAX_ROW */
     /* 32-bit decode (check_select: rows <= INT32_MAX): a 64-bit division by a run-time value is a long software
      * sequence. */
     const uint32_t r = (uint32_t)row, bh = r / (uint32_t)p.Nqb, i = r - bh * (uint32_t)p.Nqb, b = bh / (uint32_t)p.H,
                    h = bh - b * (uint32_t)p.H;
-    const int first = warp * IPT * W; /* this warp's blocks: first + e·W + lane */
-    float *src = p.map + b * p.mb + h * p.mh + i * p.mn + first;
-    auto in_row = [&](int e) { return FULL || first + e * W + lane < n; };
+    float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
+    auto in_row = [&](int e) { return FULL || e * SPARGE_WARP_SIZE + lane < n; };
 
     /* Softmax as map_softmax_kernel: a row holding a NaN logit becomes all NaN. So does a row holding +inf or only
-     * -inf: each leaves a NaN in the sum (inf - inf), so 1/sum tells for the whole row. */
+     * -inf: each leaves a NaN in the sum (inf - inf), so 1/sum tells for the whole warp. */
     float x[IPT];
     float mx = -INFINITY;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
-        x[e] = in_row(e) ? src[e * W + lane] : -INFINITY;
+        x[e] = in_row(e) ? src[e * SPARGE_WARP_SIZE + lane] : -INFINITY;
         mx = fmaxf(mx, x[e]); /* ignores NaN */
     }
-    for (int o = W / 2; o > 0; o >>= 1)
+    for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
         mx = fmaxf(mx, sparge_shfl_xor(mx, o));
-    mx = team.combine(mx, [](float a, float c) { return fmaxf(a, c); });
     float sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < IPT; e++)
@@ -775,30 +698,29 @@ __device__ void fast_select_row(const select_params &p, int64_t row, row_shared<
             x[e] = expf(x[e] - mx);
             sum += x[e];
         }
-    const float inv = 1.0f / team.sum(warp_sum(sum));
+    const float inv = 1.0f / warp_sum(sum);
+    const bool nan = is_nan(inv);
     int32_t key[IPT];
-    struct range {
-        int32_t lo, hi;
-    } keys = {INT32_MAX, -1};
+    int32_t kmin = INT32_MAX, kmax = -1;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
         key[e] = -1;
         if (in_row(e)) {
             const float v = x[e] * inv;
-            src[e * W + lane] = v;
+            src[e * SPARGE_WARP_SIZE + lane] = v;
             key[e] = prob_key(v);
-            keys.lo = min(keys.lo, key[e]);
-            keys.hi = max(keys.hi, key[e]);
+            kmin = min(kmin, key[e]);
+            kmax = max(kmax, key[e]);
         }
     }
-    uint8_t *dense = p.dense + row * n + first;
+    uint8_t *dense = p.dense + row * n;
     int32_t *idx = p.indices + row * n;
-    if (is_nan(inv)) {
-        for (int j = first + lane; j < min(n, first + IPT * W); j += W) {
-            dense[j - first] = 1;
+    if (nan) {
+        for (int j = lane; j < n; j += SPARGE_WARP_SIZE) {
+            dense[j] = 1;
             idx[j] = j;
         }
-        if (threadIdx.x % (WPR * W) == 0) {
+        if (lane == 0) {
             p.counts[row] = n;
             p.row_mass[row] = NAN;
         }
@@ -807,116 +729,75 @@ __device__ void fast_select_row(const select_params &p, int64_t row, row_shared<
 
     const int least = p.topk_count > 1 ? (int)p.topk_count : 1; /* <= n */
     const bool use_p = p.topp > 0.0;
-    keys = team.combine(range{warp_min(keys.lo), warp_max(keys.hi)},
-                        [](const range &a, const range &c) { return range{min(a.lo, c.lo), max(a.hi, c.hi)}; });
-    int32_t lo = keys.lo, hi = keys.hi + 1; /* T lies in [lo, hi) */
-    auto row_mass_from = [&](int32_t from) { return team.sum(mass_from(key, from)); };
+    int32_t lo = warp_min(kmin), hi = warp_max(kmax) + 1; /* T lies in [lo, hi) */
     /* Rounding may leave the total below p: keep the whole row. The total of a softmax row is within n·2^-23 of 1,
      * so only p near 1 needs it. */
-    const double total = use_p && p.topp > 0.999 ? row_mass_from(lo) : 1.0;
+    const double total = use_p && p.topp > 0.999 ? mass_from(key, lo) : 1.0;
     const bool whole = use_p && total < p.topp;
 
     int32_t T = 0;
     uint32_t ties_taken = 0u;
-    int above = 0, nc = 0;
-    double above_mass = 0.0;
-    if (!whole) {
-        /* ge_lo keys are >= lo and `above` keys are >= hi. The fp32 mass of a lane's part of a pass is within
-         * IPT·2^-24 of its exact value, relatively (sequential sums, ftz'd terms below 2^-126 aside). */
-        const double slack = IPT * 0x1p-22;
-        int ge_lo = n;
-        while (hi - lo > 1 && ge_lo - above > W) {
-            const int32_t mid = lo + (hi - lo) / 2;
-            const split_count c = use_p ? count_split<IPT, true>(key, mid) : count_split<IPT, false>(key, mid);
-            const row_split s = team.combine(
-                row_split{use_p ? warp_sum((double)c.m) : 0.0, warp_count(c.c), warp_min(c.lowest_in),
-                          warp_max(c.highest_out)},
-                [](const row_split &a, const row_split &d) {
-                    return row_split{a.m + d.m, a.c + d.c, min(a.lowest_in, d.lowest_in),
-                                     max(a.highest_out, d.highest_out)};
-                });
-            bool take = s.c >= least; /* the keys >= mid suffice: T >= mid */
-            if (take && use_p)
-                take = fabs(s.m - p.topp) > slack * s.m + 0x1p-100 ? s.m >= p.topp : row_mass_from(mid) >= p.topp;
-            if (take) {
-                lo = s.lowest_in;
-                ge_lo = s.c;
-            } else { /* they are all kept before T */
-                hi = s.highest_out + 1;
-                above = s.c;
-            }
-        }
-        nc = ge_lo - above; /* the candidates: the keys in [lo, hi) */
-        T = lo;
-        const bool sort = hi - lo > 1; /* at most a warp's width of them, not all equal: sorted, they give T at once */
-        if (sort || (use_p && above)) {
-            struct candidates {
-                double above_mass;
-                int placed;
-            } mine = {use_p && above ? mass_from(key, hi) : 0.0, 0};
-            if (sort) {
-                const sparge_lanes below = ((sparge_lanes)1 << lane) - 1;
-#pragma unroll
-                for (int e = 0; e < IPT; e++) {
-                    const bool cand = key[e] >= lo && key[e] < hi;
-                    const sparge_lanes cb = sparge_ballot(cand);
-                    if (cand)
-                        sh.list[warp][mine.placed + sparge_popc(cb & below)] = key[e];
-                    mine.placed += sparge_popc(cb);
-                }
-                if (WPR == 1)
-                    sparge_syncwarp();
-            }
-            const auto all = team.swap(mine);
-            int32_t k = -1; /* lane l: the l-th candidate, the warps' lists one after the other */
-            for (int w = 0, from = 0; w < WPR; w++) {
-                above_mass += all.v[w].above_mass;
-                if (lane >= from && lane < from + all.v[w].placed)
-                    k = sh.list[w][lane - from];
-                from += all.v[w].placed;
-            }
-            if (sort) {
-                k = warp_sort_descending(k);
-                const double kv = k >= 0 ? key_prob(k) : 0.0;
-                const double incl = use_p ? warp_inclusive_scan(kv) : 0.0;
-                const double up = sparge_shfl_up(incl, 1); /* every lane shuffles: lane 0 then drops it */
-                const double excl = lane ? up : 0.0;
-                const sparge_lanes ok =
-                    sparge_ballot(k >= 0 && above + lane + 1 >= least && (!use_p || above_mass + incl >= p.topp));
-                /* The passes left T among the candidates; a rounding difference in the scan's sum can only move it
-                 * to the last one. */
-                const int at = ok ? sparge_ffs(ok) - 1 : nc - 1;
-                T = sparge_shfl(k, at);
-                const sparge_lanes ties = sparge_ballot(k == T);
-                const int tie = sparge_ffs(ties) - 1;
-                above += tie;
-                above_mass += sparge_shfl(excl, tie);
-                nc = sparge_popc(ties);
-            }
-        }
-    }
-
-    /* Each warp's place in the CSR row comes from the warps before it: their blocks above T and at T. */
-    row_output mine = {!use_p ? mass_from(key, T + 1) : 0.0, 0, 0};
-    if (WPR > 1) {
-        int a = 0, t = 0;
-#pragma unroll
-        for (int e = 0; e < IPT; e++) {
-            a += key[e] > T;
-            t += key[e] == T;
-        }
-        mine.above = warp_count(a);
-        mine.at = warp_count(t);
-    }
-    const auto out = team.swap(mine);
+    bool all_ties = true; /* every block with key T is kept */
     double mass = total;
-    bool all_ties = true; /* every block with key T is kept (whole: T = 0, and every block is) */
     if (!whole) {
+        /* ge_lo keys are >= lo and `above` keys are >= hi. The fp32 mass of a pass is within IPT·2^-24 of its
+         * exact value, relatively (sequential sums over a lane, ftz'd terms below 2^-126 aside). */
+        const double slack = IPT * 0x1p-22;
+        int ge_lo = n, above = 0;
+        while (hi - lo > 1 && ge_lo - above > SPARGE_WARP_SIZE) {
+            const int32_t mid = lo + (hi - lo) / 2;
+            const split_count s = use_p ? count_split<IPT, true>(key, mid) : count_split<IPT, false>(key, mid);
+            const int c = warp_count(s.c);
+            bool take = c >= least; /* the keys >= mid suffice: T >= mid */
+            if (take && use_p) {
+                const double m = warp_sum((double)s.m);
+                take = fabs(m - p.topp) > slack * m + 0x1p-100 ? m >= p.topp : mass_from(key, mid) >= p.topp;
+            }
+            if (take) {
+                lo = warp_min(s.lowest_in);
+                ge_lo = c;
+            } else { /* they are all kept before T */
+                hi = warp_max(s.highest_out) + 1;
+                above = c;
+            }
+        }
+        int nc = ge_lo - above; /* the candidates: the keys in [lo, hi) */
+        double above_mass = use_p && above ? mass_from(key, hi) : 0.0;
+        T = lo;
+        if (hi - lo > 1) { /* at most a warp's width of them, not all equal: sorted, they give T at once */
+            const sparge_lanes below = ((sparge_lanes)1 << lane) - 1;
+            int placed = 0;
+#pragma unroll
+            for (int e = 0; e < IPT; e++) {
+                const bool cand = key[e] >= lo && key[e] < hi;
+                const sparge_lanes cb = sparge_ballot(cand);
+                if (cand)
+                    list[placed + sparge_popc(cb & below)] = key[e];
+                placed += sparge_popc(cb);
+            }
+            sparge_syncwarp();
+            const int32_t k = warp_sort_descending(lane < nc ? list[lane] : -1);
+            sparge_syncwarp(); /* every lane has read the list before this warp's next row writes it */
+            const double kv = k >= 0 ? key_prob(k) : 0.0;
+            const double incl = use_p ? warp_inclusive_scan(kv) : 0.0;
+            const double up = sparge_shfl_up(incl, 1); /* every lane shuffles: lane 0 then drops it */
+            const double excl = lane ? up : 0.0;
+            const sparge_lanes ok =
+                sparge_ballot(k >= 0 && above + lane + 1 >= least && (!use_p || above_mass + incl >= p.topp));
+            /* The passes left T among the candidates; a rounding difference in the scan's sum can only move it
+             * to the last one. */
+            const int at = ok ? sparge_ffs(ok) - 1 : nc - 1;
+            T = sparge_shfl(k, at);
+            const sparge_lanes ties = sparge_ballot(k == T);
+            const int first = sparge_ffs(ties) - 1;
+            above += first;
+            above_mass += sparge_shfl(excl, first);
+            nc = sparge_popc(ties);
+        }
         /* The nc candidates left all equal T; above / above_mass cover exactly the keys > T. Without Top-p the
          * mass only feeds row_mass. */
         if (!use_p)
-            for (int w = 0; w < WPR; w++)
-                above_mass += out.v[w].above_mass;
+            above_mass = mass_from(key, T + 1);
         /* Ties at T by ascending index, their mass added one by one as the reference does. */
         const double tv = key_prob(T);
         mass = above_mass;
@@ -926,25 +807,15 @@ __device__ void fast_select_row(const select_params &p, int64_t row, row_shared<
         } while ((int)ties_taken < nc && !(above + (int)ties_taken >= least && (!use_p || mass >= p.topp)));
         all_ties = (int)ties_taken == nc;
     }
-    /* This warp's first CSR slot and first tie rank, and the row's count. */
-    int32_t kept = 0, row_kept = 0;
-    uint32_t ties_seen = 0, ties_before = 0;
-    for (int w = 0; w < WPR; w++) {
-        if (w == warp) {
-            kept = row_kept;
-            ties_seen = ties_before;
-        }
-        const uint32_t at = (uint32_t)out.v[w].at;
-        row_kept += out.v[w].above + (int32_t)(all_ties ? at : min(at, ties_taken - min(ties_taken, ties_before)));
-        ties_before += at;
-    }
 
     /* Dense row and ascending CSR indices, a ballot per register slot; the ties at T are ranked only when
      * some of them drop out. */
     const sparge_lanes below = ((sparge_lanes)1 << lane) - 1;
+    int32_t kept = 0;
+    uint32_t ties_seen = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
-        const int j = first + e * W + lane;
+        const int j = e * SPARGE_WARP_SIZE + lane;
         bool keep = key[e] >= T; /* whole: T = 0, and padding is -1 */
         if (!all_ties) {
             const sparge_lanes tie = sparge_ballot(key[e] == T);
@@ -956,35 +827,35 @@ __device__ void fast_select_row(const select_params &p, int64_t row, row_shared<
         if (keep)
             idx[kept + sparge_popc(kb & below)] = j;
         if (in_row(e))
-            dense[e * W + lane] = keep;
+            dense[j] = keep;
         kept += sparge_popc(kb);
     }
-    if (WPR == 1)
-        row_kept = kept;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
-        const int j = first + e * W + lane;
-        if (j >= row_kept && in_row(e))
+        const int j = e * SPARGE_WARP_SIZE + lane;
+        if (j >= kept && in_row(e))
             idx[j] = -1;
     }
-    if (threadIdx.x % (WPR * W) == 0) {
-        p.counts[row] = row_kept;
+    if (lane == 0) {
+        p.counts[row] = kept;
         p.row_mass[row] = (float)mass;
     }
     gpu_allow_next_kernel();
 }
 
+/* Up to 512 key blocks: at most 80 registers, so that 6 CTAs share an SM and Wan2.1-1.3B's 3072 rows run in
+ * one wave (93 registers gave 1.16 waves: 20.1 against 24.4 µs on the H200, at an 8-byte spill). */
 template <int CAP, bool FULL>
-__global__ void __launch_bounds__(fast_layout<CAP>::THREADS, fast_layout<CAP>::min_blocks(FULL))
-    fast_select_kernel(select_params p, int64_t rows)
+__global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1) fast_select_kernel(select_params p, int64_t rows)
 {
-    using L = fast_layout<CAP>;
-    __shared__ row_shared<L::WPR> shared[L::ROWS];
+    constexpr int warps = FAST_THREADS / SPARGE_WARP_SIZE;
+    __shared__ int32_t lists[warps][SPARGE_WARP_SIZE];
     gpu_wait_for_previous_kernel();
-    const int r = threadIdx.x / (L::WPR * SPARGE_WARP_SIZE);
-    const int64_t row = (int64_t)blockIdx.x * L::ROWS + r;
-    if (row < rows) /* the same for a row's warps: a barrier never misses one */
-        fast_select_row<CAP, FULL>(p, row, shared[r]);
+    for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
+        const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
+        if (row < rows)
+            fast_select_row<CAP, FULL>(p, row, lists[threadIdx.x / SPARGE_WARP_SIZE]);
+    }
 }
 
 /* ---------------------------------------------------------------- CSR and transpose */
@@ -1214,31 +1085,31 @@ sparge_status launch_softmax(gpu_ctx *ctx, const sparge_map_args *a)
 }
 
 /* The selection kernel for rows of n <= CAP key blocks: the copy without bounds checks when n == CAP. */
-template <int CAP> sparge_status launch_fast_select_for(gpu_ctx *ctx, const select_params &p, int64_t rows, int64_t n)
+template <int CAP> auto fast_select_for(int64_t n) -> void (*)(select_params, int64_t)
 {
-    using L = fast_layout<CAP>;
-    return gpu_launch_after(ctx, n == CAP ? fast_select_kernel<CAP, true> : fast_select_kernel<CAP, false>,
-                            (unsigned)((rows + L::ROWS - 1) / L::ROWS), L::THREADS, 0, "mask selection kernel", p,
-                            rows);
+    return n == CAP ? fast_select_kernel<CAP, true> : fast_select_kernel<CAP, false>;
 }
 
 /* Softmax and selection of predicted rows up to FAST_MAX_ROW wide. */
 sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
 {
     const sparge_mask_view *m = &a->mask;
-    const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb;
+    const int64_t n = m->Nkb, rows = m->B * m->H * m->Nqb, blocks = (rows + FAST_ROWS - 1) / FAST_ROWS;
     const select_params p = make_select_params(a->map.map, a->topk, a->topp, m);
+    auto launch = [&](void (*kernel)(select_params, int64_t)) {
+        return gpu_launch_after(ctx, kernel, (unsigned)blocks, FAST_THREADS, 0, "mask selection kernel", p, rows);
+    };
     if (n <= 256)
-        return launch_fast_select_for<256>(ctx, p, rows, n);
+        return launch(fast_select_for<256>(n));
     if (n <= 512)
-        return launch_fast_select_for<512>(ctx, p, rows, n);
+        return launch(fast_select_for<512>(n));
     if (n <= 1024)
-        return launch_fast_select_for<1024>(ctx, p, rows, n);
+        return launch(fast_select_for<1024>(n));
     if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
-        return launch_fast_select_for<1280>(ctx, p, rows, n);
+        return launch(fast_select_for<1280>(n));
     if (n <= 1536)
-        return launch_fast_select_for<1536>(ctx, p, rows, n);
-    return launch_fast_select_for<2048>(ctx, p, rows, n);
+        return launch(fast_select_for<1536>(n));
+    return launch(fast_select_for<2048>(n));
 }
 
 } // namespace
