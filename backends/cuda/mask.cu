@@ -578,9 +578,9 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
  * fp32 and only decides by it when it is clearly on one side of p; otherwise,
  * and for every mass that reaches the output, it adds in fp64. The map's rows
  * must be contiguous (md = 1). At Wan2.1-1.3B on the H200 (ncu) it takes
- * 13.0-13.7 / 13.5-13.6 µs (Top-k 95 % / hybrid) where a bitwise descent that
+ * 13.4-13.7 / 13.7-14.1 µs (Top-k 95 % / hybrid) where a bitwise descent that
  * compacted the candidates into shared memory after each split took 16.2 /
- * 18.5 µs. */
+ * 18.5 µs; at Wan2.1-14B, 223 µs (hybrid). */
 constexpr int FAST_THREADS = 128, FAST_ROWS = 4; /* rows per CTA, whatever the warp size */
 constexpr int64_t FAST_MAX_ROW = 2048;
 
@@ -811,7 +811,7 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
     /* Dense row and ascending CSR indices, a ballot per register slot; the ties at T are ranked only when
      * some of them drop out. */
     const sparge_lanes below = ((sparge_lanes)1 << lane) - 1;
-    int32_t kept = 0;
+    int32_t kept = 0, dropped = 0;
     uint32_t ties_seen = 0;
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
@@ -823,18 +823,15 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
             ties_seen += (uint32_t)sparge_popc(tie);
             keep = key[e] > T || (key[e] == T && rank < ties_taken);
         }
-        const sparge_lanes kb = sparge_ballot(keep);
-        if (keep)
-            idx[kept + sparge_popc(kb & below)] = j;
-        if (in_row(e))
+        const sparge_lanes kb = sparge_ballot(keep), db = FULL ? ~kb : sparge_ballot(!keep && in_row(e));
+        /* Kept blocks fill the CSR row from the front, the others its -1 tail from the back: each slot is written
+         * once, and no lane branches around a store. */
+        if (in_row(e)) {
+            idx[keep ? kept + sparge_popc(kb & below) : n - 1 - dropped - sparge_popc(db & below)] = keep ? j : -1;
             dense[j] = keep;
+        }
         kept += sparge_popc(kb);
-    }
-#pragma unroll
-    for (int e = 0; e < IPT; e++) {
-        const int j = e * SPARGE_WARP_SIZE + lane;
-        if (j >= kept && in_row(e))
-            idx[j] = -1;
+        dropped += sparge_popc(db);
     }
     if (lane == 0) {
         p.counts[row] = kept;
