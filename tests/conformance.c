@@ -162,6 +162,8 @@ static void compare_masks(sparge_mask *got, sparge_mask *want, const sparge_mask
         }
         assert_int_equal(cnt[r], c);
         assert_true(c >= 1);
+        for (; c < ms.Nkb; c++) /* the rest of the CSR row is -1 */
+            assert_int_equal(idx[r * ms.Nkb + c], -1);
         if (memcmp(dg + r * ms.Nkb, dw + r * ms.Nkb, (size_t)ms.Nkb) != 0) {
             differing++;
             if (!close_call(map + r * ms.Nkb, ms.Nkb, mp->topk, mp->topp, kept))
@@ -532,9 +534,13 @@ static sparge_mask *predict_and_compare(const shape *s, sparge_dtype dt, tu_layo
     sparge_mask *m, *rm;
     assert_int_equal(sparge_mask_create(dev, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &m), SPARGE_OK);
     assert_int_equal(sparge_mask_create(ref, s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &rm), SPARGE_OK);
+    const int64_t cells = s->B * s->H * ((s->Nq + s->bq - 1) / s->bq) * ((s->Nk + s->bk - 1) / s->bk);
+    uint8_t *all = malloc((size_t)cells);
+    memset(all, 1, (size_t)cells);
+    assert_int_equal(sparge_mask_set_dense(m, all), SPARGE_OK); /* poison: a full CSR row has no -1 tail */
+    free(all);
     assert_int_equal(sparge_mask_predict(dev, &q->t, &k->t, mp, m), SPARGE_OK);
     assert_int_equal(sparge_mask_predict(ref, &rq->t, &rk->t, mp, rm), SPARGE_OK);
-    const int64_t cells = s->B * s->H * ((s->Nq + s->bq - 1) / s->bq) * ((s->Nk + s->bk - 1) / s->bk);
     float *map = malloc((size_t)cells * sizeof *map), *rmap = malloc((size_t)cells * sizeof *rmap);
     double *mapd = malloc((size_t)cells * sizeof *mapd), *rmapd = malloc((size_t)cells * sizeof *rmapd);
     assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
