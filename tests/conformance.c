@@ -835,8 +835,8 @@ static void test_predict_nonfinite(void **state)
  * identical tokens along q̄, so they tie for the largest probability a, and p is set to their exact mass 64·a, then
  * to the next double above it (one block more). The GPU's selection, which decides by fp32 masses only when they are
  * clearly on one side of p, must take its fp64 path here. Then Top-k alone keeps 40 of the 64 ties, the first by
- * index: a GPU that splits a row over several warps must rank ties across them. Rows of 512 key blocks (a selection
- * width) and of 300. */
+ * index: a selection must rank ties across all of a lane's register slots (and across warps, if a row is split).
+ * Rows of 512 key blocks (a selection width) and of 300. */
 static void test_predict_exact_boundary(void **state)
 {
     (void)state;
