@@ -1,11 +1,9 @@
-/* Internal contract between the core and the backends.
+/* Internal contract between the core and the backends (docs/DESIGN.md, "Architecture").
  *
- * The core validates every argument once (shapes, dtypes, strides, ranges,
- * overflow, mask compatibility) and hands each backend flat, pre-validated
- * argument structs through one ops table per backend. A NULL slot means
- * "unsupported": the core answers SPARGE_ERR_UNSUPPORTED. A backend may still
- * refuse a valid call it cannot serve (e.g. D = 96 on a GPU kernel) with
- * SPARGE_ERR_UNSUPPORTED and a message naming the limit.
+ * The core validates every argument once (shapes, dtypes, strides, ranges, overflow, mask compatibility),
+ * describes the call as a sparge_op_desc, asks the device's tiers in order which one supports it, and hands
+ * that tier flat, pre-validated argument structs through its ops table. A tier states all its limits in its
+ * supports() function; an op slot that is NULL is never asked for.
  *
  * This header is included by C and by CUDA/HIP C++ sources. */
 #ifndef SPARGE_BACKEND_H
@@ -84,9 +82,22 @@ typedef struct {
 
 typedef enum { SPARGE_COPY_H2D, SPARGE_COPY_D2H, SPARGE_COPY_D2D } sparge_copy_kind;
 
+/* A tuning switch of a backend (docs/DESIGN.md, "Options"). The core keeps the current value's text per device;
+ * the backend parses it into its device state with set_option. */
+typedef struct {
+    const char *name;    /* "fwd_kernel": what sparge_device_set_option takes */
+    const char *env;     /* environment variable giving the value at open, or NULL */
+    const char *values;  /* the accepted values, "auto" first ("auto|mma|wgmma") */
+    const char *help;
+} sparge_option_def;
+
+/* One tier of a device: its ops and the one function that states its limits. A device is a chain of tiers
+ * sharing one impl (the first tier opens it): the core dispatches each call to the first tier whose supports()
+ * accepts it ("cuda" then "cuda-generic"), or only to the first with the device option strict=on. */
 typedef struct sparge_backend {
-    const char *name;          /* "cpu", "cuda", ... */
-    int (*device_count)(void); /* 0: none present */
+    const char *name;                    /* "cpu", "cuda", ... */
+    const struct sparge_backend *next;   /* the next tier on the same device, or NULL */
+    int (*device_count)(void);           /* 0: none present */
     /* Fill *impl for device `index`; describe into desc (≤ 255 chars). */
     sparge_status (*open)(int index, void **impl, char *desc, size_t desc_len);
     void (*close)(void *impl);
@@ -95,25 +106,34 @@ typedef struct sparge_backend {
     sparge_status (*free)(void *impl, void *ptr);
     sparge_status (*copy)(void *impl, void *dst, const void *src, size_t bytes, sparge_copy_kind kind);
     sparge_status (*fill)(void *impl, void *dst, int byte, size_t bytes);
-    sparge_status (*synchronize)(void *impl);
-    sparge_status (*set_stream)(void *impl, void *stream);
+    sparge_status (*synchronize)(void *impl);        /* NULL: nothing to wait for */
+    sparge_status (*set_stream)(void *impl, void *stream); /* NULL: no streams */
     /* Device-side timing (events on GPUs); NULL: the core uses wall-clock time. */
     sparge_status (*timer_start)(void *impl);
     sparge_status (*timer_stop)(void *impl, double *ms);
 
+    /* The tier's limits, in one place: SPARGE_OK if it runs d on impl's device, else SPARGE_ERR_UNSUPPORTED
+     * through SPARGE_FAIL with a message naming the limit. Every op slot below is asked through it first. */
+    sparge_status (*supports)(void *impl, const sparge_op_desc *d);
     sparge_status (*pool)(void *impl, const sparge_pool_args *a);
     sparge_status (*pooled_map)(void *impl, const sparge_map_args *a);
     /* Writes dense, row_mass, counts and indices; the transpose is left to mask_transpose. */
     sparge_status (*mask_select)(void *impl, const sparge_select_args *a);
-    /* Builds counts/indices from mask.dense (after set_dense), not the transpose. */
-    sparge_status (*mask_from_dense)(void *impl, const sparge_mask_view *m);
-    /* Builds t_counts/t_indices from m->dense. The core calls it once per selection, when the
-     * backward or sparge_mask_get_csr first needs the transpose; a refusal writes nothing. */
-    sparge_status (*mask_transpose)(void *impl, const sparge_mask_view *m);
+    /* Fused prediction; NULL: the core calls pool, pooled_map and mask_select of the same tier. */
+    sparge_status (*mask_predict)(void *impl, const sparge_predict_args *a);
     sparge_status (*forward)(void *impl, const sparge_fwd_args *a);
     sparge_status (*backward)(void *impl, const sparge_bwd_args *a);
-    /* Optional fused prediction; NULL: the core calls pool, pooled_map and mask_select. */
-    sparge_status (*mask_predict)(void *impl, const sparge_predict_args *a);
+    /* Mask bookkeeping, on the device's first tier: counts/indices from mask.dense (after set_dense), and
+     * t_counts/t_indices from m->dense, once per selection when the backward or sparge_mask_get_csr first
+     * needs the transpose. A refusal writes nothing. */
+    sparge_status (*mask_from_dense)(void *impl, const sparge_mask_view *m);
+    sparge_status (*mask_transpose)(void *impl, const sparge_mask_view *m);
+
+    /* Tuning switches of the device (first tier only), parsed once at open from their environment variables
+     * and afterwards by sparge_device_set_option. value "auto" restores the default. */
+    const sparge_option_def *options;
+    int n_options;
+    sparge_status (*set_option)(void *impl, int index, const char *value);
 } sparge_backend;
 
 /* Backends compiled in (defined in their own sources). */

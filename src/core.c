@@ -38,12 +38,59 @@ int sparge_backend_device_count(const char *backend)
     return be ? be->device_count() : 0;
 }
 
+static const sparge_option_def strict_option = {
+    "strict", "SPARGE_STRICT", "auto|off|on",
+    "on: a call the device's first tier cannot run is refused instead of running on the next tier"};
+
+/* Definition of option i of dev: 0 is "strict", then the first tier's. */
+static const sparge_option_def *option_def(const sparge_device *dev, int i)
+{
+    return i == 0 ? &strict_option : &dev->be->options[i - 1];
+}
+
+int sparge_device_option_count(const sparge_device *dev) { return dev ? 1 + dev->be->n_options : 0; }
+
+static sparge_status set_option_at(sparge_device *dev, int i, const char *value, const char *fn)
+{
+    const sparge_option_def *def = option_def(dev, i);
+    if (strlen(value) >= SPARGE_OPTION_LEN)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: value of option %s is too long (accepted: %s)", fn, def->name,
+                           def->values);
+    sparge_status s = SPARGE_OK;
+    if (i == 0) {
+        if (strcmp(value, "auto") && strcmp(value, "off") && strcmp(value, "on"))
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: option strict must be auto, off or on, got \"%s\"", fn, value);
+        dev->strict = !strcmp(value, "on");
+    } else if ((s = dev->be->set_option(dev->impl, i - 1, value)))
+        return s;
+    snprintf(dev->option_values[i], SPARGE_OPTION_LEN, "%s", value);
+    return SPARGE_OK;
+}
+
+/* Every option's default, then the environment's value where its variable is set. */
+static sparge_status init_options(sparge_device *dev)
+{
+    sparge_status s;
+    for (int i = 0; i < sparge_device_option_count(dev); i++) {
+        const sparge_option_def *def = option_def(dev, i);
+        const char *env = def->env ? getenv(def->env) : NULL;
+        if ((s = set_option_at(dev, i, "auto", "sparge_device_open")))
+            return s;
+        if (env && set_option_at(dev, i, env, "sparge_device_open"))
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_device_open: %s=\"%s\" is not a value of option %s (%s)",
+                               def->env, env, def->name, def->values);
+    }
+    return SPARGE_OK;
+}
+
 static sparge_status open_on(const sparge_backend *be, int index, sparge_device **out)
 {
     int n = be->device_count();
     if (index < 0 || index >= n)
         return SPARGE_FAIL(SPARGE_ERR_NO_DEVICE, "device %s:%d: backend '%s' sees %d device(s)", be->name, index,
                            be->name, n);
+    if (1 + be->n_options > SPARGE_MAX_OPTIONS)
+        return SPARGE_FAIL(SPARGE_ERR_RUNTIME, "device %s:%d: backend declares too many options", be->name, index);
     sparge_device *dev = calloc(1, sizeof *dev);
     if (!dev)
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "device %s:%d: out of host memory", be->name, index);
@@ -54,12 +101,127 @@ static sparge_status open_on(const sparge_backend *be, int index, sparge_device 
         free(dev);
         return s;
     }
+    if ((s = init_options(dev))) {
+        if (be->close)
+            be->close(dev->impl);
+        free(dev);
+        return s;
+    }
     if (strncmp(be->name, "cpu", 3) == 0)
         snprintf(dev->name, sizeof dev->name, "%s", be->name);
     else
         snprintf(dev->name, sizeof dev->name, "%s:%d", be->name, index);
     *out = dev;
     return SPARGE_OK;
+}
+
+sparge_status sparge_device_option(const sparge_device *dev, int i, const char **name, const char **value,
+                                   const char **values, const char **env, const char **help)
+{
+    if (!dev)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_device_option: device is NULL");
+    if (i < 0 || i >= sparge_device_option_count(dev))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_device_option: index %d is outside [0, %d)", i,
+                           sparge_device_option_count(dev));
+    const sparge_option_def *def = option_def(dev, i);
+    if (name) *name = def->name;
+    if (value) *value = dev->option_values[i];
+    if (values) *values = def->values;
+    if (env) *env = def->env;
+    if (help) *help = def->help;
+    return SPARGE_OK;
+}
+
+static int find_option(const sparge_device *dev, const char *name)
+{
+    for (int i = 0; i < sparge_device_option_count(dev); i++)
+        if (!strcmp(option_def(dev, i)->name, name))
+            return i;
+    return -1;
+}
+
+static sparge_status unknown_option(const sparge_device *dev, const char *name, const char *fn)
+{
+    char known[256] = "";
+    for (int i = 0; i < sparge_device_option_count(dev); i++) {
+        strncat(known, option_def(dev, i)->name, sizeof known - strlen(known) - 1);
+        strncat(known, i + 1 < sparge_device_option_count(dev) ? ", " : "", sizeof known - strlen(known) - 1);
+    }
+    return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: %s has no option \"%s\" (it has: %s)", fn, dev->name, name, known);
+}
+
+sparge_status sparge_device_get_option(const sparge_device *dev, const char *name, const char **value)
+{
+    if (!dev || !name || !value)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_device_get_option: %s is NULL",
+                           !dev ? "device" : !name ? "name" : "value");
+    int i = find_option(dev, name);
+    if (i < 0)
+        return unknown_option(dev, name, "sparge_device_get_option");
+    *value = dev->option_values[i];
+    return SPARGE_OK;
+}
+
+sparge_status sparge_device_set_option(sparge_device *dev, const char *name, const char *value)
+{
+    static const char fn[] = "sparge_device_set_option";
+    if (!dev || !name || !value)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s is NULL", fn, !dev ? "device" : !name ? "name" : "value");
+    int i = find_option(dev, name);
+    if (i < 0)
+        return unknown_option(dev, name, fn);
+    /* Queued work may read the state an option selects (a kernel variant's workspace): let it finish. */
+    sparge_status s = sparge_synchronize(dev);
+    return s ? s : set_option_at(dev, i, value, fn);
+}
+
+const char *sparge_op_name(sparge_op op)
+{
+    static const char *const names[SPARGE_OP_COUNT] = {
+        [SPARGE_OP_POOL] = "pool",           [SPARGE_OP_POOLED_MAP] = "pooled map",
+        [SPARGE_OP_MASK_SELECT] = "mask selection", [SPARGE_OP_MASK_PREDICT] = "mask prediction",
+        [SPARGE_OP_FORWARD] = "forward",     [SPARGE_OP_BACKWARD] = "backward"};
+    return op >= 0 && op < SPARGE_OP_COUNT ? names[op] : "?";
+}
+
+sparge_status sparge_pick_tier(sparge_device *dev, const sparge_op_desc *d, const char *fn,
+                               const sparge_backend **tier)
+{
+    char why[768] = "";
+    for (const sparge_backend *be = dev->be; be; be = dev->strict ? NULL : be->next) {
+        if (be->supports(dev->impl, d) == SPARGE_OK) {
+            *tier = be;
+            return SPARGE_OK;
+        }
+        size_t n = strlen(why);
+        snprintf(why + n, sizeof why - n, "%s%s", n ? "; " : "", sparge_last_error());
+    }
+    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: %s cannot run this %s%s: %s", fn, dev->name, sparge_op_name(d->op),
+                       dev->strict && dev->be->next ? " (strict=on: no fallback)" : "", why);
+}
+
+sparge_status sparge_device_supports(sparge_device *dev, const sparge_op_desc *d, const char **tier)
+{
+    static const char fn[] = "sparge_device_supports";
+    if (!dev || !d)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s is NULL", fn, dev ? "desc" : "device");
+    if ((unsigned)d->op >= SPARGE_OP_COUNT)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: unknown op %d", fn, (int)d->op);
+    const sparge_backend *be;
+    sparge_status s = sparge_pick_tier(dev, d, fn, &be);
+    if (!s && tier)
+        *tier = be->name;
+    return s;
+}
+
+double sparge_dtype_tolerance(sparge_dtype t)
+{
+    switch (t) {
+    case SPARGE_F32: return 1e-5;
+    case SPARGE_F16: return 3e-3;
+    case SPARGE_BF16: return 1e-2;
+    }
+    return 0.0;
 }
 
 sparge_status sparge_device_open(const char *name, sparge_device **out)

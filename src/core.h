@@ -4,13 +4,18 @@
 
 #include "backend.h"
 
+enum { SPARGE_MAX_OPTIONS = 16, SPARGE_OPTION_LEN = 32 };
+
 struct sparge_device {
-    const sparge_backend *be;
+    const sparge_backend *be; /* the first tier; be->next... the others, sharing impl */
     int index;
     void *impl;
     char name[64];
     char description[256];
     double timer_t0; /* wall-clock start when the backend has no timer */
+    int strict;      /* option "strict": no fallback to the next tier */
+    /* Current text of each option: [0] "strict", then be->options[0..n_options). */
+    char option_values[SPARGE_MAX_OPTIONS][SPARGE_OPTION_LEN];
 };
 
 struct sparge_mask {
@@ -25,6 +30,13 @@ struct sparge_mask {
     int transposed;       /* t_counts/t_indices hold the transpose of that selection */
 };
 
+/* The tier of dev that runs d: the first whose supports() accepts it (only the first with strict=on). On
+ * refusal, the message names fn and each tier's reason. */
+sparge_status sparge_pick_tier(sparge_device *dev, const sparge_op_desc *d, const char *fn,
+                               const sparge_backend **tier);
+/* 1 if every row of v is contiguous along D and starts 16-byte aligned. */
+int sparge_rows_aligned(const sparge_view *v);
+
 /* Validate t as a tensor of the given role; fills the flat view. */
 sparge_status sparge_check_tensor(const sparge_tensor *t, const char *fn, const char *role, int is_output,
                                   sparge_view *out);
@@ -33,6 +45,13 @@ int sparge_mul_overflows(int64_t a, int64_t b, int64_t *out);
 
 /* Ranges of k, p, block sizes and scale. */
 sparge_status sparge_check_mask_params(const sparge_mask_params *p, const char *fn);
+/* Everything sparge_mask_predict checks, and the tier that will run it; writes nothing. */
+sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                   const sparge_mask_params *params, const sparge_mask *mask, const char *fn,
+                                   sparge_view *qv, sparge_view *kv, const sparge_backend **tier);
+/* The prediction itself, after sparge_check_predict. */
+sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, const sparge_view *kv,
+                                 const sparge_mask_params *params, sparge_mask *mask, const sparge_backend *tier);
 /* Builds the transpose of the mask's selection unless it is already current: once per selection. */
 sparge_status sparge_mask_ensure_transpose(const sparge_mask *mask);
 /* The mask's device arrays, or an error if it is not usable with these shapes on dev. */

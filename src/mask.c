@@ -121,71 +121,79 @@ static void forget_selection(sparge_mask *m)
     m->predicted = m->filled = m->transposed = 0;
 }
 
-static sparge_status select_into(sparge_device *dev, const sparge_view *map, const sparge_mask_params *p,
-                                 sparge_mask *mask)
+sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                   const sparge_mask_params *params, const sparge_mask *mask, const char *fn,
+                                   sparge_view *qv, sparge_view *kv, const sparge_backend **tier)
 {
-    if (!dev->be->mask_select)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask selection is not implemented by backend '%s'", dev->be->name);
-    sparge_select_args a = {*map, p->topk, p->topp, mask->v};
-    sparge_status s = dev->be->mask_select(dev->impl, &a);
-    if (s == SPARGE_OK)
-        mask->filled = 1;
-    return s;
-}
-
-sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
-                                  const sparge_mask_params *params, sparge_mask *mask)
-{
-    static const char fn[] = "sparge_mask_predict";
     sparge_status s;
-    sparge_view qv, kv;
     if ((s = check_mask_device(dev, mask, fn)) || (s = sparge_check_mask_params(params, fn)) ||
-        (s = sparge_check_tensor(q, fn, "q", 0, &qv)) || (s = sparge_check_tensor(k, fn, "k", 0, &kv)))
+        (s = sparge_check_tensor(q, fn, "q", 0, qv)) || (s = sparge_check_tensor(k, fn, "k", 0, kv)))
         return s;
     const sparge_mask_view *m = &mask->v;
     if ((params->block_q && params->block_q != m->bq) || (params->block_k && params->block_k != m->bk))
         return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for blocks %dx%d but the mask was created for %dx%d", fn,
                            params->block_q, params->block_k, m->bq, m->bk);
-    if (qv.B != m->B || qv.H != m->H || qv.N != m->Nq || kv.B != m->B || kv.H != m->H || kv.N != m->Nk)
+    if (qv->B != m->B || qv->H != m->H || qv->N != m->Nq || kv->B != m->B || kv->H != m->H || kv->N != m->Nk)
         return SPARGE_FAIL(SPARGE_ERR_MASK,
                            "%s: q [%lld,%lld,%lld,*] / k [%lld,%lld,%lld,*] do not match the mask's B=%lld H=%lld Nq=%lld Nk=%lld",
-                           fn, (long long)qv.B, (long long)qv.H, (long long)qv.N, (long long)kv.B, (long long)kv.H,
-                           (long long)kv.N, (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk);
-    if (kv.D != qv.D)
-        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: q has D=%lld but k has D=%lld", fn, (long long)qv.D, (long long)kv.D);
-    if (kv.dtype != qv.dtype)
-        return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: q is %s but k is %s", fn, sparge_dtype_name(qv.dtype),
-                           sparge_dtype_name(kv.dtype));
-    if (!dev->be->pool || !dev->be->pooled_map)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: backend '%s' cannot pool", fn, dev->be->name);
-    if (mask->pooled_d != qv.D) {
+                           fn, (long long)qv->B, (long long)qv->H, (long long)qv->N, (long long)kv->B, (long long)kv->H,
+                           (long long)kv->N, (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk);
+    if (kv->D != qv->D)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: q has D=%lld but k has D=%lld", fn, (long long)qv->D, (long long)kv->D);
+    if (kv->dtype != qv->dtype)
+        return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: q is %s but k is %s", fn, sparge_dtype_name(qv->dtype),
+                           sparge_dtype_name(kv->dtype));
+    sparge_op_desc d = {.op = SPARGE_OP_MASK_PREDICT, .dtype = qv->dtype, .head_dim = qv->D, .block_q = m->bq,
+                        .block_k = m->bk, .B = m->B, .H = m->H, .Nq = m->Nq, .Nk = m->Nk,
+                        .rows_aligned = sparge_rows_aligned(qv) && sparge_rows_aligned(kv)};
+    return sparge_pick_tier(dev, &d, fn, tier);
+}
+
+sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, const sparge_view *kv,
+                                 const sparge_mask_params *params, sparge_mask *mask, const sparge_backend *be)
+{
+    sparge_status s;
+    const sparge_mask_view *m = &mask->v;
+    if (mask->pooled_d != qv->D) {
         dev->be->free(dev->impl, mask->pooled_q);
         dev->be->free(dev->impl, mask->pooled_k);
         mask->pooled_q = mask->pooled_k = NULL;
         mask->pooled_d = 0;
     }
     int64_t bh = m->B * m->H;
-    if ((s = ensure(mask, &mask->pooled_q, bh * m->Nqb * qv.D)) || (s = ensure(mask, &mask->pooled_k, bh * m->Nkb * qv.D)) ||
-        (s = ensure(mask, &mask->map, bh * m->Nqb * m->Nkb)))
+    if ((s = ensure(mask, &mask->pooled_q, bh * m->Nqb * qv->D)) ||
+        (s = ensure(mask, &mask->pooled_k, bh * m->Nkb * qv->D)) || (s = ensure(mask, &mask->map, bh * m->Nqb * m->Nkb)))
         return s;
-    mask->pooled_d = qv.D;
-    sparge_view pq = {mask->pooled_q, SPARGE_F32, m->B, m->H, m->Nqb, qv.D, m->H * m->Nqb * qv.D, m->Nqb * qv.D, qv.D, 1};
-    sparge_view pk = {mask->pooled_k, SPARGE_F32, m->B, m->H, m->Nkb, qv.D, m->H * m->Nkb * qv.D, m->Nkb * qv.D, qv.D, 1};
+    mask->pooled_d = qv->D;
+    const int64_t D = qv->D;
+    sparge_view pq = {mask->pooled_q, SPARGE_F32, m->B, m->H, m->Nqb, D, m->H * m->Nqb * D, m->Nqb * D, D, 1};
+    sparge_view pk = {mask->pooled_k, SPARGE_F32, m->B, m->H, m->Nkb, D, m->H * m->Nkb * D, m->Nkb * D, D, 1};
     sparge_view map = {mask->map, SPARGE_F32, m->B, m->H, m->Nqb, m->Nkb, m->H * m->Nqb * m->Nkb, m->Nqb * m->Nkb, m->Nkb, 1};
-    float scale = params->scale != 0.0f ? params->scale : 1.0f / sqrtf((float)qv.D);
-    sparge_pool_args pa = {qv, m->bq, pq}, pb = {kv, m->bk, pk};
+    float scale = params->scale != 0.0f ? params->scale : 1.0f / sqrtf((float)D);
+    sparge_pool_args pa = {*qv, m->bq, pq}, pb = {*kv, m->bk, pk};
     sparge_map_args ma = {pq, pk, scale, map};
     forget_selection(mask);
-    if (dev->be->mask_predict) {
+    if (be->mask_predict) {
         sparge_predict_args fa = {pa, pb, ma, params->topk, params->topp, mask->v};
-        if ((s = dev->be->mask_predict(dev->impl, &fa)))
-            return s;
-        mask->filled = 1;
-    } else if ((s = dev->be->pool(dev->impl, &pa)) || (s = dev->be->pool(dev->impl, &pb)) ||
-               (s = dev->be->pooled_map(dev->impl, &ma)) || (s = select_into(dev, &map, params, mask)))
+        s = be->mask_predict(dev->impl, &fa);
+    } else {
+        sparge_select_args sa = {map, params->topk, params->topp, mask->v};
+        if (!(s = be->pool(dev->impl, &pa)) && !(s = be->pool(dev->impl, &pb)) && !(s = be->pooled_map(dev->impl, &ma)))
+            s = be->mask_select(dev->impl, &sa);
+    }
+    if (s)
         return s;
-    mask->predicted = 1;
+    mask->filled = mask->predicted = 1;
     return SPARGE_OK;
+}
+
+sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
+                                  const sparge_mask_params *params, sparge_mask *mask)
+{
+    sparge_view qv, kv;
+    const sparge_backend *be;
+    sparge_status s = sparge_check_predict(dev, q, k, params, mask, "sparge_mask_predict", &qv, &kv, &be);
+    return s ? s : sparge_run_predict(dev, &qv, &kv, params, mask, be);
 }
 
 sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled_map, const sparge_mask_params *params,
@@ -202,8 +210,17 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
     if (mv.B != mask->v.B || mv.H != mask->v.H || mv.N != mask->v.Nqb || mv.D != mask->v.Nkb)
         return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: pooled_map [%lld,%lld,%lld,%lld] is not the mask's [B,H,Nqb,Nkb]", fn,
                            (long long)mv.B, (long long)mv.H, (long long)mv.N, (long long)mv.D);
+    sparge_op_desc d = {.op = SPARGE_OP_MASK_SELECT, .dtype = SPARGE_F32, .B = mv.B, .H = mv.H, .Nq = mv.N,
+                        .Nk = mv.D, .rows_aligned = sparge_rows_aligned(&mv)};
+    const sparge_backend *be;
+    if ((s = sparge_pick_tier(dev, &d, fn, &be)))
+        return s;
     forget_selection(mask);
-    return select_into(dev, &mv, params, mask);
+    sparge_select_args a = {mv, params->topk, params->topp, mask->v};
+    if ((s = be->mask_select(dev->impl, &a)))
+        return s;
+    mask->filled = 1;
+    return SPARGE_OK;
 }
 
 sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host)
@@ -221,9 +238,6 @@ sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host
             return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_set_dense: row %lld keeps no block (every row needs one)",
                                (long long)r);
     }
-    if (!dev->be->mask_from_dense)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "sparge_mask_set_dense: backend '%s' cannot import masks",
-                           dev->be->name);
     uint8_t *norm = malloc((size_t)(rows * m->Nkb));
     float *nan_mass = malloc((size_t)rows * sizeof(float));
     sparge_status s = SPARGE_OK;
@@ -254,8 +268,6 @@ sparge_status sparge_mask_ensure_transpose(const sparge_mask *mask)
     if (mask->transposed)
         return SPARGE_OK;
     sparge_device *dev = mask->dev;
-    if (!dev->be->mask_transpose)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "mask transpose is not implemented by backend '%s'", dev->be->name);
     sparge_status s = dev->be->mask_transpose(dev->impl, &mask->v);
     if (!s)
         ((sparge_mask *)mask)->transposed = 1;

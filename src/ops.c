@@ -4,13 +4,9 @@
 
 #include "core.h"
 
-static sparge_status need_op(sparge_device *dev, const void *op, const char *fn)
+static sparge_status need_dev(sparge_device *dev, const char *fn)
 {
-    if (!dev)
-        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: device is NULL", fn);
-    if (!op)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: not implemented by backend '%s'", fn, dev->be->name);
-    return SPARGE_OK;
+    return dev ? SPARGE_OK : SPARGE_FAIL(SPARGE_ERR_NULL, "%s: device is NULL", fn);
 }
 
 static float resolve_scale(float scale, int64_t D) { return scale != 0.0f ? scale : 1.0f / sqrtf((float)D); }
@@ -20,7 +16,7 @@ sparge_status sparge_pool(sparge_device *dev, const sparge_tensor *x, int block,
     static const char fn[] = "sparge_pool";
     sparge_status s;
     sparge_view xv, ov;
-    if ((s = need_op(dev, dev ? (const void *)dev->be->pool : NULL, fn)) || (s = sparge_check_tensor(x, fn, "x", 0, &xv)) ||
+    if ((s = need_dev(dev, fn)) || (s = sparge_check_tensor(x, fn, "x", 0, &xv)) ||
         (s = sparge_check_tensor(out, fn, "out", 1, &ov)))
         return s;
     if (block <= 0)
@@ -31,8 +27,13 @@ sparge_status sparge_pool(sparge_device *dev, const sparge_tensor *x, int block,
     if (ov.B != xv.B || ov.H != xv.H || ov.N != nb || ov.D != xv.D)
         return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: out must be [%lld,%lld,%lld,%lld] (ceil(N/block) rows)", fn,
                            (long long)xv.B, (long long)xv.H, (long long)nb, (long long)xv.D);
+    sparge_op_desc d = {.op = SPARGE_OP_POOL, .dtype = xv.dtype, .head_dim = xv.D, .block_q = block, .B = xv.B,
+                        .H = xv.H, .Nq = xv.N, .rows_aligned = sparge_rows_aligned(&xv) && sparge_rows_aligned(&ov)};
+    const sparge_backend *be;
+    if ((s = sparge_pick_tier(dev, &d, fn, &be)))
+        return s;
     sparge_pool_args a = {xv, block, ov};
-    return dev->be->pool(dev->impl, &a);
+    return be->pool(dev->impl, &a);
 }
 
 sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, const sparge_tensor *kbar, float scale,
@@ -41,7 +42,7 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
     static const char fn[] = "sparge_pooled_map";
     sparge_status s;
     sparge_view qv, kv, mv;
-    if ((s = need_op(dev, dev ? (const void *)dev->be->pooled_map : NULL, fn)) ||
+    if ((s = need_dev(dev, fn)) ||
         (s = sparge_check_tensor(qbar, fn, "qbar", 0, &qv)) || (s = sparge_check_tensor(kbar, fn, "kbar", 0, &kv)) ||
         (s = sparge_check_tensor(map, fn, "map", 1, &mv)))
         return s;
@@ -54,8 +55,14 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
                            (long long)qv.B, (long long)qv.H, (long long)qv.N, (long long)kv.N);
     if (!isfinite(scale))
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: scale is not finite", fn);
+    sparge_op_desc d = {.op = SPARGE_OP_POOLED_MAP, .dtype = SPARGE_F32, .head_dim = qv.D, .B = qv.B, .H = qv.H,
+                        .Nq = qv.N, .Nk = kv.N,
+                        .rows_aligned = sparge_rows_aligned(&qv) && sparge_rows_aligned(&kv) && sparge_rows_aligned(&mv)};
+    const sparge_backend *be;
+    if ((s = sparge_pick_tier(dev, &d, fn, &be)))
+        return s;
     sparge_map_args a = {qv, kv, resolve_scale(scale, qv.D), mv};
-    return dev->be->pooled_map(dev->impl, &a);
+    return be->pooled_map(dev->impl, &a);
 }
 
 sparge_status sparge_check_mask_for(sparge_device *dev, const sparge_mask *mask, const sparge_view *q,
@@ -107,6 +114,22 @@ static sparge_status check_attention_tensors(tensor_role *roles, int n, const ch
     return SPARGE_OK;
 }
 
+/* The call's description for the tiers: roles[0] is q, roles[1] k. */
+static sparge_op_desc attention_desc(sparge_op op, const tensor_role *roles, int n, const sparge_mask *mask,
+                                     int deterministic)
+{
+    const sparge_view *q = roles[0].v, *k = roles[1].v;
+    sparge_op_desc d = {.op = op, .dtype = q->dtype, .head_dim = q->D, .B = q->B, .H = q->H, .Nq = q->N, .Nk = k->N,
+                        .rows_aligned = 1, .deterministic = deterministic};
+    if (mask) {
+        d.block_q = mask->v.bq;
+        d.block_k = mask->v.bk;
+    }
+    for (int i = 0; i < n; i++)
+        d.rows_aligned &= sparge_rows_aligned(roles[i].v);
+    return d;
+}
+
 static sparge_status check_attn_params(const sparge_attn_params *p, const char *fn)
 {
     if (p && !isfinite(p->scale))
@@ -122,12 +145,16 @@ sparge_status sparge_attention_forward(sparge_device *dev, const sparge_tensor *
     sparge_status s;
     sparge_view qv, kv, vv, ov;
     tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
-    if ((s = need_op(dev, dev ? (const void *)dev->be->forward : NULL, fn)) || (s = check_attn_params(params, fn)) ||
-        (s = check_attention_tensors(roles, 4, fn)) || (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
+    const sparge_backend *be;
+    if ((s = need_dev(dev, fn)) || (s = check_attn_params(params, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
+        (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
+        return s;
+    sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, mask, 0);
+    if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
     sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
                          mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, mask ? &mask->v : NULL};
-    return dev->be->forward(dev->impl, &a);
+    return be->forward(dev->impl, &a);
 }
 
 sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
@@ -141,17 +168,21 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
     tensor_role roles[] = {{q, "q", 0, 0, &qv},     {k, "k", 1, 0, &kv},    {v, "v", 1, 0, &vv},
                            {o, "o", 0, 0, &ov},     {d_o, "d_o", 0, 0, &dov}, {dq, "dq", 0, 1, &dqv},
                            {dk, "dk", 1, 1, &dkv},  {dv, "dv", 1, 1, &dvv}};
-    if ((s = need_op(dev, dev ? (const void *)dev->be->backward : NULL, fn)) || (s = check_attn_params(params, fn)) ||
-        (s = check_attention_tensors(roles, 8, fn)) || (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
+    const sparge_backend *be;
+    if ((s = need_dev(dev, fn)) || (s = check_attn_params(params, fn)) || (s = check_attention_tensors(roles, 8, fn)) ||
+        (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
         return s;
     if (!lse)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: lse is NULL (pass the forward's LSE)", fn);
+    sparge_op_desc d = attention_desc(SPARGE_OP_BACKWARD, roles, 8, mask, params ? params->deterministic : 0);
+    if ((s = sparge_pick_tier(dev, &d, fn, &be)))
+        return s;
     if (mask && (s = sparge_mask_ensure_transpose(mask))) /* queued ahead of the backward on GPUs, no wait */
         return s;
     sparge_bwd_args a = {qv, kv, vv, ov, dov, dqv, dkv, dvv, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
                          mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, params ? params->deterministic : 0,
                          mask ? &mask->v : NULL};
-    return dev->be->backward(dev->impl, &a);
+    return be->backward(dev->impl, &a);
 }
 
 sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
@@ -163,8 +194,7 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     sparge_view qv, kv, vv, ov;
     tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
     sparge_mask_params p = params ? *params : sparge_mask_params_default();
-    if ((s = need_op(dev, dev ? (const void *)dev->be->forward : NULL, fn)) || (s = sparge_check_mask_params(&p, fn)) ||
-        (s = check_attention_tensors(roles, 4, fn)))
+    if ((s = need_dev(dev, fn)) || (s = sparge_check_mask_params(&p, fn)) || (s = check_attention_tensors(roles, 4, fn)))
         return s;
     if (!p.block_q) p.block_q = 128;
     if (!p.block_k) p.block_k = 64;
@@ -173,9 +203,16 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
         return s;
     if (!m)
         m = tmp;
-    sparge_attn_params ap = {p.scale, 0};
-    if (!(s = sparge_mask_predict(dev, q, k, &p, m)))
-        s = sparge_attention_forward(dev, q, k, v, m, &ap, o, lse);
+    /* The whole call is checked before the mask or any output is written. */
+    const sparge_backend *predict_tier, *forward_tier;
+    sparge_view pq, pk;
+    sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, m, 0);
+    if (!(s = sparge_check_predict(dev, q, k, &p, m, fn, &pq, &pk, &predict_tier)) &&
+        !(s = sparge_pick_tier(dev, &d, fn, &forward_tier)) &&
+        !(s = sparge_run_predict(dev, &pq, &pk, &p, m, predict_tier))) {
+        sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(p.scale, qv.D), m->v.bq, m->v.bk, &m->v};
+        s = forward_tier->forward(dev->impl, &a);
+    }
     if (tmp) {
         /* The temporary mask must outlive the queued GPU work that reads it. */
         sparge_status s2 = sparge_synchronize(dev);

@@ -103,6 +103,56 @@ sparge_status sparge_timer_stop(sparge_device *dev, double *ms);
  * stream first waits for the work queued on the old one (the handle's scratch memory serves both). */
 sparge_status sparge_set_stream(sparge_device *dev, void *stream);
 
+/* ---------------------------------------------------------------- what runs where */
+
+/* A device is a chain of tiers: "cuda:N" runs each call on the tensor-core tier "cuda" when it supports it and
+ * otherwise on the portable tier "cuda-generic" of the same GPU; other devices have one tier. */
+typedef enum {
+    SPARGE_OP_POOL = 0,
+    SPARGE_OP_POOLED_MAP,
+    SPARGE_OP_MASK_SELECT,
+    SPARGE_OP_MASK_PREDICT,
+    SPARGE_OP_FORWARD,
+    SPARGE_OP_BACKWARD,
+    SPARGE_OP_COUNT
+} sparge_op;
+
+const char *sparge_op_name(sparge_op op); /* "forward" */
+
+/* What a tier's limits depend on. Fields that do not apply to an op are ignored. */
+typedef struct {
+    sparge_op op;
+    sparge_dtype dtype;     /* of the input tensors (q, k, v, ... or pool's x); the map and selection: f32 */
+    int64_t head_dim;       /* D */
+    int block_q, block_k;   /* the mask's blocks; 0 for dense attention */
+    int64_t B, H, Nq, Nk;   /* sizes (pool: N in Nq; the map and selection: Nqb, Nkb in Nq, Nk) */
+    int rows_aligned;       /* every row of every tensor is contiguous along D and starts 16-byte aligned */
+    int deterministic;      /* backward: bitwise reproducible */
+} sparge_op_desc;
+
+/* SPARGE_OK if dev runs the call described by d; *tier (may be NULL) names the tier that would run it.
+ * Otherwise SPARGE_ERR_UNSUPPORTED, and sparge_last_error() says why each tier refuses. */
+sparge_status sparge_device_supports(sparge_device *dev, const sparge_op_desc *d, const char **tier);
+
+/* ---------------------------------------------------------------- options */
+
+/* Tuning switches of a device (kernel variants for ablations and benchmarks, the CPU's SIMD tier, strict).
+ * Each has a name, a value and an environment variable that sets it when the device opens; "auto" is each
+ * one's default. Every device has "strict": "on" refuses a call that the device's first tier cannot run
+ * instead of running it on the next tier (SPARGE_STRICT). Changing an option affects later calls only. */
+int sparge_device_option_count(const sparge_device *dev);
+/* Option i (0 ≤ i < count): name, current value, accepted values ("auto|mma|wgmma"), environment variable and
+ * help; any output may be NULL. */
+sparge_status sparge_device_option(const sparge_device *dev, int i, const char **name, const char **value,
+                                   const char **values, const char **env, const char **help);
+sparge_status sparge_device_get_option(const sparge_device *dev, const char *name, const char **value);
+/* An invalid name or value is refused (SPARGE_ERR_INVALID naming the accepted ones) and changes nothing. */
+sparge_status sparge_device_set_option(sparge_device *dev, const char *name, const char *value);
+
+/* Relative L2 error against cpu-ref that every backend is held to for outputs stored in dtype
+ * (docs/DESIGN.md, "Conformance"): f32 1e-5, f16 3e-3, bf16 1e-2. 0 for an unknown dtype. */
+double sparge_dtype_tolerance(sparge_dtype t);
+
 /* ---------------------------------------------------------------- masks */
 
 typedef struct {

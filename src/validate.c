@@ -70,3 +70,9 @@ sparge_status sparge_check_tensor(const sparge_tensor *t, const char *fn, const 
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: output %s has overlapping strides", fn, role);
     return SPARGE_OK;
 }
+
+int sparge_rows_aligned(const sparge_view *v)
+{
+    const int64_t n = 16 / (int64_t)sparge_dtype_size(v->dtype);
+    return v->sd == 1 && (uintptr_t)v->data % 16 == 0 && v->sb % n == 0 && v->sh % n == 0 && v->sn % n == 0;
+}

@@ -1,8 +1,24 @@
-/* Shared by the two CPU tiers (cpu-ref and cpu). */
+/* The CPU backend's two tiers, one file per op (docs/DESIGN.md, "Architecture"): each of pool.c, map.c,
+ * select.c, forward.c and backward.c holds the op's fp64 reference (tier "cpu-ref", scalar, one thread: the
+ * oracle every backend is tested against) beside its fast path (tier "cpu": OpenMP, SIMD micro-kernels of
+ * simd.c chosen at run time); csr.c builds the CSR rows and the transpose for both; backend.c holds the ops
+ * tables, the tiers' limits and the device plumbing. */
 #ifndef SPARGE_CPU_H
 #define SPARGE_CPU_H
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "../../src/backend.h"
+#include "simd.h"
+
+/* The "cpu" tier's device state; "cpu-ref" has none (impl NULL). */
+typedef struct {
+    const sparge_simd_ops *simd;
+} cpu_ctx;
+
+/* Forward and backward of both tiers serve head dimensions up to this. */
+#define SPARGE_CPU_MAX_D 256
 
 static inline int64_t view_offset(const sparge_view *v, int64_t b, int64_t h, int64_t n, int64_t d)
 {
@@ -27,39 +43,117 @@ static inline void view_store(const sparge_view *v, int64_t off, float x)
     }
 }
 
-/* DESIGN.md: CPU tiers serve any head dimension up to 256. */
-#define SPARGE_CPU_MAX_D 256
-static inline sparge_status cpu_check_head_dim(int64_t D, const char *backend)
+/* Address of element (b, h, n, 0) of x. */
+static inline void *row_ptr(const sparge_view *x, int64_t b, int64_t h, int64_t n)
 {
-    if (D > SPARGE_CPU_MAX_D)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dimension D = %lld exceeds the CPU limit of %d", backend,
-                           (long long)D, SPARGE_CPU_MAX_D);
-    return SPARGE_OK;
+    return (char *)x->data + (size_t)view_offset(x, b, h, n, 0) * sparge_dtype_size(x->dtype);
 }
 
-/* Host memory ops shared by both tiers. */
-sparge_status sparge_cpu_alloc(void *impl, size_t bytes, void **ptr);
-sparge_status sparge_cpu_free(void *impl, void *ptr);
-sparge_status sparge_cpu_copy(void *impl, void *dst, const void *src, size_t bytes, sparge_copy_kind kind);
-sparge_status sparge_cpu_fill(void *impl, void *dst, int byte, size_t bytes);
+/* Rows of block i of `block` tokens out of n (the last block may be partial). */
+static inline int64_t block_rows(int64_t i, int64_t block, int64_t n)
+{
+    return i * block + block <= n ? block : n - i * block;
+}
 
-/* Hybrid Top-k ∪ Top-p selection of one pooled-map row of n entries
- * (DESIGN.md §1). order: scratch of n ints. Sets keep[j] to 0/1, returns the
- * kept count and the kept mass. A row holding NaN keeps every block. */
-int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp, int32_t *order, uint8_t *keep,
-                          double *mass);
-/* Number of blocks kept by Top-k alone (0 when topk = 0). */
-int64_t sparge_topk_count(double topk, int64_t n);
+/* Per-thread scratch of the fast tier: all buffers or none, 64-byte aligned. */
+enum { CPU_MAX_SCRATCH = 10 };
+typedef struct {
+    float *buf[CPU_MAX_SCRATCH];
+} cpu_scratch;
 
-/* Select every row of a->map into a->mask (dense, row_mass, CSR). */
-sparge_status sparge_cpu_mask_select(void *impl, const sparge_select_args *a);
-/* CSR rows from m->dense. */
-sparge_status sparge_cpu_mask_from_dense(void *impl, const sparge_mask_view *m);
-/* The transpose (t_counts, t_indices) from m->dense. */
-sparge_status sparge_cpu_mask_transpose(void *impl, const sparge_mask_view *m);
+static inline int cpu_scratch_alloc(cpu_scratch *s, const size_t *floats, int n)
+{
+    int ok = 1;
+    memset(s, 0, sizeof *s);
+    for (int i = 0; i < n; i++)
+        ok &= (s->buf[i] = aligned_alloc(64, (floats[i] * sizeof(float) + 63) / 64 * 64)) != NULL;
+    return ok;
+}
 
-/* Kept key blocks of query block i of head bh: NULL mask = all. Returns count;
- * fills idx (scratch of Nkb). */
+static inline void cpu_scratch_free(cpu_scratch *s)
+{
+    for (int i = 0; i < CPU_MAX_SCRATCH; i++)
+        free(s->buf[i]);
+}
+
+/* Query-indexed tiles of the fast tier are padded to whole vectors (and 64-byte rows). */
+static inline int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+
+/* Rows [n0, n0 + rows) of x as f32 rows: the view itself when it is f32 with unit d-stride (no copy), else
+ * converted into buf. Sets *ld to the row stride. */
+static inline const float *rows_f32(const sparge_simd_ops *k_, const sparge_view *x, int64_t b, int64_t h, int64_t n0,
+                                    int64_t rows, float *buf, int64_t *ld)
+{
+    if (x->dtype == SPARGE_F32 && x->sd == 1) {
+        *ld = x->sn;
+        return row_ptr(x, b, h, n0);
+    }
+    k_->load(row_ptr(x, b, h, n0), x->dtype, x->sn, x->sd, rows, x->D, 1.0f, buf, x->D, 0);
+    *ld = x->D;
+    return buf;
+}
+
+/* Ask for `bytes` at p to be brought towards L2 while the current block is computed: kept key blocks are
+ * scattered, so the hardware prefetcher cannot guess the next one. */
+static inline void prefetch_span(const void *p, size_t bytes)
+{
+#if defined(__GNUC__)
+    for (size_t off = 0; off < bytes; off += 64)
+        __builtin_prefetch((const char *)p + off, 0, 2);
+#else
+    (void)p, (void)bytes;
+#endif
+}
+
+/* prefetch_span of rows [n0, n0 + rows) of x. */
+static inline void prefetch_rows(const sparge_view *x, int64_t b, int64_t h, int64_t n0, int64_t rows)
+{
+    size_t bytes = (size_t)(x->D * x->sd) * sparge_dtype_size(x->dtype);
+    for (int64_t r = 0; r < rows; r++)
+        prefetch_span(row_ptr(x, b, h, n0 + r), bytes);
+}
+
+/* cpu-ref: one (b, h) of x as contiguous doubles [N×D], and back. */
+static inline void ref_gather(const sparge_view *x, int64_t b, int64_t h, double *out)
+{
+    for (int64_t n = 0; n < x->N; n++)
+        for (int64_t d = 0; d < x->D; d++)
+            out[n * x->D + d] = view_load(x, view_offset(x, b, h, n, d));
+}
+
+static inline void ref_scatter(const sparge_view *x, int64_t b, int64_t h, const double *src)
+{
+    for (int64_t n = 0; n < x->N; n++)
+        for (int64_t d = 0; d < x->D; d++)
+            view_store(x, view_offset(x, b, h, n, d), (float)src[n * x->D + d]);
+}
+
+/* cpu-ref: n buffers of the given element counts, all or none. */
+static inline int ref_alloc_all(int n, double **bufs, const int64_t *counts)
+{
+    int ok = 1;
+    for (int i = 0; i < n; i++)
+        ok &= (bufs[i] = malloc((size_t)counts[i] * sizeof(double))) != NULL;
+    if (!ok)
+        for (int i = 0; i < n; i++)
+            free(bufs[i]);
+    return ok;
+}
+
+static inline void ref_free_all(int n, double **bufs)
+{
+    for (int i = 0; i < n; i++)
+        free(bufs[i]);
+}
+
+/* The head's slice of the dense mask, or NULL for dense attention. */
+static inline const uint8_t *ref_head_keep(const sparge_mask_view *m, int64_t b, int64_t h)
+{
+    return m ? m->dense + (b * m->H + h) * m->Nqb * m->Nkb : NULL;
+}
+
+/* Kept key blocks of query block i of head bh: NULL mask = all. Returns the count; idx points at the row's
+ * ascending indices (all: scratch of Nkb filled with 0..nkb-1). */
 static inline int64_t kept_blocks(const sparge_mask_view *m, int64_t bh, int64_t i, int64_t nkb, const int32_t **idx,
                                   int32_t *all)
 {
@@ -72,5 +166,35 @@ static inline int64_t kept_blocks(const sparge_mask_view *m, int64_t bh, int64_t
     *idx = m->indices + (bh * m->Nqb + i) * m->Nkb;
     return m->counts[bh * m->Nqb + i];
 }
+
+/* An entry of a row being ordered: its value and its position. */
+typedef struct {
+    float value;
+    int32_t index;
+} cpu_ranked;
+
+/* Hybrid Top-k ∪ Top-p selection of one pooled-map row of n entries (docs/DESIGN.md, "Masks"). order: scratch
+ * of n entries. Sets keep[j] to 0/1, returns the kept count and the kept mass. A row holding NaN keeps every
+ * block. */
+int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp, cpu_ranked *order, uint8_t *keep,
+                          double *mass);
+/* Number of blocks kept by Top-k alone (0 when topk = 0). */
+int64_t sparge_topk_count(double topk, int64_t n);
+
+/* Per-op entry points: ref_* of "cpu-ref" (impl NULL), cpu_* of "cpu". */
+sparge_status sparge_ref_pool(void *impl, const sparge_pool_args *a);
+sparge_status sparge_cpu_pool(void *impl, const sparge_pool_args *a);
+sparge_status sparge_ref_pooled_map(void *impl, const sparge_map_args *a);
+sparge_status sparge_cpu_pooled_map(void *impl, const sparge_map_args *a);
+sparge_status sparge_ref_mask_select(void *impl, const sparge_select_args *a);
+sparge_status sparge_cpu_mask_select(void *impl, const sparge_select_args *a);
+sparge_status sparge_ref_forward(void *impl, const sparge_fwd_args *a);
+sparge_status sparge_cpu_forward(void *impl, const sparge_fwd_args *a);
+sparge_status sparge_ref_backward(void *impl, const sparge_bwd_args *a);
+sparge_status sparge_cpu_backward(void *impl, const sparge_bwd_args *a);
+/* CSR rows (counts, indices) from m->dense, and the transpose (t_counts, t_indices); threaded when impl is
+ * the fast tier's. */
+sparge_status sparge_cpu_mask_from_dense(void *impl, const sparge_mask_view *m);
+sparge_status sparge_cpu_mask_transpose(void *impl, const sparge_mask_view *m);
 
 #endif

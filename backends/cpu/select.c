@@ -1,7 +1,7 @@
-/* Per-row mask selection and CSR bookkeeping, shared by the CPU tiers. */
+/* Per-row hybrid Top-k ∪ Top-p selection (docs/DESIGN.md, "Masks"): the row's blocks in descending order,
+ * ties by lower index; keep the first max(n_k, n_p), at least one. Both tiers select the same sets. */
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
+#include <stdio.h>
 
 #include "cpu.h"
 
@@ -13,25 +13,22 @@ int64_t sparge_topk_count(double topk, int64_t n)
     return c < 1 ? 1 : c > n ? n : c;
 }
 
-/* Descending value, ties by lower index: a total order. */
-static const float *sort_row;
-#pragma omp threadprivate(sort_row)
-
+/* Descending value, ties by lower index: a total order. The entries carry what the comparison needs, so sorts
+ * on several threads share no state. */
 static int by_score(const void *pa, const void *pb)
 {
-    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
-    float x = sort_row[a], y = sort_row[b];
-    if (x != y)
-        return x > y ? -1 : 1;
-    return a < b ? -1 : a > b;
+    const cpu_ranked *a = pa, *b = pb;
+    if (a->value != b->value)
+        return a->value > b->value ? -1 : 1;
+    return a->index < b->index ? -1 : a->index > b->index;
 }
 
-int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp, int32_t *order, uint8_t *keep,
+int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp, cpu_ranked *order, uint8_t *keep,
                           double *mass)
 {
     int has_nan = 0;
     for (int64_t j = 0; j < n; j++) {
-        order[j] = (int32_t)j;
+        order[j] = (cpu_ranked){row[j] == 0.0f ? 0.0f : row[j], (int32_t)j}; /* -0 ranks as +0 */
         has_nan |= isnan(row[j]);
     }
     if (has_nan) {
@@ -39,14 +36,13 @@ int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp,
         *mass = NAN;
         return n;
     }
-    sort_row = row;
     qsort(order, (size_t)n, sizeof *order, by_score);
     int64_t nk = sparge_topk_count(topk, n), np = 0;
     if (topp > 0.0) {
         double cum = 0.0;
         np = n; /* rounding may leave the total below p: keep the whole row */
         for (int64_t t = 0; t < n; t++) {
-            cum += row[order[t]];
+            cum += order[t].value;
             if (cum >= topp) {
                 np = t + 1;
                 break;
@@ -59,68 +55,78 @@ int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp,
     memset(keep, 0, (size_t)n);
     double sum = 0.0;
     for (int64_t t = 0; t < kept; t++) {
-        keep[order[t]] = 1;
-        sum += row[order[t]];
+        keep[order[t].index] = 1;
+        sum += order[t].value;
     }
     *mass = sum;
     return kept;
 }
 
-/* Per head, each line of dense (a query-block row of Nkb flags, or with by_key a key-block column of Nqb)
- * as the ascending positions it keeps, -1 past its count: the CSR rows, or the transpose. */
-static void index_lines(void *impl, const sparge_mask_view *m, int by_key)
+/* The same selection for rows that keep few blocks: the kept prefix of the order is built by repeated arg-max,
+ * O(kept·n) instead of a full sort, with the same cumulative sums in the same order, so the result is
+ * identical. Rows that keep many blocks or hold NaN take sparge_select_row itself. */
+static int64_t select_row_few(const float *row, int64_t n, double topk, double topp, cpu_ranked *order, uint8_t *keep,
+                              double *mass)
 {
-    (void)impl;
-    const int64_t lines = by_key ? m->Nkb : m->Nqb, len = by_key ? m->Nqb : m->Nkb;
-    const int64_t line_step = by_key ? 1 : m->Nkb, flag_step = by_key ? m->Nkb : 1, bh_n = m->B * m->H;
-    int32_t *counts = by_key ? m->t_counts : m->counts, *indices = by_key ? m->t_indices : m->indices;
-#pragma omp parallel for schedule(static) if (impl != NULL)
-    for (int64_t bh = 0; bh < bh_n; bh++)
-        for (int64_t l = 0; l < lines; l++) {
-            const uint8_t *flags = m->dense + bh * m->Nqb * m->Nkb + l * line_step;
-            int32_t *idx = indices + (bh * lines + l) * len, c = 0;
-            for (int64_t p = 0; p < len; p++)
-                if (flags[p * flag_step])
-                    idx[c++] = (int32_t)p;
-            counts[bh * lines + l] = c;
-            for (int64_t p = c; p < len; p++)
-                idx[p] = -1;
+    enum { MAX_PICKS = 32 };
+    int64_t nk = sparge_topk_count(topk, n), np = topp > 0.0 ? -1 : 0, t = 0;
+    int has_nan = 0;
+    for (int64_t j = 0; j < n; j++)
+        has_nan |= isnan(row[j]);
+    if (has_nan || nk > MAX_PICKS)
+        return sparge_select_row(row, n, topk, topp, order, keep, mass);
+    memset(keep, 0, (size_t)n);
+    double cum = 0.0;
+    while (np < 0 || t < nk || t < 1) {
+        if (t == n) { /* rounding left the row's total below p: keep it whole */
+            np = n;
+            break;
         }
+        if (t == MAX_PICKS)
+            return sparge_select_row(row, n, topk, topp, order, keep, mass);
+        int64_t best = -1;
+        for (int64_t j = 0; j < n; j++)
+            if (!keep[j] && (best < 0 || row[j] > row[best]))
+                best = j;
+        keep[best] = 1;
+        order[t++].index = (int32_t)best;
+        if (np < 0 && (cum += row[best]) >= topp)
+            np = t;
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < t; i++)
+        sum += row[order[i].index];
+    *mass = sum;
+    return t;
 }
 
-sparge_status sparge_cpu_mask_from_dense(void *impl, const sparge_mask_view *m)
-{
-    index_lines(impl, m, 0);
-    return SPARGE_OK;
-}
+typedef int64_t (*select_fn)(const float *, int64_t, double, double, cpu_ranked *, uint8_t *, double *);
 
-sparge_status sparge_cpu_mask_transpose(void *impl, const sparge_mask_view *m)
-{
-    index_lines(impl, m, 1);
-    return SPARGE_OK;
-}
-
-sparge_status sparge_cpu_mask_select(void *impl, const sparge_select_args *a)
+/* Every row of a->map into a->mask (dense, row_mass, then the CSR), threaded when `threads`. */
+static sparge_status select_rows(void *impl, const sparge_select_args *a, select_fn select, int threads)
 {
     const sparge_mask_view *m = &a->mask;
+    const sparge_view *map = &a->map;
     int64_t rows = m->B * m->H * m->Nqb;
     int failed = 0;
-#pragma omp parallel if (impl != NULL)
+#pragma omp parallel if (threads)
     {
-        int32_t *order = malloc((size_t)m->Nkb * sizeof *order);
+        cpu_ranked *order = malloc((size_t)m->Nkb * sizeof *order);
         float *row = malloc((size_t)m->Nkb * sizeof *row);
         if (!order || !row) {
 #pragma omp atomic write
             failed = 1;
-        } else {
+        }
+#pragma omp barrier
+        if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
                 int64_t bh = r / m->Nqb, i = r % m->Nqb, b = bh / m->H, h = bh % m->H;
-                const float *src = (const float *)a->map.data;
+                const float *src = (const float *)map->data + view_offset(map, b, h, i, 0);
                 for (int64_t j = 0; j < m->Nkb; j++)
-                    row[j] = src[b * a->map.sb + h * a->map.sh + i * a->map.sn + j * a->map.sd];
+                    row[j] = src[j * map->sd];
                 double mass;
-                sparge_select_row(row, m->Nkb, a->topk, a->topp, order, m->dense + r * m->Nkb, &mass);
+                select(row, m->Nkb, a->topk, a->topp, order, m->dense + r * m->Nkb, &mass);
                 m->row_mass[r] = (float)mass;
             }
         }
@@ -132,35 +138,14 @@ sparge_status sparge_cpu_mask_select(void *impl, const sparge_select_args *a)
     return sparge_cpu_mask_from_dense(impl, m);
 }
 
-sparge_status sparge_cpu_alloc(void *impl, size_t bytes, void **ptr)
+/* cpu-ref: a full sort of every row. */
+sparge_status sparge_ref_mask_select(void *impl, const sparge_select_args *a)
 {
-    (void)impl;
-    size_t rounded = (bytes + 63) / 64 * 64;
-    void *p = rounded >= bytes ? aligned_alloc(64, rounded) : NULL;
-    if (!p)
-        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cannot allocate %zu bytes of host memory", bytes);
-    *ptr = p;
-    return SPARGE_OK;
+    return select_rows(impl, a, sparge_select_row, 0);
 }
 
-sparge_status sparge_cpu_free(void *impl, void *ptr)
+/* cpu: rows on every thread, few-block rows by arg-max. */
+sparge_status sparge_cpu_mask_select(void *impl, const sparge_select_args *a)
 {
-    (void)impl;
-    free(ptr);
-    return SPARGE_OK;
-}
-
-sparge_status sparge_cpu_copy(void *impl, void *dst, const void *src, size_t bytes, sparge_copy_kind kind)
-{
-    (void)impl;
-    (void)kind;
-    memmove(dst, src, bytes);
-    return SPARGE_OK;
-}
-
-sparge_status sparge_cpu_fill(void *impl, void *dst, int byte, size_t bytes)
-{
-    (void)impl;
-    memset(dst, byte, bytes);
-    return SPARGE_OK;
+    return select_rows(impl, a, select_row_few, 1);
 }

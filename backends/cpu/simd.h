@@ -1,5 +1,5 @@
 /* f32 micro-kernels of the cpu tier. One source (simd.c) is compiled once per
- * ISA tier (generic C, AVX2+FMA+F16C, AVX-512); sparge_simd_best() picks the
+ * ISA tier (generic C, AVX2+FMA+F16C, AVX-512); backend.c picks the
  * widest the CPU supports at run time, so the build never requires AVX-512 of
  * the machine it runs on. */
 #ifndef SPARGE_SIMD_H
@@ -44,6 +44,6 @@ extern const sparge_simd_ops sparge_simd_generic;
 extern const sparge_simd_ops sparge_simd_avx2;
 extern const sparge_simd_ops sparge_simd_avx512;
 
-const sparge_simd_ops *sparge_simd_best(void);
+
 
 #endif
