@@ -82,6 +82,48 @@ static void test_devices(void **state)
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_malloc(NULL, 16, &p));
 }
 
+/* Options: listed with their values, set and read by name, refused with the accepted values when invalid (and then
+ * unchanged); strict and the capability query agree with the tiers' limits. */
+static void test_options_and_support(void **state)
+{
+    (void)state;
+    const char *name, *value, *values, *env, *help;
+    assert_int_equal(sparge_device_option_count(dev), 2); /* strict, simd */
+    assert_int_equal(sparge_device_option(dev, 0, &name, &value, &values, &env, &help), SPARGE_OK);
+    assert_string_equal(name, "strict");
+    assert_string_equal(env, "SPARGE_STRICT");
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_option(dev, 2, &name, NULL, NULL, NULL, NULL));
+    assert_int_equal(sparge_device_get_option(dev, "simd", &value), SPARGE_OK);
+    const char *before = value;
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_set_option(dev, "simd", "sse9"));
+    assert_non_null(strstr(sparge_last_error(), "avx512"));
+    assert_int_equal(sparge_device_get_option(dev, "simd", &value), SPARGE_OK);
+    assert_string_equal(value, before);
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_set_option(dev, "no_such_option", "on"));
+    assert_non_null(strstr(sparge_last_error(), "simd"));
+    EXPECT_FAIL(SPARGE_ERR_NULL, sparge_device_set_option(dev, NULL, "on"));
+    assert_int_equal(sparge_device_set_option(dev, "simd", "generic"), SPARGE_OK);
+    assert_int_equal(sparge_device_get_option(dev, "simd", &value), SPARGE_OK);
+    assert_string_equal(value, "generic");
+    assert_int_equal(sparge_device_set_option(dev, "simd", "auto"), SPARGE_OK);
+
+    sparge_op_desc d = {.op = SPARGE_OP_FORWARD, .dtype = SPARGE_BF16, .head_dim = 96, .block_q = 128, .block_k = 64};
+    const char *tier = NULL;
+    assert_int_equal(sparge_device_supports(dev, &d, &tier), SPARGE_OK);
+    assert_string_equal(tier, "cpu");
+    d.head_dim = 300;
+    EXPECT_FAIL(SPARGE_ERR_UNSUPPORTED, sparge_device_supports(dev, &d, &tier));
+    assert_non_null(strstr(sparge_last_error(), "256"));
+    d.op = SPARGE_OP_COUNT;
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
+    EXPECT_FAIL(SPARGE_ERR_NULL, sparge_device_supports(dev, NULL, &tier));
+    assert_int_equal(sparge_device_set_option(dev, "strict", "on"), SPARGE_OK);
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_set_option(dev, "strict", "yes"));
+    assert_int_equal(sparge_device_set_option(dev, "strict", "off"), SPARGE_OK);
+    assert_true(sparge_dtype_tolerance(SPARGE_F32) == 1e-5 && sparge_dtype_tolerance(SPARGE_F16) == 3e-3 &&
+                sparge_dtype_tolerance(SPARGE_BF16) == 1e-2);
+}
+
 static void test_forward_bad_input(void **state)
 {
     (void)state;
@@ -211,7 +253,8 @@ static void test_nan_propagates(void **state)
 
 int main(void)
 {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_devices), cmocka_unit_test(test_forward_bad_input),
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_devices), cmocka_unit_test(test_options_and_support),
+                                       cmocka_unit_test(test_forward_bad_input),
                                        cmocka_unit_test(test_mask_bad_input), cmocka_unit_test(test_nan_propagates)};
     return cmocka_run_group_tests_name("api", tests, setup, teardown);
 }

@@ -2,6 +2,7 @@
  * Compiled by nvcc (backends "cuda" and "cuda-generic") and by hipcc ("hip"). */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "gpu.h"
 
@@ -161,6 +162,107 @@ static sparge_status dev_timer_stop(void *impl, double *ms)
     return SPARGE_OK;
 }
 
+/* ---------------------------------------------------------------- options */
+
+static const sparge_option_def gpu_option_defs[] = {
+    {"map_tile", "SPARGE_CUDA_MAP_TILE", "auto|128x64|64x64|f16x3",
+     "pooled-map logits: fp32 FMA tiles (128x64, 64x64: same bits) or tensor cores on fp16 hi/lo splits (f16x3)"},
+    {"fwd_kernel", "SPARGE_CUDA_FWD_KERNEL", "auto|mma|wgmma", "tensor-core forward: mma.sync or sm_90a wgmma"},
+    {"fwd_tile", "SPARGE_CUDA_FWD_TILE", "auto|WARPS,STAGES[,SPLIT]", "mma.sync forward tile (tiles.h)"},
+    {"fwd_order", "SPARGE_CUDA_FWD_ORDER", "auto|head|natural",
+     "masked forward launch order: each head's rows heaviest first (head), or as stored"},
+    {"bwd_kernel", "SPARGE_CUDA_BWD_KERNEL", "auto|mma|wgmma", "tensor-core backward: mma.sync or sm_90a wgmma"},
+    {"bwd_keys", "SPARGE_CUDA_BWD_KEYS", "auto|64|128", "keys per CTA of the wgmma dK/dV kernel"},
+    {"dq", "SPARGE_CUDA_DQ", "auto|pass|atomic",
+     "backward dQ: a separate pass over the mask or fp32 atomics (deterministic always takes the pass)"},
+    {"bwd_overlap", "SPARGE_CUDA_BWD_OVERLAP", "auto|on|off",
+     "the dK/dV pass may start on the SMs the wgmma dQ pass's last wave leaves idle"},
+};
+enum { OPT_MAP_TILE, OPT_FWD_KERNEL, OPT_FWD_TILE, OPT_FWD_ORDER, OPT_BWD_KERNEL, OPT_BWD_KEYS, OPT_DQ, OPT_BWD_OVERLAP };
+
+/* value's position in def's "auto|a|b" list (0 for auto), or -1. */
+static int choice(const sparge_option_def *def, const char *value)
+{
+    const char *p = def->values;
+    for (int i = 0;; i++) {
+        const char *end = strchr(p, '|');
+        const size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (strlen(value) == n && strncmp(value, p, n) == 0)
+            return i;
+        if (!end)
+            return -1;
+        p = end + 1;
+    }
+}
+
+static sparge_status set_gpu_option(gpu_ctx *ctx, int index, const char *value)
+{
+    const sparge_option_def *def = &gpu_option_defs[index];
+    gpu_options &o = ctx->opt;
+    if (index == OPT_FWD_TILE && strcmp(value, "auto")) {
+        int w = 0, st = 0, split = 0;
+        char tail = 0;
+        const int n = sscanf(value, "%d,%d,%d%c", &w, &st, &split, &tail);
+        if ((n != 2 && n != 3) || (w != 4 && w != 8) || st < 2 || st > 8 || (split != 0 && split != 1))
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "option fwd_tile must be auto or WARPS,STAGES[,SPLIT] (4 or 8 warps, "
+                               "2-8 stages, split 0 or 1), got \"%s\"", value);
+        o.fwd_warps = w, o.fwd_stages = st, o.fwd_split = split;
+        return SPARGE_OK;
+    }
+    const int c = index == OPT_FWD_TILE ? 0 : choice(def, value);
+    if (c < 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "option %s must be one of %s, got \"%s\"", def->name, def->values, value);
+    switch (index) {
+    case OPT_MAP_TILE: o.map_tile = c; break; /* the GPU_MAP_* order */
+    case OPT_FWD_KERNEL: o.fwd_kernel = c; break;
+    case OPT_FWD_TILE: o.fwd_warps = 0; break;
+    case OPT_FWD_ORDER: o.fwd_natural_order = c == 2; break;
+    case OPT_BWD_KERNEL: o.bwd_kernel = c; break;
+    case OPT_BWD_KEYS: o.bwd_keys = c == 0 ? 0 : c == 1 ? 64 : 128; break;
+    case OPT_DQ: o.dq = c; break;
+    case OPT_BWD_OVERLAP: o.bwd_no_overlap = c == 2; break;
+    }
+    return SPARGE_OK;
+}
+
+static sparge_status set_option_all(void *impl, int index, const char *value)
+{
+    return set_gpu_option((gpu_ctx *)impl, index, value);
+}
+
+/* The portable tier's devices take the map option only. */
+static sparge_status set_option_map(void *impl, int index, const char *value)
+{
+    (void)index;
+    return set_gpu_option((gpu_ctx *)impl, OPT_MAP_TILE, value);
+}
+
+/* ---------------------------------------------------------------- limits */
+
+/* Mask prediction, pooled map and selection: the same kernels on every tier (the tensor-core logits only on the
+ * tensor tier). */
+static sparge_status mask_op_supports(const gpu_ctx *ctx, const sparge_op_desc *d, bool tensor_tier)
+{
+    const int64_t row = d->op == SPARGE_OP_MASK_PREDICT ? (d->Nk + d->block_k - 1) / d->block_k : d->Nk;
+    if ((d->op == SPARGE_OP_MASK_PREDICT || d->op == SPARGE_OP_MASK_SELECT) && row > GPU_SELECT_MAX_ROW)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
+                           "mask selection: rows of %lld key blocks exceed the GPU block sort's limit of %lld "
+                           "(raise block_k or select on the CPU)", (long long)row, (long long)GPU_SELECT_MAX_ROW);
+    if (d->op == SPARGE_OP_MASK_PREDICT || d->op == SPARGE_OP_POOLED_MAP)
+        return SPARGE_GPU_FN(map_fits)(ctx, d, tensor_tier);
+    return SPARGE_OK;
+}
+
+static sparge_status generic_supports(void *impl, const sparge_op_desc *d)
+{
+    const gpu_ctx *ctx = (const gpu_ctx *)impl;
+    switch (d->op) {
+    case SPARGE_OP_FORWARD:
+    case SPARGE_OP_BACKWARD: return SPARGE_GPU_FN(generic_fits)(ctx, d->head_dim, d->op == SPARGE_OP_BACKWARD);
+    default: return mask_op_supports(ctx, d, false);
+    }
+}
+
 /* Op entry points: make the device current, then run the op file's entry. */
 #define GPU_OP(name, args_t, entry)                                                                                    \
     static sparge_status name(void *impl, const args_t *a)                                                            \
@@ -178,21 +280,27 @@ GPU_OP(op_predict, sparge_predict_args, SPARGE_GPU_FN(mask_predict))
 GPU_OP(op_generic_forward, sparge_fwd_args, SPARGE_GPU_FN(generic_forward))
 GPU_OP(op_generic_backward, sparge_bwd_args, SPARGE_GPU_FN(generic_backward))
 
+/* Every field in the order of struct sparge_backend (C++ designated initializers must keep it). */
+#define GPU_TIER(NAME, NEXT, OPEN, SUPPORTS, FORWARD, BACKWARD, OPTIONS, N_OPTIONS, SET_OPTION)                      \
+    {.name = NAME, .next = NEXT, .device_count = device_count, .open = OPEN, .close = close_device,                   \
+     .alloc = dev_alloc, .free = dev_free, .copy = dev_copy, .fill = dev_fill, .synchronize = dev_sync,              \
+     .set_stream = dev_set_stream, .timer_start = dev_timer_start, .timer_stop = dev_timer_stop,                     \
+     .supports = SUPPORTS, .pool = op_pool, .pooled_map = op_map, .mask_select = op_select,                          \
+     .mask_predict = op_predict, .forward = FORWARD, .backward = BACKWARD, .mask_from_dense = op_from_dense,         \
+     .mask_transpose = op_transpose, .options = OPTIONS, .n_options = N_OPTIONS, .set_option = SET_OPTION}
+
 static sparge_status open_generic(int index, void **impl, char *desc, size_t desc_len)
 {
     return open_device(index, impl, desc, desc_len, 1);
 }
 
+/* Host code only: the device pass of hipcc must not emit the tables (const globals naming host functions). */
 #ifdef SPARGE_USE_HIP
-static sparge_status open_hip(int index, void **impl, char *desc, size_t desc_len)
-{
-    return open_generic(index, impl, desc, desc_len);
-}
-
-extern "C" const sparge_backend sparge_backend_hip = {
-    "hip", device_count, open_hip, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_transpose, op_generic_forward,
-    op_generic_backward, op_predict};
+#ifndef __HIP_DEVICE_COMPILE__
+extern "C" const sparge_backend sparge_backend_hip =
+    GPU_TIER("hip", nullptr, open_generic, generic_supports, op_generic_forward, op_generic_backward,
+             &gpu_option_defs[OPT_MAP_TILE], 1, set_option_map);
+#endif
 #else
 static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_len)
 {
@@ -201,13 +309,42 @@ static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_l
 GPU_OP(op_mma_forward, sparge_fwd_args, sparge_cuda_mma_forward)
 GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 
-extern "C" const sparge_backend sparge_backend_cuda = {
-    "cuda", device_count, open_fast, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync, dev_set_stream,
-    dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_transpose, op_mma_forward,
-    op_mma_backward, op_predict};
+/* The tensor-core tier's limits: f16/bf16, D 64 or 128, sm_80+, 16-byte rows, masks of 128-row query blocks and
+ * 64- or 128-key blocks, 32-bit token and block counts; then whether the kernels its options pick fit the device. */
+static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
+{
+    const gpu_ctx *ctx = (const gpu_ctx *)impl;
+    if (d->op != SPARGE_OP_FORWARD && d->op != SPARGE_OP_BACKWARD)
+        return mask_op_supports(ctx, d, true);
+    const char *what = d->op == SPARGE_OP_FORWARD ? "cuda forward" : "cuda backward";
+    if (d->dtype != SPARGE_F16 && d->dtype != SPARGE_BF16)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor cores take f16 and bf16, not %s", what,
+                           sparge_dtype_name(d->dtype));
+    if (d->head_dim != 64 && d->head_dim != 128)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (the tensor-core kernels take 64 and 128)", what,
+                           (long long)d->head_dim);
+    if (ctx->cc_major < 8)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor-core kernels need sm_80 or newer (device is sm_%d%d)",
+                           what, ctx->cc_major, ctx->cc_minor);
+    if (d->block_q && (d->block_q != 128 || (d->block_k != 64 && d->block_k != 128)))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: mask blocks of %d x %d (the tensor-core kernels take 128 x 64 "
+                           "and 128 x 128)", what, d->block_q, d->block_k);
+    if (!d->rows_aligned)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: every row must be contiguous along D and start 16-byte "
+                           "aligned (data pointer and B/H/N strides multiples of 8 elements)", what);
+    if (d->Nq > INT32_MAX - 128 || d->Nk > INT32_MAX - 128 || d->B * d->H * ((d->Nq + 127) / 128) > INT32_MAX ||
+        d->B * d->H * ((d->Nk + 63) / 64) > INT32_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 2^31 tokens or blocks", what);
+    return d->op == SPARGE_OP_FORWARD ? sparge_cuda_forward_fits(ctx, (int)d->head_dim)
+                                      : sparge_cuda_backward_fits(ctx, (int)d->head_dim, d->block_k, d->deterministic);
+}
 
-extern "C" const sparge_backend sparge_backend_cuda_generic = {
-    "cuda-generic", device_count, open_generic, close_device, dev_alloc, dev_free, dev_copy, dev_fill, dev_sync,
-    dev_set_stream, dev_timer_start, dev_timer_stop, op_pool, op_map, op_select, op_from_dense, op_transpose,
-    op_generic_forward, op_generic_backward, op_predict};
+extern "C" const sparge_backend sparge_backend_cuda_generic =
+    GPU_TIER("cuda-generic", nullptr, open_generic, generic_supports, op_generic_forward, op_generic_backward,
+             &gpu_option_defs[OPT_MAP_TILE], 1, set_option_map);
+
+/* cuda:N runs on the tensor-core tier, and what it cannot run on the portable tier of the same GPU. */
+extern "C" const sparge_backend sparge_backend_cuda =
+    GPU_TIER("cuda", &sparge_backend_cuda_generic, open_fast, cuda_supports, op_mma_forward, op_mma_backward,
+             gpu_option_defs, sizeof gpu_option_defs / sizeof gpu_option_defs[0], set_option_all);
 #endif

@@ -1,6 +1,6 @@
 /* Block-sparse attention backward on tensor cores (mma.sync m16n8k16, ldmatrix, cp.async).
  *
- * FlashAttention-2 backward restricted to the kept blocks (DESIGN.md §1), in three launches:
+ * FlashAttention-2 backward restricted to the kept blocks (docs/DESIGN.md), in three launches:
  *   1. prep:  D_t = rowsum(dO∘O) and LSE·log2(e) per query token into padded fp32 arrays (and, for the
  *             atomic dQ variant, zeroes the fp32 dQ accumulator);
  *   2. dK/dV: one CTA per key block (b,h,j) iterating over the query blocks that keep j (the transposed
@@ -12,16 +12,16 @@
  * The wgmma dQ pass (sm_90) does the prep's work itself: it runs first, each CTA computing D_t and LSE·log2(e)
  * of its 128 rows (the prep's arithmetic, same bits) and writing them for the dK/dV pass after it, which is its
  * programmatic dependent: it starts on the SMs the dQ pass's last wave leaves idle and reads those rows once every
- * dQ CTA has counted them written (SPARGE_CUDA_BWD_OVERLAP=on|off, default on; off starts it after the dQ pass).
+ * dQ CTA has counted them written (device option bwd_overlap=on|off, default on; off starts it after the dQ pass).
  * When deterministic is 0, atomics are the default except with the wgmma kernels on bk = 64 masks: with the
- * mma.sync kernels on the H200 (experiments/BENCHMARKS.md, cuda-bwd) they took 64.3 ms against 76.1 ms dense
+ * mma.sync kernels on the H200 (experiments/BENCHMARKS.md) they took 64.3 ms against 76.1 ms dense
  * and were within 0.7 % of the pass on bk = 64 masks at 3–10 % density; with the wgmma kernels they are 3.5 %
  * faster dense (128 keys per dK/dV CTA) but 15 % slower at 95 % on bk = 64 masks (64 keys per CTA: twice the
- * reductions per FLOP), where the wgmma pass wins. SPARGE_CUDA_DQ=pass|atomic overrides the choice.
+ * reductions per FLOP), where the wgmma pass wins. The option dq=pass|atomic overrides the choice.
  *
  * On sm_90, when the build has the sm_90a image, the dK/dV pass runs backward_sm90.cu's wgmma kernel and the
- * separate dQ pass dq_sm90.cu's (prep, launch order and conversion stay here); SPARGE_CUDA_BWD_KERNEL=mma|wgmma
- * forces either tier for both passes, SPARGE_CUDA_BWD_KEYS=64|128 picks the wgmma dK/dV kernel's keys per CTA
+ * separate dQ pass dq_sm90.cu's (prep, launch order and conversion stay here); the option bwd_kernel=mma|wgmma
+ * forces either kernel family for both passes, bwd_keys=64|128 picks the wgmma dK/dV kernel's keys per CTA
  * (default 128, which applies to dense and bk = 128 masks; bk = 64 masks take 64).
  *
  * Tile shapes (all architectures, sm_80/90/120; 256 threads, one CTA per SM):
@@ -665,83 +665,65 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
                      : launch(ctx, bwd_dq_kernel<T, D, 128>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel");
 }
 
-const char *const kView[8] = {"q", "k", "v", "o", "d_o", "dq", "dk", "dv"};
+/* Which kernels a backward runs: wgmma_keys 0 for the mma.sync kernels, else the wgmma dK/dV kernel's keys per CTA
+ * (with the wgmma dQ pass); atomic_dq: dQ as fp32 atomics from the dK/dV pass instead of a separate pass. */
+struct bwd_plan {
+    int wgmma_keys, atomic_dq, overlap;
+};
 
-sparge_status check_view(const sparge_view *x, const char *name)
+/* bk: the mask's key block, 0 for dense. Variant of dQ: the separate pass is deterministic. Otherwise atomics,
+ * except where the wgmma dK/dV kernel takes 64 keys per CTA (bk = 64 masks): there its 64 × D reductions per step
+ * cost more than the wgmma pass (H200, 1.3B shape, 95 %: 3.241 against 2.771 ms; dense, 128 keys per CTA: 46.98
+ * against 48.66 ms). The dq option overrides the choice where deterministic is 0. */
+bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic)
 {
-    const char *hint = "use the \"cuda-generic\" backend";
-    if (x->sd != 1)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: %s needs unit stride along D (got %lld); %s", name,
-                           (long long)x->sd, hint);
-    if ((uintptr_t)x->data % 16 || x->sb % 8 || x->sh % 8 || x->sn % 8)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
-                           "cuda backward: %s rows must be 16-byte aligned (data %% 16 == 0, strides B/H/N %% 8 == 0 "
-                           "elements; got %lld/%lld/%lld); %s",
-                           name, (long long)x->sb, (long long)x->sh, (long long)x->sn, hint);
-    return SPARGE_OK;
+    const gpu_options &o = ctx->opt;
+    const int wgmma = o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel == GPU_KERNEL_WGMMA
+                                                      : sparge_cuda_wgmma_backward_available(ctx);
+    /* 128 keys per CTA where the mask allows it (dense, bk = 128): 47.2 against 59.7 ms dense on the H200. */
+    const int keys = !wgmma ? 0 : o.bwd_keys ? o.bwd_keys : 128;
+    const int narrow = keys == 64 || (keys && bk && bk != 128);
+    const int atomic = !deterministic && (o.dq != GPU_DQ_AUTO ? o.dq == GPU_DQ_ATOMIC : !narrow);
+    return bwd_plan{keys, atomic, !o.bwd_no_overlap};
+}
+
+/* Shared memory of the mma.sync kernels of a plan. */
+template <typename T, int D> size_t mma_smem(int bk, const bwd_plan &pl)
+{
+    const size_t kv = bk == 64 ? dkdv_tile<T, D, 64>::smem : dkdv_tile<T, D, 128>::smem;
+    const size_t q = pl.atomic_dq ? 0 : dq_tile<T, D>::smem;
+    return kv > q ? kv : q;
 }
 
 } // namespace
 
+sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic)
+{
+    const bwd_plan pl = plan_for(ctx, bk, deterministic);
+    if (pl.wgmma_keys) {
+        if (!sparge_cuda_wgmma_backward_available(ctx))
+            return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma needs an sm_90 device and a "
+                               "build with 90 in --with-cuda-arch");
+        return SPARGE_OK;
+    }
+    /* f16 and bf16 tiles have the same size. */
+    const size_t smem = D == 64 ? mma_smem<gpu_half, 64>(bk, pl) : mma_smem<gpu_half, 128>(bk, pl);
+    if (smem > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the mma.sync kernels for D=%d and %d-key blocks need "
+                           "%zu bytes of shared memory, the device allows %zu", D, bk ? bk : 128, smem,
+                           ctx->smem_optin);
+    return SPARGE_OK;
+}
+
+/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D 64 or 128, 16-byte rows, masks of
+ * 128-row query blocks and 64- or 128-key blocks. */
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
 {
-    const char *hint = "use the \"cuda-generic\" backend";
     const int64_t D = a->q.D, BH = a->q.B * a->q.H, Nq = a->q.N, Nk = a->k.N;
-    if (a->q.dtype != SPARGE_BF16 && a->q.dtype != SPARGE_F16)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: tensor cores need f16 or bf16 (got %s); %s",
-                           sparge_dtype_name(a->q.dtype), hint);
-    if (D != 64 && D != 128)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: head dim D must be 64 or 128 (got %lld); %s",
-                           (long long)D, hint);
-    if (a->mask && (a->bq != kBlockQ || (a->bk != 64 && a->bk != 128)))
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
-                           "cuda backward: mask blocks must be bq = 128, bk = 64 or 128 (got %d×%d); %s", a->bq, a->bk,
-                           hint);
-    if (Nq > INT32_MAX - kBlockQ || Nk > INT32_MAX - 128 || BH * ((Nq + kBlockQ - 1) / kBlockQ) > INT32_MAX ||
-        BH * ((Nk + 63) / 64) > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: more than 2^31 tokens or blocks; %s", hint);
-    const sparge_view *views[8] = {&a->q, &a->k, &a->v, &a->o, &a->d_o, &a->dq, &a->dk, &a->dv};
     sparge_status s;
-    for (int i = 0; i < 8; i++)
-        if ((s = check_view(views[i], kView[i])))
-            return s;
-
-    /* dK/dV kernel: the sm_90a wgmma one where the build and the device have it. */
-    const char *kernel_env = getenv("SPARGE_CUDA_BWD_KERNEL");
-    if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_BWD_KERNEL must be \"mma\" or \"wgmma\", "
-                           "got \"%s\"", kernel_env);
-    const int wgmma_ok = sparge_cuda_wgmma_backward_available(ctx);
-    if (kernel_env && !strcmp(kernel_env, "wgmma") && !wgmma_ok)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: SPARGE_CUDA_BWD_KERNEL=wgmma needs an sm_90 device "
-                           "and a build with 90 in --with-cuda-arch");
-    /* 128 keys per CTA where the mask allows it (dense, bk = 128): 47.2 against 59.7 ms dense on the H200. */
-    int wgmma_keys = (kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok) ? 128 : 0;
-    const char *keys_env = getenv("SPARGE_CUDA_BWD_KEYS");
-    if (keys_env && strcmp(keys_env, "64") && strcmp(keys_env, "128"))
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_BWD_KEYS must be 64 or 128, got \"%s\"",
-                           keys_env);
-    if (wgmma_keys && keys_env)
-        wgmma_keys = atoi(keys_env);
     const int bk = a->mask ? a->bk : 128;
-
-    /* Variant of dQ: the separate pass is deterministic. Otherwise atomics, except where the wgmma dK/dV kernel
-     * takes 64 keys per CTA (bk = 64 masks): there its 64 × D reductions per step cost more than the wgmma pass
-     * (H200, 1.3B shape, 95 %: 3.241 against 2.771 ms; dense, 128 keys per CTA: 46.98 against 48.66 ms).
-     * SPARGE_CUDA_DQ=pass|atomic overrides the choice where deterministic is 0. */
-    const char *dq_env = getenv("SPARGE_CUDA_DQ");
-    if (dq_env && strcmp(dq_env, "pass") && strcmp(dq_env, "atomic"))
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_DQ must be \"pass\" or \"atomic\", got "
-                           "\"%s\"", dq_env);
-    /* With the wgmma dQ pass, the dK/dV pass may start on the SMs its last wave leaves idle (the default; off: it
-     * starts when the dQ pass has ended). */
-    const char *overlap_env = getenv("SPARGE_CUDA_BWD_OVERLAP");
-    if (overlap_env && strcmp(overlap_env, "on") && strcmp(overlap_env, "off"))
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda backward: SPARGE_CUDA_BWD_OVERLAP must be \"on\" or \"off\", "
-                           "got \"%s\"", overlap_env);
-    const int overlap = !overlap_env || !strcmp(overlap_env, "on");
-    const int narrow_wgmma = wgmma_keys == 64 || (wgmma_keys && a->mask && bk != 128);
-    const int atomic_dq = !a->deterministic && (dq_env ? !strcmp(dq_env, "atomic") : !narrow_wgmma);
+    const bwd_plan pl = plan_for(ctx, a->mask ? a->bk : 0, a->deterministic);
+    const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, overlap = pl.overlap;
 
     bwd_params p;
     memset(&p, 0, sizeof p);

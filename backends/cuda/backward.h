@@ -99,7 +99,7 @@ __device__ __forceinline__ float dt_part(const T *o, const T *d_o)
 
 /* 1 when this build holds the sm_90a wgmma dK/dV kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
-int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx);
+int sparge_cuda_wgmma_backward_available(const gpu_ctx *ctx);
 /* The dK/dV pass (and, when p.dq_accum is set, the atomic dQ contributions) with wgmma, f16 or
  * bf16, D = 64 or 128: one CTA per 64 keys (wide = 0) or per 128 keys (wide = 1, two warpgroups);
  * p.Nkb counts key blocks of that many keys << sub_shift (the mask's bk, or the CTA's keys when

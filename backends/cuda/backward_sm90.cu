@@ -14,7 +14,7 @@
  * - Default: one warpgroup per CTA, two CTAs per SM, so one CTA's exponentials and barriers overlap
  *   the other's MMAs without any intra-CTA scheduling; a mask with bk = 128 gets two CTAs per key
  *   block (the same transposed list; the second reads Q/dO again from L2). The cost is the dQ
- *   atomics: one 64 × D fp32 reduction per 64 keys. The "wide" variant (SPARGE_CUDA_BWD_KEYS=128,
+ *   atomics: one 64 × D fp32 reduction per 64 keys. The "wide" variant (device option bwd_keys=128,
  *   dense or bk = 128) puts two warpgroups on 128 keys in one CTA per SM: Q/dO are loaded once for
  *   both, and dQ += dS·K contracts over all 128 keys (each warpgroup one 64-column part at D = 128)
  *   before the atomics, halving them, at the price of lock-step warpgroups. The wide variant is the
@@ -333,7 +333,7 @@ sparge_status dispatch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_sh
 
 } // namespace
 
-int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
+int sparge_cuda_wgmma_backward_available(const gpu_ctx *ctx)
 {
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
@@ -354,7 +354,7 @@ sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t 
 
 #else /* no sm_90a image in this build */
 
-int sparge_cuda_wgmma_backward_available(gpu_ctx *ctx)
+int sparge_cuda_wgmma_backward_available(const gpu_ctx *ctx)
 {
     (void)ctx;
     return 0;

@@ -18,10 +18,8 @@
  * On sm_90 the wgmma kernel of forward_sm90.cu runs instead when the build has it (tiles.h,
  * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
  *
- * Benchmark hooks (environment): SPARGE_CUDA_FWD_TILE="warps,stages[,split_scores]"
- * overrides tiles.h with another compiled tile; SPARGE_CUDA_FWD_ORDER=natural turns the heavy-first order
- * off (head, the default, keeps it); SPARGE_CUDA_FWD_KERNEL=mma|wgmma forces either kernel. */
-#include <limits.h>
+ * Device options (backend.cu) for benchmarks: fwd_tile="warps,stages[,split]" picks another compiled tile than
+ * tiles.h's; fwd_order=natural turns the heavy-first order off; fwd_kernel=mma|wgmma forces either kernel. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -359,11 +357,7 @@ template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
 sparge_status launch_fwd(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
     using K = fwd_kernel_traits<T, D, WARPS, STAGES, SPLIT>;
-    if ((size_t)K::SMEM_BYTES > ctx->smem_optin)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
-                           "cuda: forward tile (D=%d, %d warps, %d stages) needs %d bytes of shared memory, the "
-                           "device allows %zu; use \"cuda-generic\"",
-                           D, WARPS, STAGES, K::SMEM_BYTES, ctx->smem_optin);
+    static_assert(K::SMEM_BYTES == BLOCK_Q * D * 2 + STAGES * 2 * TILE_K * D * 2, "sparge_cuda_forward_fits counts it");
     sparge_status s;
     auto kernel = fwd_kernel<T, D, WARPS, STAGES, SPLIT>;
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, K::SMEM_BYTES))))
@@ -372,67 +366,73 @@ sparge_status launch_fwd(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
     return GPU_CHECK_LAUNCH("fwd_kernel");
 }
 
+/* The mma.sync tiles compiled below (tiles.h describes them). */
+bool tile_compiled(int D, fwd_tile t)
+{
+    return (D == 128 && t.warps == 4 && t.stages == 2) || (D == 128 && t.warps == 8 && t.stages == 2 && !t.split_scores) ||
+           (D == 64 && t.warps == 4 && (t.stages == 2 || t.stages == 3) && !t.split_scores);
+}
+
 template <typename T>
 sparge_status dispatch_tile(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, int D, fwd_tile tile)
 {
     if (D == 128 && tile.warps == 4 && tile.stages == 2)
         return tile.split_scores ? launch_fwd<T, 128, 4, 2, true>(ctx, p, n_items)
                                  : launch_fwd<T, 128, 4, 2, false>(ctx, p, n_items);
-    if (D == 128 && tile.warps == 8 && tile.stages == 2 && !tile.split_scores)
+    if (D == 128 && tile.warps == 8)
         return launch_fwd<T, 128, 8, 2, false>(ctx, p, n_items);
-    if (D == 64 && tile.warps == 4 && tile.stages == 3 && !tile.split_scores)
+    if (D == 64 && tile.stages == 3)
         return launch_fwd<T, 64, 4, 3, false>(ctx, p, n_items);
-    if (D == 64 && tile.warps == 4 && tile.stages == 2 && !tile.split_scores)
-        return launch_fwd<T, 64, 4, 2, false>(ctx, p, n_items);
-    return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: no forward kernel compiled for D=%d, %d warps, %d stages%s "
-                       "(tiles.h and forward.cu disagree)", D, tile.warps, tile.stages,
-                       tile.split_scores ? ", split scores" : "");
+    return launch_fwd<T, 64, 4, 2, false>(ctx, p, n_items);
 }
 
-/* The kernel reads and writes whole 16-byte rows: unit stride along D, row starts aligned. */
-sparge_status check_view(const sparge_view *t, const char *name)
+/* The mma.sync tile of this device and D, or the one the fwd_tile option forces. */
+fwd_tile tile_for(const gpu_ctx *ctx, int D)
 {
-    if (t->sd != 1)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: %s must have unit stride along D (stride %lld); the "
-                           "tensor-core forward needs contiguous rows, use \"cuda-generic\"", name, (long long)t->sd);
-    if ((uintptr_t)t->data % 16 || t->sb % 8 || t->sh % 8 || t->sn % 8)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: every row of %s must start on a 16-byte boundary (data "
-                           "pointer and B/H/N strides multiples of 8 elements); use \"cuda-generic\"", name);
-    return SPARGE_OK;
+    if (ctx->opt.fwd_warps)
+        return fwd_tile{ctx->opt.fwd_warps, ctx->opt.fwd_stages, ctx->opt.fwd_split};
+    return fwd_tile_for(ctx->cc_major, ctx->cc_minor, D);
+}
+
+/* The wgmma kernel runs where the build has it for this device, unless fwd_kernel says otherwise. */
+bool use_wgmma(const gpu_ctx *ctx, int D)
+{
+    if (ctx->opt.fwd_kernel != GPU_KERNEL_AUTO)
+        return ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA;
+    return fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, D) && sparge_cuda_wgmma_forward_available(ctx);
 }
 
 } // namespace
 
+sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D)
+{
+    if (use_wgmma(ctx, D)) {
+        if (!sparge_cuda_wgmma_forward_available(ctx))
+            return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: fwd_kernel=wgmma needs an sm_90 device and a build with "
+                               "90 in --with-cuda-arch (device is sm_%d%d)", ctx->cc_major, ctx->cc_minor);
+        return SPARGE_OK;
+    }
+    const fwd_tile t = tile_for(ctx, D);
+    if (!tile_compiled(D, t))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: no forward tile of %d warps, %d stages%s is compiled for D=%d "
+                           "(tiles.h lists them)", t.warps, t.stages, t.split_scores ? ", split scores" : "", D);
+    const size_t smem = (size_t)BLOCK_Q * D * 2 + (size_t)t.stages * 2 * TILE_K * D * 2;
+    if (smem > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the forward tile (D=%d, %d warps, %d stages) needs %zu bytes "
+                           "of shared memory, the device allows %zu", D, t.warps, t.stages, smem, ctx->smem_optin);
+    return SPARGE_OK;
+}
+
+/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D 64 or 128, 16-byte rows, masks of
+ * 128-row query blocks and 64- or 128-key blocks. */
 sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
 {
     const sparge_dtype dt = a->q.dtype;
     const int64_t D = a->q.D, B = a->q.B, H = a->q.H, Nq = a->q.N, Nk = a->k.N;
-    if (dt != SPARGE_F16 && dt != SPARGE_BF16)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes f16 and bf16, not %s; use "
-                           "\"cuda-generic\"", sparge_dtype_name(dt));
-    if ((D != 64 && D != 128) || a->v.D != D)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes head dim 64 or 128 (got "
-                           "%lld); use \"cuda-generic\"", (long long)D);
-    if (ctx->cc_major < 8)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward needs sm_80 or newer (device is "
-                           "sm_%d%d); use \"cuda-generic\"", ctx->cc_major, ctx->cc_minor);
     const sparge_mask_view *m = a->mask;
-    if (m && (m->bq != BLOCK_Q || (m->bk != 64 && m->bk != 128)))
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes masks of bq = 128 and bk = 64 "
-                           "or 128 (got %d × %d); use \"cuda-generic\"", m->bq, m->bk);
-    if (Nq > INT_MAX - BLOCK_Q || Nk > INT_MAX - 128)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes at most %d tokens per head",
-                           INT_MAX - 128);
     sparge_status s;
-    if ((s = check_view(&a->q, "q")) || (s = check_view(&a->k, "k")) || (s = check_view(&a->v, "v")) ||
-        (s = check_view(&a->o, "o")))
-        return s;
-
     const int64_t Nqb = (Nq + BLOCK_Q - 1) / BLOCK_Q;
     const int64_t n_items = B * H * Nqb;
-    if (n_items > INT_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the tensor-core forward takes at most %d query blocks in "
-                           "all (B·H·ceil(Nq/128) = %lld)", INT_MAX, (long long)n_items);
     if (n_items == 0)
         return SPARGE_OK;
 
@@ -450,11 +450,7 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.sub_shift = m->bk == 128 ? 1 : 0;
         p.counts = m->counts;
         p.indices = m->indices;
-        const char *order_env = getenv("SPARGE_CUDA_FWD_ORDER");
-        if (order_env && strcmp(order_env, "natural") && strcmp(order_env, "head"))
-            return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_ORDER must be \"head\" or \"natural\", got "
-                               "\"%s\"", order_env);
-        if (!(order_env && !strcmp(order_env, "natural"))) {
+        if (!ctx->opt.fwd_natural_order) {
             void *ws;
             if ((s = gpu_workspace(ctx, (size_t)n_items * sizeof(int32_t), &ws)))
                 return s;
@@ -466,23 +462,9 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     } else {
         p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
     }
-
-    const char *kernel_env = getenv("SPARGE_CUDA_FWD_KERNEL");
-    if (kernel_env && strcmp(kernel_env, "mma") && strcmp(kernel_env, "wgmma"))
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_KERNEL must be \"mma\" or \"wgmma\", got "
-                           "\"%s\"", kernel_env);
-    const int wgmma_ok = sparge_cuda_wgmma_forward_available(ctx);
-    if (kernel_env && !strcmp(kernel_env, "wgmma") && !wgmma_ok)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: SPARGE_CUDA_FWD_KERNEL=wgmma needs an sm_90 device and a "
-                           "build with sm_90a (device is sm_%d%d)", ctx->cc_major, ctx->cc_minor);
-    if (kernel_env ? !strcmp(kernel_env, "wgmma") : wgmma_ok && fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, (int)D))
+    if (use_wgmma(ctx, (int)D))
         return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D);
-
-    fwd_tile tile = fwd_tile_for(ctx->cc_major, ctx->cc_minor, (int)D);
-    const char *tile_env = getenv("SPARGE_CUDA_FWD_TILE");
-    if (tile_env && sscanf(tile_env, "%d,%d,%d", &tile.warps, &tile.stages, &tile.split_scores) < 2)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "cuda: SPARGE_CUDA_FWD_TILE must be \"warps,stages[,split]\", got "
-                           "\"%s\"", tile_env);
+    const fwd_tile tile = tile_for(ctx, (int)D);
     return dt == SPARGE_BF16 ? dispatch_tile<gpu_bf16>(ctx, p, n_items, (int)D, tile)
                              : dispatch_tile<gpu_half>(ctx, p, n_items, (int)D, tile);
 }

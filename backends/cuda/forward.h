@@ -27,7 +27,7 @@ struct fwd_params {
 
 /* 1 when this build holds the sm_90a wgmma kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
-int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx);
+int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx);
 /* Runs the wgmma forward (f16 or bf16, D = 64 or 128) over n_items query blocks. */
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D);
 

@@ -223,7 +223,7 @@ sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 
 } // namespace
 
-int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
+int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 {
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
@@ -244,7 +244,7 @@ sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64
 
 #else /* no sm_90a image in this build */
 
-int sparge_cuda_wgmma_forward_available(gpu_ctx *ctx)
+int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 {
     (void)ctx;
     return 0;

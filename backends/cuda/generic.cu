@@ -481,14 +481,6 @@ bool can_vectorize(const sparge_view &x)
            x.sn % n == 0;
 }
 
-sparge_status check_dim(int64_t D, const char *what)
-{
-    if (D > 256)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: D = %lld exceeds the portable tier's limit of 256", what,
-                           (long long)D);
-    return SPARGE_OK;
-}
-
 attn_params common_params(const sparge_view &q, const sparge_view &k, float scale, int bq, int bk,
                           const sparge_mask_view *m)
 {
@@ -577,11 +569,24 @@ template <typename T> sparge_status backward_t(gpu_ctx *ctx, const attn_params &
 
 } // namespace
 
+sparge_status SPARGE_GPU_FN(generic_fits)(const gpu_ctx *ctx, int64_t D, bool backward)
+{
+    const char *what = backward ? "generic backward" : "generic forward";
+    if (D > 256)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: D = %lld exceeds the portable tier's limit of 256", what,
+                           (long long)D);
+    /* The last resort of each list in forward_t and backward_tiles: 32×32 tiles for D ≤ 64, 16×16 above. */
+    const int DT = D <= 64 ? 64 : D <= 128 ? 128 : 256, small = DT == 64 ? 32 : 16;
+    const size_t need = backward ? bwd_smem(DT, small, small) : fwd_smem(DT, small, small);
+    if (need > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
+                           "%s: D = %lld needs %zu bytes of shared memory per block, the device allows %zu", what,
+                           (long long)D, need, ctx->smem_optin);
+    return SPARGE_OK;
+}
+
 sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args *a)
 {
-    sparge_status s = check_dim(a->q.D, "generic forward");
-    if (s)
-        return s;
     attn_params p = common_params(a->q, a->k, a->scale, a->bq, a->bk, a->mask);
     p.v = as_tensor(a->v);
     p.o = as_tensor(a->o);
@@ -596,9 +601,7 @@ sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args
 
 sparge_status SPARGE_GPU_FN(generic_backward)(gpu_ctx *ctx, const sparge_bwd_args *a)
 {
-    sparge_status s = check_dim(a->q.D, "generic backward");
-    if (s)
-        return s;
+    sparge_status s;
     attn_params p = common_params(a->q, a->k, a->scale, a->bq, a->bk, a->mask);
     p.v = as_tensor(a->v);
     p.o = as_tensor(a->o);

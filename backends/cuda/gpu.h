@@ -8,6 +8,21 @@
 
 #include "../../src/backend.h"
 
+/* The device's tuning options (backend.cu parses them; 0 is each one's "auto"). */
+enum { GPU_KERNEL_AUTO = 0, GPU_KERNEL_MMA, GPU_KERNEL_WGMMA };
+enum { GPU_DQ_AUTO = 0, GPU_DQ_PASS, GPU_DQ_ATOMIC };
+enum { GPU_MAP_AUTO = 0, GPU_MAP_128X64, GPU_MAP_64X64, GPU_MAP_F16X3 };
+struct gpu_options {
+    int fwd_kernel;                    /* GPU_KERNEL_* */
+    int fwd_warps, fwd_stages, fwd_split; /* a forced mma.sync forward tile; fwd_warps 0: tiles.h decides */
+    int fwd_natural_order;             /* 1: masked rows launch as stored, not heaviest first */
+    int bwd_kernel;                    /* GPU_KERNEL_*: the dK/dV kernel */
+    int bwd_keys;                      /* keys per CTA of the wgmma dK/dV kernel; 0: by mask */
+    int dq;                            /* GPU_DQ_* */
+    int bwd_no_overlap;                /* 1: the dK/dV pass waits for the whole dQ pass */
+    int map_tile;                      /* GPU_MAP_*: the pooled-map logits kernel */
+};
+
 struct gpu_ctx {
     int device;
     gpuStream_t stream;
@@ -18,6 +33,7 @@ struct gpu_ctx {
     gpuEvent_t timer[2];    /* created on first use */
     void *workspace;        /* grown on demand by gpu_workspace() */
     size_t workspace_bytes;
+    gpu_options opt;
 };
 
 /* CUDA and HIP objects of the same sources are linked into one library, so
@@ -98,6 +114,9 @@ sparge_status gpu_launch_after(gpu_ctx *ctx, void (*kernel)(Params...), unsigned
 
 constexpr int GPU_MAX_WARPS = 1024 / 32; /* warps of the largest block */
 
+/* NaN by the bits: the CUDA build uses fast math. */
+__device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
+
 /* Inclusive prefix sum over the warp's lanes. */
 template <typename T> __device__ __forceinline__ T warp_inclusive_scan(T x)
 {
@@ -164,25 +183,39 @@ template <typename T> __device__ __forceinline__ void load_vec16(const T *p, flo
     }
 }
 
-/* Entry points of the op files (SPARGE_GPU_FN adds the vendor prefix). */
+/* Entry points of the op files (SPARGE_GPU_FN adds the vendor prefix). Each runs a call its tier's supports()
+ * (backend.cu) accepted. */
 sparge_status SPARGE_GPU_FN(pool)(gpu_ctx *ctx, const sparge_pool_args *a);
-sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a);
-sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args *a);
-sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_view *m);
-sparge_status SPARGE_GPU_FN(mask_transpose)(gpu_ctx *ctx, const sparge_mask_view *m);
 /* Pools two tensors (Q and K) in one launch; both share one dtype (pool.cu). */
 sparge_status SPARGE_GPU_FN(pool_pair)(gpu_ctx *ctx, const sparge_pool_args *a, const sparge_pool_args *b);
-/* sparge_mask_predict fused (mask.cu): one pooling launch, the logits GEMM, selection with the
- * softmax in its prologue. */
+sparge_status SPARGE_GPU_FN(pooled_map)(gpu_ctx *ctx, const sparge_map_args *a);
+/* The two steps of the map (map.cu), for the fused prediction: the logits scale·qbar·kbarᵀ into a->map, and
+ * their row softmax in place. */
+sparge_status SPARGE_GPU_FN(map_logits)(gpu_ctx *ctx, const sparge_map_args *a);
+sparge_status SPARGE_GPU_FN(map_softmax)(gpu_ctx *ctx, const sparge_map_args *a);
+/* Whether the map of these sizes runs with the device's map_tile option (tensor tier: tensor cores allowed). */
+sparge_status SPARGE_GPU_FN(map_fits)(const gpu_ctx *ctx, const sparge_op_desc *d, bool tensor_tier);
+sparge_status SPARGE_GPU_FN(mask_select)(gpu_ctx *ctx, const sparge_select_args *a);
+/* Softmax and selection of predicted logits rows in a->map.map (select.cu). */
+sparge_status SPARGE_GPU_FN(select_predicted)(gpu_ctx *ctx, const sparge_predict_args *a);
+/* Widest row the selection takes, in key blocks. */
+constexpr int64_t GPU_SELECT_MAX_ROW = 512 * 16;
 sparge_status SPARGE_GPU_FN(mask_predict)(gpu_ctx *ctx, const sparge_predict_args *a);
-/* Portable tier (generic.cu): any D ≤ 256, every dtype. */
+sparge_status SPARGE_GPU_FN(mask_from_dense)(gpu_ctx *ctx, const sparge_mask_view *m);
+sparge_status SPARGE_GPU_FN(mask_transpose)(gpu_ctx *ctx, const sparge_mask_view *m);
+/* Portable tier (generic.cu): f32/f16/bf16, D ≤ 256 where a tile fits the device's shared memory. */
 sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args *a);
 sparge_status SPARGE_GPU_FN(generic_backward)(gpu_ctx *ctx, const sparge_bwd_args *a);
+/* Whether a tile of the portable kernels fits the device for head dim D (forward, or the backward's two). */
+sparge_status SPARGE_GPU_FN(generic_fits)(const gpu_ctx *ctx, int64_t D, bool backward);
 #ifndef SPARGE_USE_HIP
-/* Tensor-core tier (forward.cu, backward.cu): mma.sync, f16/bf16, D ∈ {64,128}.
- * They return SPARGE_ERR_UNSUPPORTED naming the limit for anything else. */
+/* Tensor-core tier (forward.cu, backward.cu; sm_90a kernels in *_sm90.cu): mma.sync and wgmma, f16/bf16,
+ * D ∈ {64, 128}, masks of 128 × 64 or 128 × 128 blocks. */
 sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a);
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a);
+/* The kernels these options and this device pick for head dim D exist in the build and fit the device. */
+sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D);
+sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic); /* bk 0: dense */
 #endif
 
 #endif

@@ -17,7 +17,7 @@
  *
  * Compiled tiles (forward.cu's dispatch_tile; change both together): D = 128 with 4 warps ×
  * 2 stages (with and without split scores) or 8 warps × 2 stages; D = 64 with 4 warps × 2 or
- * 3 stages. SPARGE_CUDA_FWD_TILE="warps,stages[,split]" picks another one for benchmarks.
+ * 3 stages. The device option fwd_tile="warps,stages[,split]" picks another one for benchmarks.
  *
  * Measured on an H200 (sm_90, 2026-11-30, B=1 H=12 N=32760 D=128 bf16, dense, see
  * experiments/BENCHMARKS.md): 4 warps × 2 stages 330 TFLOP/s (255 registers, ≈ 110 bytes

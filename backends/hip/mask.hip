@@ -1,2 +1,0 @@
-/* HIP build of the shared GPU source (see README.md). */
-#include "../cuda/mask.cu"
