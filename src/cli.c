@@ -1,4 +1,5 @@
 /* sparge: command line entry point and `sparge info`. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,29 +32,31 @@ const char *cli_opt(int argc, char **argv, int *i, const char *name)
     return argv[++*i];
 }
 
-int64_t cli_int(const char *s, const char *name)
+int64_t cli_int(const char *s, const char *name, int64_t min, int64_t max)
 {
     char *end;
+    errno = 0;
     long long v = strtoll(s, &end, 10);
-    if (end == s || *end) {
-        fprintf(stderr, "sparge: %s expects an integer, got '%s'\n", name, s);
+    if (end == s || *end || errno == ERANGE || v < min || v > max) {
+        fprintf(stderr, "sparge: %s expects an integer in [%lld, %lld], got '%s'\n", name, (long long)min,
+                (long long)max, s);
         exit(2);
     }
     return v;
 }
 
-double cli_double(const char *s, const char *name)
+double cli_double(const char *s, const char *name, double min, double max)
 {
     char *end;
     double v = strtod(s, &end);
-    if (end == s || *end) {
-        fprintf(stderr, "sparge: %s expects a number, got '%s'\n", name, s);
+    if (end == s || *end || !(v >= min && v <= max)) {
+        fprintf(stderr, "sparge: %s expects a number in [%g, %g], got '%s'\n", name, min, max, s);
         exit(2);
     }
     return v;
 }
 
-sparge_dtype cli_dtype(const char *s)
+sparge_dtype cli_dtype(const char *s, const char *name)
 {
     if (!strcmp(s, "f32") || !strcmp(s, "fp32"))
         return SPARGE_F32;
@@ -61,7 +64,7 @@ sparge_dtype cli_dtype(const char *s)
         return SPARGE_F16;
     if (!strcmp(s, "bf16"))
         return SPARGE_BF16;
-    fprintf(stderr, "sparge: unknown dtype '%s' (use f32, f16 or bf16)\n", s);
+    fprintf(stderr, "sparge: %s expects f32, f16 or bf16, got '%s'\n", name, s);
     exit(2);
 }
 
@@ -71,15 +74,53 @@ int cli_fail(const char *what, sparge_status s)
     return 1;
 }
 
+/* Which tier of dev runs each op on a representative call (Wan2.1-1.3B-like: bf16 and f32, D 64/96/128). */
+static void print_tiers(sparge_device *dev)
+{
+    static const struct {
+        sparge_op op;
+        sparge_dtype dtype;
+        int64_t D;
+    } probes[] = {{SPARGE_OP_MASK_PREDICT, SPARGE_BF16, 128}, {SPARGE_OP_FORWARD, SPARGE_BF16, 128},
+                  {SPARGE_OP_FORWARD, SPARGE_BF16, 96},       {SPARGE_OP_FORWARD, SPARGE_F32, 128},
+                  {SPARGE_OP_BACKWARD, SPARGE_BF16, 128},     {SPARGE_OP_BACKWARD, SPARGE_F32, 64}};
+    printf("    runs on:");
+    for (size_t i = 0; i < sizeof probes / sizeof probes[0]; i++) {
+        sparge_op_desc d = {.op = probes[i].op, .dtype = probes[i].dtype, .head_dim = probes[i].D, .block_q = 128,
+                            .block_k = 64, .B = 1, .H = 12, .Nq = 32760, .Nk = 32760, .rows_aligned = 1};
+        const char *tier = NULL;
+        printf("%s %s %s D=%lld: %s", i ? "," : "", sparge_op_name(d.op), sparge_dtype_name(d.dtype), (long long)d.head_dim,
+               sparge_device_supports(dev, &d, &tier) ? "unsupported" : tier);
+    }
+    printf("\n");
+}
+
+static void print_options(sparge_device *dev)
+{
+    printf("    options:");
+    for (int i = 0; i < sparge_device_option_count(dev); i++) {
+        const char *name, *value;
+        if (!sparge_device_option(dev, i, &name, &value, NULL, NULL, NULL))
+            printf(" %s=%s", name, value);
+    }
+    printf("\n");
+}
+
 static int info(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "--help")) {
-        printf("usage: sparge info\n\nPrints the build configuration, each compiled-in backend with its devices, and "
-               "the CPU topology (hwloc).\n");
+        printf("usage: sparge info\n\nPrints the build configuration, each compiled-in backend with its devices, the "
+               "tier that runs each op there and the device's options (sparge_device_set_option; the environment "
+               "variables in docs/DESIGN.md set them when a device opens), and the CPU topology (hwloc).\n");
         return 0;
+    }
+    if (argc > 1) {
+        fprintf(stderr, "sparge info: unknown argument '%s' (see sparge info --help)\n", argv[1]);
+        return 2;
     }
     fputs(sparge_build_info(), stdout);
     printf("devices:\n");
+    int failed = 0;
     for (int b = 0; b < sparge_backend_count(); b++) {
         const char *name = sparge_backend_name(b);
         int n = sparge_backend_device_count(name);
@@ -92,14 +133,17 @@ static int info(int argc, char **argv)
             sparge_status s = sparge_device_open(dn, &dev);
             if (s) {
                 printf("  %-14s error: %s\n", dn, sparge_last_error());
+                failed = 1;
                 continue;
             }
             printf("  %-14s %s\n", dn, sparge_device_description(dev));
+            print_tiers(dev);
+            print_options(dev);
             sparge_device_close(dev);
         }
     }
     printf("topology:\n%s", sparge_topology_info());
-    return 0;
+    return failed;
 }
 
 int main(int argc, char **argv)

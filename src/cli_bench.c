@@ -40,6 +40,9 @@ static const char help[] =
     "                      dense level runs the sparse levels at lower clocks) (default 0)\n"
     "  --deterministic     backward without atomics (bitwise reproducible)\n"
     "  --seed N            input seed (default 1)\n"
+    "  --option NAME=VALUE set a device option (repeatable; sparge info lists them)\n"
+    "  --fallback          let a call the device's first tier cannot run fall back to its next tier\n"
+    "                      (default: strict=on, so every figure comes from the tier the table names)\n"
     "  --output FILE       also write the rows as CSV (.csv) or JSON (.json)\n"
     "  --export-mask PFX   write the last level's mask as PFX.json + PFX.u8 (dense uint8 [B,H,Nqb,Nkb])\n"
     "\n"
@@ -61,6 +64,7 @@ static int cmp_double(const void *a, const void *b)
  * of `reps` runs issued back to back between one pair of device timers; otherwise the median of `reps` runs timed
  * one at a time. */
 typedef sparge_status (*bench_op)(void *ctx);
+static int bench_failed; /* an operation failed: the table shows NaN and the exit status is 1 */
 static double time_op(sparge_device *dev, bench_op op, void *ctx, double settle, int warmup, int reps, int queued,
                       const char *what)
 {
@@ -94,7 +98,7 @@ static double time_op(sparge_device *dev, bench_op op, void *ctx, double settle,
         free(t);
     }
     if (s) {
-        cli_fail(what, s);
+        bench_failed = cli_fail(what, s);
         return NAN;
     }
     return result;
@@ -137,40 +141,102 @@ static sparge_status op_step(void *p)
     return s ? s : op_bwd(p);
 }
 
+/* Each op of the run on the device's first tier (or with --fallback any tier), named in the header; 1 if one is
+ * unsupported (said on stderr). */
+static int check_tiers(sparge_device *dev, sparge_op_desc d, int want_mask, int want_fwd, int want_bwd, int det)
+{
+    const sparge_op ops[3] = {SPARGE_OP_MASK_PREDICT, SPARGE_OP_FORWARD, SPARGE_OP_BACKWARD};
+    const int wanted[3] = {want_mask, want_fwd, want_bwd};
+    printf("tiers:");
+    const char *sep = " ";
+    for (int i = 0; i < 3; i++) {
+        if (!wanted[i])
+            continue;
+        d.op = ops[i];
+        d.deterministic = i == 2 && det;
+        const char *tier;
+        if (sparge_device_supports(dev, &d, &tier)) {
+            printf("\n");
+            fprintf(stderr, "sparge bench: %s\n", sparge_last_error());
+            return 1;
+        }
+        printf("%s%s on %s", sep, sparge_op_name(d.op), tier);
+        sep = ", ";
+    }
+    printf("\noptions:");
+    for (int i = 0; i < sparge_device_option_count(dev); i++) {
+        const char *name, *value;
+        if (!sparge_device_option(dev, i, &name, &value, NULL, NULL, NULL))
+            printf(" %s=%s", name, value);
+    }
+    printf("\n");
+    return 0;
+}
+
+/* 1 if the comma list holds only words of `allowed` (space separated) and at least one. */
+static int words_in(const char *list, const char *allowed)
+{
+    int n = 0;
+    for (const char *p = list; *p;) {
+        const size_t len = strcspn(p, ",");
+        int ok = 0;
+        for (const char *a = allowed; *a;) {
+            const size_t alen = strcspn(a, " ");
+            ok |= alen == len && !strncmp(a, p, len);
+            a += alen + (a[alen] == ' ');
+        }
+        if (!ok)
+            return 0;
+        n++;
+        p += len + (p[len] == ',');
+    }
+    return n > 0;
+}
+
 int cli_bench(int argc, char **argv)
 {
     const char *backend = "auto", *levels = "dense,hybrid", *ops = "mask,fwd,bwd", *output = NULL, *export_pfx = NULL,
                *dtype_s = NULL, *layout = "bhnd", *timing = "queued", *v;
+    const char *options[16];
+    int n_options = 0, fallback = 0;
     int64_t B = 1, H = 2, Nq = 8192, Nk = -1, D = 128, reps = 10, warmup = 2, seed = 1;
     int bq = 128, bk = 64, det = 0;
     double topk = 0.03, topp = 0.2, settle = 0.0;
+    const int64_t IMAX = INT32_MAX;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             fputs(help, stdout);
             return 0;
         }
         if ((v = cli_opt(argc, argv, &i, "--backend"))) backend = v;
-        else if ((v = cli_opt(argc, argv, &i, "--B"))) B = cli_int(v, "--B");
-        else if ((v = cli_opt(argc, argv, &i, "--H"))) H = cli_int(v, "--H");
-        else if ((v = cli_opt(argc, argv, &i, "--N"))) Nq = cli_int(v, "--N");
-        else if ((v = cli_opt(argc, argv, &i, "--Nq"))) Nq = cli_int(v, "--Nq");
-        else if ((v = cli_opt(argc, argv, &i, "--Nk"))) Nk = cli_int(v, "--Nk");
-        else if ((v = cli_opt(argc, argv, &i, "--D"))) D = cli_int(v, "--D");
+        else if ((v = cli_opt(argc, argv, &i, "--B"))) B = cli_int(v, "--B", 1, 65535);
+        else if ((v = cli_opt(argc, argv, &i, "--H"))) H = cli_int(v, "--H", 1, 65535);
+        else if ((v = cli_opt(argc, argv, &i, "--N"))) Nq = cli_int(v, "--N", 1, IMAX);
+        else if ((v = cli_opt(argc, argv, &i, "--Nq"))) Nq = cli_int(v, "--Nq", 1, IMAX);
+        else if ((v = cli_opt(argc, argv, &i, "--Nk"))) Nk = cli_int(v, "--Nk", 1, IMAX);
+        else if ((v = cli_opt(argc, argv, &i, "--D"))) D = cli_int(v, "--D", 1, 4096);
         else if ((v = cli_opt(argc, argv, &i, "--dtype"))) dtype_s = v;
         else if ((v = cli_opt(argc, argv, &i, "--layout"))) layout = v;
-        else if ((v = cli_opt(argc, argv, &i, "--block-q"))) bq = (int)cli_int(v, "--block-q");
-        else if ((v = cli_opt(argc, argv, &i, "--block-k"))) bk = (int)cli_int(v, "--block-k");
-        else if ((v = cli_opt(argc, argv, &i, "--topk"))) topk = cli_double(v, "--topk");
-        else if ((v = cli_opt(argc, argv, &i, "--topp"))) topp = cli_double(v, "--topp");
+        else if ((v = cli_opt(argc, argv, &i, "--block-q"))) bq = (int)cli_int(v, "--block-q", 1, IMAX);
+        else if ((v = cli_opt(argc, argv, &i, "--block-k"))) bk = (int)cli_int(v, "--block-k", 1, IMAX);
+        else if ((v = cli_opt(argc, argv, &i, "--topk"))) topk = cli_double(v, "--topk", 0.0, 1.0);
+        else if ((v = cli_opt(argc, argv, &i, "--topp"))) topp = cli_double(v, "--topp", 0.0, 1.0);
         else if ((v = cli_opt(argc, argv, &i, "--sparsity"))) levels = v;
         else if ((v = cli_opt(argc, argv, &i, "--ops"))) ops = v;
-        else if ((v = cli_opt(argc, argv, &i, "--reps"))) reps = cli_int(v, "--reps");
-        else if ((v = cli_opt(argc, argv, &i, "--warmup"))) warmup = cli_int(v, "--warmup");
-        else if ((v = cli_opt(argc, argv, &i, "--seed"))) seed = cli_int(v, "--seed");
+        else if ((v = cli_opt(argc, argv, &i, "--reps"))) reps = cli_int(v, "--reps", 1, 1000000);
+        else if ((v = cli_opt(argc, argv, &i, "--warmup"))) warmup = cli_int(v, "--warmup", 0, 1000000);
+        else if ((v = cli_opt(argc, argv, &i, "--seed"))) seed = cli_int(v, "--seed", 0, INT64_MAX);
         else if ((v = cli_opt(argc, argv, &i, "--output"))) output = v;
         else if ((v = cli_opt(argc, argv, &i, "--export-mask"))) export_pfx = v;
         else if ((v = cli_opt(argc, argv, &i, "--timing"))) timing = v;
-        else if ((v = cli_opt(argc, argv, &i, "--settle"))) settle = cli_double(v, "--settle");
+        else if ((v = cli_opt(argc, argv, &i, "--settle"))) settle = cli_double(v, "--settle", 0.0, 3600.0);
+        else if ((v = cli_opt(argc, argv, &i, "--option"))) {
+            if (n_options == (int)(sizeof options / sizeof options[0]) || !strchr(v, '=')) {
+                fprintf(stderr, "sparge bench: --option takes NAME=VALUE (at most 16), got '%s'\n", v);
+                return 2;
+            }
+            options[n_options++] = v;
+        } else if (!strcmp(argv[i], "--fallback")) fallback = 1;
         else if (!strcmp(argv[i], "--deterministic")) det = 1;
         else {
             fprintf(stderr, "sparge bench: unknown option '%s' (see sparge bench --help)\n", argv[i]);
@@ -179,29 +245,45 @@ int cli_bench(int argc, char **argv)
     }
     if (Nk < 0)
         Nk = Nq;
-    if (reps < 1 || warmup < 0) {
-        fprintf(stderr, "sparge bench: --reps must be ≥ 1 and --warmup ≥ 0\n");
-        return 2;
-    }
     if (strcmp(timing, "queued") && strcmp(timing, "each")) {
-        fprintf(stderr, "sparge bench: --timing must be queued or each\n");
+        fprintf(stderr, "sparge bench: --timing must be queued or each, got '%s'\n", timing);
         return 2;
     }
     const int queued = !strcmp(timing, "queued");
-    if (!(settle >= 0.0 && settle <= 3600.0)) {
-        fprintf(stderr, "sparge bench: --settle must be between 0 and 3600 seconds\n");
+    if (strcmp(layout, "bhnd") && strcmp(layout, "bnhd")) {
+        fprintf(stderr, "sparge bench: --layout must be bhnd or bnhd, got '%s'\n", layout);
         return 2;
     }
-    if (strcmp(layout, "bhnd") && strcmp(layout, "bnhd")) {
-        fprintf(stderr, "sparge bench: --layout must be bhnd or bnhd\n");
+    if (!words_in(ops, "mask fwd bwd")) {
+        fprintf(stderr, "sparge bench: --ops takes a comma list of mask, fwd and bwd, got '%s'\n", ops);
+        return 2;
+    }
+    if (!*levels) {
+        fprintf(stderr, "sparge bench: --sparsity takes a comma list of dense, hybrid or a sparsity in [0, 1)\n");
+        return 2;
+    }
+    const sparge_dtype dt_arg = dtype_s ? cli_dtype(dtype_s, "--dtype") : SPARGE_F32;
+    /* The largest tensor, B·H·max(Nq, Nk)·D elements of 4 bytes, must be addressable. */
+    const double elems = (double)B * (double)H * (double)(Nq > Nk ? Nq : Nk) * (double)D;
+    if (elems * 4.0 > (double)INT64_MAX / 2) {
+        fprintf(stderr, "sparge bench: --B x --H x --N x --D = %.3g elements is too large\n", elems);
         return 2;
     }
     bench_ctx c = {0};
     sparge_status s = sparge_device_open(backend, &c.dev);
     if (s)
         return cli_fail("opening the device", s);
+    if (!fallback && (s = sparge_device_set_option(c.dev, "strict", "on")))
+        return cli_fail("setting strict=on", s);
+    for (int i = 0; i < n_options; i++) {
+        char name[64];
+        const size_t n = strcspn(options[i], "=");
+        snprintf(name, sizeof name, "%.*s", (int)(n < sizeof name ? n : sizeof name - 1), options[i]);
+        if ((s = sparge_device_set_option(c.dev, name, options[i] + n + 1)))
+            return cli_fail("--option", s);
+    }
     int gpu = strncmp(sparge_device_backend(c.dev), "cpu", 3) != 0;
-    sparge_dtype dt = dtype_s ? cli_dtype(dtype_s) : gpu ? SPARGE_BF16 : SPARGE_F32;
+    sparge_dtype dt = dtype_s ? dt_arg : gpu ? SPARGE_BF16 : SPARGE_F32;
     int bnhd = !strcmp(layout, "bnhd");
     sparge_tensor (*view)(void *, sparge_dtype, int64_t, int64_t, int64_t, int64_t) =
         bnhd ? sparge_tensor_bnhd : sparge_tensor_bhnd;
@@ -225,6 +307,13 @@ int cli_bench(int argc, char **argv)
         c.dk = view(buf[6], dt, B, H, Nk, D);
         c.dv = view(buf[7], dt, B, H, Nk, D);
     }
+    const int want_mask = strstr(ops, "mask") != NULL, want_fwd = strstr(ops, "fwd") != NULL;
+    const int masked = strcmp(levels, "dense") != 0;
+    printf("sparge bench on %s (%s)\n", sparge_device_name(c.dev), sparge_device_description(c.dev));
+    sparge_op_desc desc = {.dtype = dt, .head_dim = D, .block_q = masked ? bq : 0, .block_k = masked ? bk : 0, .B = B,
+                           .H = H, .Nq = Nq, .Nk = Nk, .rows_aligned = 1};
+    if (check_tiers(c.dev, desc, want_mask && masked, want_fwd || want_bwd, want_bwd, det))
+        return 1;
     if ((s = cli_fill_random(c.dev, &c.q, (uint64_t)seed)) || (s = cli_fill_random(c.dev, &c.k, (uint64_t)seed + 1)) ||
         (s = cli_fill_random(c.dev, &c.v, (uint64_t)seed + 2)) ||
         (want_bwd && (s = cli_fill_random(c.dev, &c.d_o, (uint64_t)seed + 3))))
@@ -234,7 +323,6 @@ int cli_bench(int argc, char **argv)
         return cli_fail("creating the mask", s);
     c.ap.deterministic = det;
 
-    printf("sparge bench on %s (%s)\n", sparge_device_name(c.dev), sparge_device_description(c.dev));
     printf("B=%lld H=%lld Nq=%lld Nk=%lld D=%lld %s %s, blocks %dx%d, %s of %lld after %lld warm-up",
            (long long)B, (long long)H, (long long)Nq, (long long)Nk, (long long)D, sparge_dtype_name(dt), layout, bq, bk,
            queued ? "mean of queued runs" : "median", (long long)reps, (long long)warmup);
@@ -257,9 +345,9 @@ int cli_bench(int argc, char **argv)
         c.mask = dense ? NULL : mask;
         c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f};
         if (!dense && strcmp(tok, "hybrid")) {
-            double target = cli_double(tok, "--sparsity");
-            if (!(target >= 0.0 && target < 1.0)) {
-                fprintf(stderr, "sparge bench: sparsity level %s is outside [0, 1)\n", tok);
+            double target = cli_double(tok, "--sparsity", 0.0, 1.0);
+            if (target == 1.0) {
+                fprintf(stderr, "sparge bench: --sparsity level %s is outside [0, 1)\n", tok);
                 return 2;
             }
             c.mp.topk = 1.0 - target; /* Top-k only: exactly that share of blocks per row */
@@ -348,5 +436,5 @@ int cli_bench(int argc, char **argv)
         sparge_free(c.dev, buf[i]);
     sparge_free(c.dev, c.lse);
     sparge_device_close(c.dev);
-    return 0;
+    return bench_failed;
 }

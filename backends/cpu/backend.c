@@ -159,7 +159,7 @@ static sparge_status cpu_open(int index, void **impl, char *desc, size_t len)
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "cpu: out of host memory");
     cpu_set_option(ctx, 0, "auto");
     int bound = sparge_cpu_bind_threads();
-    snprintf(desc, len, "%d OpenMP thread(s), %s", max_threads(),
+    snprintf(desc, len, "%d OpenMP thread(s), widest SIMD tier %s, %s", max_threads(), ctx->simd->name,
              bound ? "workers bound to cores by hwloc" : "not bound");
     *impl = ctx;
     return SPARGE_OK;
