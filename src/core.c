@@ -1,4 +1,5 @@
 /* Backend registry, device handles and device memory. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, CLOCK_MONOTONIC, environ */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,8 +84,38 @@ static sparge_status init_options(sparge_device *dev)
     return SPARGE_OK;
 }
 
+extern char **environ;
+
+/* A tuning variable (SPARGE_CPU_*, SPARGE_CUDA_*, SPARGE_HIP_*) that no backend of this build reads is an error, not
+ * a setting silently ignored. */
+static sparge_status check_environment(void)
+{
+    static const char *const prefixes[] = {"SPARGE_CPU_", "SPARGE_CUDA_", "SPARGE_HIP_"};
+    for (char **e = environ; e && *e; e++) {
+        int ours = 0, read = 0;
+        for (size_t p = 0; p < sizeof prefixes / sizeof prefixes[0]; p++)
+            ours |= strncmp(*e, prefixes[p], strlen(prefixes[p])) == 0;
+        if (!ours)
+            continue;
+        const size_t len = strcspn(*e, "=");
+        for (int i = 0; i < REGISTRY_LEN && !read; i++)
+            for (int o = 0; o < registry[i]->n_options && !read; o++) {
+                const char *env = registry[i]->options[o].env;
+                read = env && strlen(env) == len && strncmp(env, *e, len) == 0;
+            }
+        if (!read)
+            return SPARGE_FAIL(SPARGE_ERR_INVALID,
+                               "sparge_device_open: %.*s is set, but no backend of this build reads it (unset it; "
+                               "sparge info lists each device's options and their variables)", (int)len, *e);
+    }
+    return SPARGE_OK;
+}
+
 static sparge_status open_on(const sparge_backend *be, int index, sparge_device **out)
 {
+    sparge_status s = check_environment();
+    if (s)
+        return s;
     int n = be->device_count();
     if (index < 0 || index >= n)
         return SPARGE_FAIL(SPARGE_ERR_NO_DEVICE, "device %s:%d: backend '%s' sees %d device(s)", be->name, index,
@@ -96,17 +127,21 @@ static sparge_status open_on(const sparge_backend *be, int index, sparge_device 
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "device %s:%d: out of host memory", be->name, index);
     dev->be = be;
     dev->index = index;
-    sparge_status s = be->open(index, &dev->impl, dev->description, sizeof dev->description);
+    s = be->open(index, &dev->impl, dev->description, sizeof dev->description);
     if (s != SPARGE_OK) {
         free(dev);
         return s;
     }
-    if ((s = init_options(dev))) {
+    if ((s = init_options(dev)) ||
+        (mtx_init(&dev->lock, mtx_plain) != thrd_success &&
+         (s = SPARGE_FAIL(SPARGE_ERR_RUNTIME, "device %s:%d: cannot create its lock", be->name, index)))) {
         if (be->close)
             be->close(dev->impl);
         free(dev);
         return s;
     }
+    dev->serialized = be->set_stream != NULL;
+    atomic_init(&dev->refs, 1);
     if (strncmp(be->name, "cpu", 3) == 0)
         snprintf(dev->name, sizeof dev->name, "%s", be->name);
     else
@@ -172,7 +207,12 @@ sparge_status sparge_device_set_option(sparge_device *dev, const char *name, con
         return unknown_option(dev, name, fn);
     /* Queued work may read the state an option selects (a kernel variant's workspace): let it finish. */
     sparge_status s = sparge_synchronize(dev);
-    return s ? s : set_option_at(dev, i, value, fn);
+    if (s)
+        return s;
+    sparge_dev_lock(dev);
+    s = set_option_at(dev, i, value, fn);
+    sparge_dev_unlock(dev);
+    return s;
 }
 
 const char *sparge_op_name(sparge_op op)
@@ -258,13 +298,22 @@ sparge_status sparge_device_open(const char *name, sparge_device **out)
     return open_on(be, index, out);
 }
 
-void sparge_device_close(sparge_device *dev)
+void sparge_device_release(sparge_device *dev)
 {
-    if (!dev)
+    if (atomic_fetch_sub(&dev->refs, 1) != 1)
         return;
     if (dev->be->close)
         dev->be->close(dev->impl);
+    mtx_destroy(&dev->lock);
     free(dev);
+}
+
+void sparge_device_close(sparge_device *dev)
+{
+    if (!dev || dev->closed)
+        return;
+    dev->closed = 1;
+    sparge_device_release(dev);
 }
 
 const char *sparge_device_name(const sparge_device *dev) { return dev ? dev->name : ""; }
@@ -332,7 +381,10 @@ sparge_status sparge_set_stream(sparge_device *dev, void *stream)
         return stream ? SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "sparge_set_stream: backend '%s' has no streams",
                                     dev->be->name)
                       : SPARGE_OK;
-    return dev->be->set_stream(dev->impl, stream);
+    sparge_dev_lock(dev);
+    sparge_status s = dev->be->set_stream(dev->impl, stream);
+    sparge_dev_unlock(dev);
+    return s;
 }
 
 static double wall_ms(void)
@@ -345,10 +397,14 @@ static double wall_ms(void)
 sparge_status sparge_timer_start(sparge_device *dev)
 {
     NEED_DEV("sparge_timer_start");
+    sparge_status s;
+    sparge_dev_lock(dev);
     if (dev->be->timer_start)
-        return dev->be->timer_start(dev->impl);
-    sparge_status s = sparge_synchronize(dev);
-    dev->timer_t0 = wall_ms();
+        s = dev->be->timer_start(dev->impl);
+    else if (!(s = dev->be->synchronize ? dev->be->synchronize(dev->impl) : SPARGE_OK))
+        dev->timer_t0 = wall_ms();
+    dev->timer_running = s == SPARGE_OK;
+    sparge_dev_unlock(dev);
     return s;
 }
 
@@ -357,9 +413,20 @@ sparge_status sparge_timer_stop(sparge_device *dev, double *ms)
     NEED_DEV("sparge_timer_stop");
     if (!ms)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_timer_stop: ms is NULL");
-    if (dev->be->timer_stop)
-        return dev->be->timer_stop(dev->impl, ms);
-    sparge_status s = sparge_synchronize(dev);
-    *ms = wall_ms() - dev->timer_t0;
+    sparge_status s = SPARGE_OK;
+    double t = 0.0;
+    sparge_dev_lock(dev);
+    if (!dev->timer_running)
+        s = SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_timer_stop: the timer of %s is not running (call "
+                        "sparge_timer_start first)", dev->name);
+    else if (dev->be->timer_stop)
+        s = dev->be->timer_stop(dev->impl, &t);
+    else if (!(s = dev->be->synchronize ? dev->be->synchronize(dev->impl) : SPARGE_OK))
+        t = wall_ms() - dev->timer_t0;
+    if (!s) {
+        dev->timer_running = 0;
+        *ms = t;
+    }
+    sparge_dev_unlock(dev);
     return s;
 }

@@ -2,6 +2,9 @@
 #ifndef SPARGE_CORE_H
 #define SPARGE_CORE_H
 
+#include <stdatomic.h>
+#include <threads.h>
+
 #include "backend.h"
 
 enum { SPARGE_MAX_OPTIONS = 16, SPARGE_OPTION_LEN = 32 };
@@ -12,8 +15,16 @@ struct sparge_device {
     void *impl;
     char name[64];
     char description[256];
-    double timer_t0; /* wall-clock start when the backend has no timer */
-    int strict;      /* option "strict": no fallback to the next tier */
+    double timer_t0;  /* wall-clock start when the backend has no timer */
+    int timer_running; /* sparge_timer_start was called and its stop not yet */
+    int strict;       /* option "strict": no fallback to the next tier */
+    /* GPU devices (a stream and scratch memory in impl) run one call at a time; CPU devices need no lock. */
+    int serialized;
+    mtx_t lock;
+    /* The handle and each live mask hold a reference: sparge_device_close with masks alive defers the release
+     * until the last of them is destroyed. */
+    atomic_int refs;
+    int closed;
     /* Current text of each option: [0] "strict", then be->options[0..n_options). */
     char option_values[SPARGE_MAX_OPTIONS][SPARGE_OPTION_LEN];
 };
@@ -27,13 +38,39 @@ struct sparge_mask {
     float *map;           /* [B,H,Nqb,Nkb] f32 */
     int predicted;        /* map and row_mass hold a prediction */
     int filled;           /* the mask holds a selection */
-    int transposed;       /* t_counts/t_indices hold the transpose of that selection */
+    int transposed;       /* t_counts/t_indices hold the transpose of that selection (under lock) */
+    mtx_t lock;           /* readers running at once may all need the transpose: one builds it */
 };
+
+/* Hold dev's lock around a call into its backend (GPU devices; a no-op on CPU devices). */
+static inline void sparge_dev_lock(sparge_device *dev)
+{
+    if (dev->serialized)
+        mtx_lock(&dev->lock);
+}
+static inline void sparge_dev_unlock(sparge_device *dev)
+{
+    if (dev->serialized)
+        mtx_unlock(&dev->lock);
+}
+/* Drops one reference of dev; the last one closes the backend's device and frees the handle. */
+void sparge_device_release(sparge_device *dev);
 
 /* The tier of dev that runs d: the first whose supports() accepts it (only the first with strict=on). On
  * refusal, the message names fn and each tier's reason. */
 sparge_status sparge_pick_tier(sparge_device *dev, const sparge_op_desc *d, const char *fn,
                                const sparge_backend **tier);
+/* Memory a tensor or the LSE occupies, for the aliasing checks (lo 0: absent). */
+typedef struct {
+    uintptr_t lo, hi;
+    const char *role;
+    const sparge_view *view; /* NULL: a plain range (the LSE) */
+} sparge_region;
+sparge_region sparge_view_region(const sparge_view *v, const char *role);
+sparge_region sparge_lse_region(const float *lse, int64_t count, const char *role);
+/* Refuses an output that overlaps an input or another output. */
+sparge_status sparge_check_disjoint(const sparge_region *outs, int n_out, const sparge_region *ins, int n_in,
+                                    const char *fn);
 /* 1 if every row of v is contiguous along D and starts 16-byte aligned. */
 int sparge_rows_aligned(const sparge_view *v);
 

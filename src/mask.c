@@ -13,7 +13,8 @@ sparge_mask_params sparge_mask_params_default(void)
     return p;
 }
 
-static void release(sparge_mask *m)
+/* Frees the mask's arrays (the device's queued work that reads them finishes first: free synchronizes). */
+static void free_arrays(sparge_mask *m)
 {
     sparge_device *dev = m->dev;
     void *bufs[] = {m->v.counts, m->v.indices, m->v.t_counts, m->v.t_indices, m->v.dense, m->v.row_mass,
@@ -21,7 +22,15 @@ static void release(sparge_mask *m)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i])
             dev->be->free(dev->impl, bufs[i]);
+}
+
+static void release(sparge_mask *m)
+{
+    sparge_device *dev = m->dev;
+    free_arrays(m);
+    mtx_destroy(&m->lock);
     free(m);
+    sparge_device_release(dev);
 }
 
 void sparge_mask_destroy(sparge_mask *mask)
@@ -58,7 +67,12 @@ sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64
     sparge_mask *m = calloc(1, sizeof *m);
     if (!m)
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_create: out of host memory");
+    if (mtx_init(&m->lock, mtx_plain) != thrd_success) {
+        free(m);
+        return SPARGE_FAIL(SPARGE_ERR_RUNTIME, "sparge_mask_create: cannot create the mask's lock");
+    }
     m->dev = dev;
+    atomic_fetch_add(&dev->refs, 1);
     m->v = (sparge_mask_view){.B = B, .H = H, .Nq = Nq, .Nk = Nk, .Nqb = Nqb, .Nkb = Nkb, .bq = block_q, .bk = block_k};
     sparge_status s;
     if ((s = alloc_array(m, rows, 4, (void **)&m->v.counts)) || (s = alloc_array(m, cells, 4, (void **)&m->v.indices)) ||
@@ -173,6 +187,7 @@ sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, cons
     sparge_pool_args pa = {*qv, m->bq, pq}, pb = {*kv, m->bk, pk};
     sparge_map_args ma = {pq, pk, scale, map};
     forget_selection(mask);
+    sparge_dev_lock(dev);
     if (be->mask_predict) {
         sparge_predict_args fa = {pa, pb, ma, params->topk, params->topp, mask->v};
         s = be->mask_predict(dev->impl, &fa);
@@ -181,6 +196,7 @@ sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, cons
         if (!(s = be->pool(dev->impl, &pa)) && !(s = be->pool(dev->impl, &pb)) && !(s = be->pooled_map(dev->impl, &ma)))
             s = be->mask_select(dev->impl, &sa);
     }
+    sparge_dev_unlock(dev);
     if (s)
         return s;
     mask->filled = mask->predicted = 1;
@@ -217,7 +233,10 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
         return s;
     forget_selection(mask);
     sparge_select_args a = {mv, params->topk, params->topp, mask->v};
-    if ((s = be->mask_select(dev->impl, &a)))
+    sparge_dev_lock(dev);
+    s = be->mask_select(dev->impl, &a);
+    sparge_dev_unlock(dev);
+    if (s)
         return s;
     mask->filled = 1;
     return SPARGE_OK;
@@ -249,10 +268,12 @@ sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host
         for (int64_t r = 0; r < rows; r++)
             nan_mass[r] = NAN;
         forget_selection(mask);
+        sparge_dev_lock(dev);
         if (!(s = dev->be->copy(dev->impl, m->dense, norm, (size_t)(rows * m->Nkb), SPARGE_COPY_H2D)) &&
             !(s = dev->be->copy(dev->impl, m->row_mass, nan_mass, (size_t)rows * sizeof(float), SPARGE_COPY_H2D)) &&
             !(s = dev->be->mask_from_dense(dev->impl, m)))
             mask->filled = 1;
+        sparge_dev_unlock(dev);
     }
     free(norm);
     free(nan_mass);
@@ -262,15 +283,20 @@ sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host
 /* Only the backward and sparge_mask_get_csr read the transpose, so the first of them to need it builds it,
  * not the producers of the selection: forward-only use never pays for it. It is a cache derived from the
  * selection, which building it leaves unchanged, hence the cast from const (masks always come writable from
- * sparge_mask_create). */
+ * sparge_mask_create); readers running at once take turns through the mask's lock, and one builds it. */
 sparge_status sparge_mask_ensure_transpose(const sparge_mask *mask)
 {
-    if (mask->transposed)
-        return SPARGE_OK;
-    sparge_device *dev = mask->dev;
-    sparge_status s = dev->be->mask_transpose(dev->impl, &mask->v);
-    if (!s)
-        ((sparge_mask *)mask)->transposed = 1;
+    sparge_mask *m = (sparge_mask *)mask;
+    sparge_device *dev = m->dev;
+    sparge_status s = SPARGE_OK;
+    mtx_lock(&m->lock);
+    if (!m->transposed) {
+        sparge_dev_lock(dev);
+        s = dev->be->mask_transpose(dev->impl, &m->v);
+        sparge_dev_unlock(dev);
+        m->transposed = s == SPARGE_OK;
+    }
+    mtx_unlock(&m->lock);
     return s;
 }
 
@@ -382,51 +408,76 @@ sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *
     return SPARGE_OK;
 }
 
+/* Writes n bytes to path; 0 with errno set on failure, and the file removed. */
+static int write_file(const char *path, const void *data, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        return 0;
+    int ok = fwrite(data, 1, n, f) == n;
+    ok &= fclose(f) == 0;
+    if (!ok)
+        remove(path);
+    return ok;
+}
+
+/* Both files are written under temporary names and renamed once both exist, so a failure leaves neither. */
 sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, int64_t head_dim, sparge_dtype dtype)
 {
+    static const char fn[] = "sparge_mask_export";
     if (!prefix)
-        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_export: prefix is NULL");
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: prefix is NULL", fn);
+    if (head_dim <= 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: head_dim = %lld must be > 0", fn, (long long)head_dim);
+    if (!sparge_dtype_size(dtype))
+        return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: unknown dtype %d", fn, (int)dtype);
     sparge_mask_stats st;
     sparge_status s = sparge_mask_get_stats(mask, &st, NULL, NULL);
     if (s)
         return s;
     const sparge_mask_view *m = &mask->v;
-    const size_t cells = (size_t)(m->B * m->H * m->Nqb * m->Nkb);
+    const size_t cells = (size_t)(m->B * m->H * m->Nqb * m->Nkb), len = strlen(prefix) + 16;
     uint8_t *dense = malloc(cells);
-    if (!dense)
-        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_export: out of host memory");
-    if ((s = to_host(mask, dense, m->dense, (int64_t)cells))) {
+    char *paths = malloc(4 * len), json[512];
+    if (!dense || !paths) {
         free(dense);
-        return s;
+        free(paths);
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
     }
-    const size_t len = strlen(prefix) + 6;
-    char *path = malloc(len);
-    if (!path) {
-        free(dense);
-        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_export: out of host memory");
-    }
-    snprintf(path, len, "%s.u8", prefix);
-    FILE *f = fopen(path, "wb");
-    int ok = f && fwrite(dense, 1, cells, f) == cells;
-    if (f)
-        ok &= fclose(f) == 0;
+    char *u8 = paths, *js = paths + len, *u8_tmp = paths + 2 * len, *js_tmp = paths + 3 * len;
+    snprintf(u8, len, "%s.u8", prefix);
+    snprintf(js, len, "%s.json", prefix);
+    snprintf(u8_tmp, len, "%s.u8.part", prefix);
+    snprintf(js_tmp, len, "%s.json.part", prefix);
+    const int n = snprintf(json, sizeof json,
+                           "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, "
+                           "\"block_k\": %d, \"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
+                           "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
+                           (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk, (long long)head_dim,
+                           m->bq, m->bk, (long long)m->Nqb, (long long)m->Nkb, st.sparsity, sparge_dtype_name(dtype));
+    const char *failed = NULL;
+    int have_u8 = 0, have_js = 0; /* temporary files this call created */
+    if ((s = to_host(mask, dense, m->dense, (int64_t)cells)))
+        failed = "";
+    else if (!(have_u8 = write_file(u8_tmp, dense, cells)))
+        failed = u8_tmp;
+    else if (!(have_js = write_file(js_tmp, json, (size_t)n)))
+        failed = js_tmp;
+    else if (rename(u8_tmp, u8))
+        failed = u8;
+    else if ((have_u8 = 0, rename(js_tmp, js)))
+        failed = js;
+    else
+        have_js = 0;
+    if (failed && *failed)
+        s = SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: cannot write %s (%s)", fn, failed, strerror(errno));
+    if (failed == js)
+        remove(u8);
+    if (have_u8)
+        remove(u8_tmp);
+    if (have_js)
+        remove(js_tmp);
     free(dense);
-    if (ok) {
-        snprintf(path, len, "%s.json", prefix);
-        FILE *j = fopen(path, "w");
-        ok = j != NULL;
-        if (j) {
-            fprintf(j,
-                    "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, \"block_k\": %d, "
-                    "\"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
-                    "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
-                    (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk, (long long)head_dim, m->bq,
-                    m->bk, (long long)m->Nqb, (long long)m->Nkb, st.sparsity, sparge_dtype_name(dtype));
-            ok = fclose(j) == 0;
-        }
-    }
-    s = ok ? SPARGE_OK
-           : SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_export: cannot write %s (%s)", path, strerror(errno));
-    free(path);
+    free(paths);
     return s;
 }

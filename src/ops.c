@@ -27,13 +27,19 @@ sparge_status sparge_pool(sparge_device *dev, const sparge_tensor *x, int block,
     if (ov.B != xv.B || ov.H != xv.H || ov.N != nb || ov.D != xv.D)
         return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: out must be [%lld,%lld,%lld,%lld] (ceil(N/block) rows)", fn,
                            (long long)xv.B, (long long)xv.H, (long long)nb, (long long)xv.D);
+    const sparge_region out_r = sparge_view_region(&ov, "out"), in_r = sparge_view_region(&xv, "x");
+    if ((s = sparge_check_disjoint(&out_r, 1, &in_r, 1, fn)))
+        return s;
     sparge_op_desc d = {.op = SPARGE_OP_POOL, .dtype = xv.dtype, .head_dim = xv.D, .block_q = block, .B = xv.B,
                         .H = xv.H, .Nq = xv.N, .rows_aligned = sparge_rows_aligned(&xv) && sparge_rows_aligned(&ov)};
     const sparge_backend *be;
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
     sparge_pool_args a = {xv, block, ov};
-    return be->pool(dev->impl, &a);
+    sparge_dev_lock(dev);
+    s = be->pool(dev->impl, &a);
+    sparge_dev_unlock(dev);
+    return s;
 }
 
 sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, const sparge_tensor *kbar, float scale,
@@ -55,6 +61,10 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
                            (long long)qv.B, (long long)qv.H, (long long)qv.N, (long long)kv.N);
     if (!isfinite(scale))
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: scale is not finite", fn);
+    const sparge_region out_r = sparge_view_region(&mv, "map");
+    const sparge_region in_r[2] = {sparge_view_region(&qv, "qbar"), sparge_view_region(&kv, "kbar")};
+    if ((s = sparge_check_disjoint(&out_r, 1, in_r, 2, fn)))
+        return s;
     sparge_op_desc d = {.op = SPARGE_OP_POOLED_MAP, .dtype = SPARGE_F32, .head_dim = qv.D, .B = qv.B, .H = qv.H,
                         .Nq = qv.N, .Nk = kv.N,
                         .rows_aligned = sparge_rows_aligned(&qv) && sparge_rows_aligned(&kv) && sparge_rows_aligned(&mv)};
@@ -62,7 +72,10 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
     sparge_map_args a = {qv, kv, resolve_scale(scale, qv.D), mv};
-    return be->pooled_map(dev->impl, &a);
+    sparge_dev_lock(dev);
+    s = be->pooled_map(dev->impl, &a);
+    sparge_dev_unlock(dev);
+    return s;
 }
 
 sparge_status sparge_check_mask_for(sparge_device *dev, const sparge_mask *mask, const sparge_view *q,
@@ -130,6 +143,27 @@ static sparge_op_desc attention_desc(sparge_op op, const tensor_role *roles, int
     return d;
 }
 
+static sparge_status check_lse_aligned(const float *lse, const char *fn)
+{
+    if ((uintptr_t)lse % sizeof(float))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: lse is not aligned to 4-byte floats", fn);
+    return SPARGE_OK;
+}
+
+/* The forward's outputs o and lse (roles[3], may be NULL) against its inputs q, k, v and each other. */
+static sparge_status check_forward_disjoint(const tensor_role *roles, const float *lse, const char *fn)
+{
+    const sparge_view *q = roles[0].v;
+    sparge_status s = check_lse_aligned(lse, fn);
+    if (s)
+        return s;
+    sparge_region outs[2] = {sparge_view_region(roles[3].v, "o"), sparge_lse_region(lse, q->B * q->H * q->N, "lse")};
+    sparge_region ins[3];
+    for (int i = 0; i < 3; i++)
+        ins[i] = sparge_view_region(roles[i].v, roles[i].role);
+    return sparge_check_disjoint(outs, 2, ins, 3, fn);
+}
+
 static sparge_status check_attn_params(const sparge_attn_params *p, const char *fn)
 {
     if (p && !isfinite(p->scale))
@@ -149,12 +183,17 @@ sparge_status sparge_attention_forward(sparge_device *dev, const sparge_tensor *
     if ((s = need_dev(dev, fn)) || (s = check_attn_params(params, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
         (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
         return s;
+    if ((s = check_forward_disjoint(roles, lse, fn)))
+        return s;
     sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, mask, 0);
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
     sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
                          mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, mask ? &mask->v : NULL};
-    return be->forward(dev->impl, &a);
+    sparge_dev_lock(dev);
+    s = be->forward(dev->impl, &a);
+    sparge_dev_unlock(dev);
+    return s;
 }
 
 sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
@@ -174,6 +213,16 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
         return s;
     if (!lse)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: lse is NULL (pass the forward's LSE)", fn);
+    if ((s = check_lse_aligned(lse, fn)))
+        return s;
+    sparge_region outs[3], ins[6];
+    for (int i = 0; i < 5; i++)
+        ins[i] = sparge_view_region(roles[i].v, roles[i].role);
+    ins[5] = sparge_lse_region(lse, qv.B * qv.H * qv.N, "lse");
+    for (int i = 0; i < 3; i++)
+        outs[i] = sparge_view_region(roles[5 + i].v, roles[5 + i].role);
+    if ((s = sparge_check_disjoint(outs, 3, ins, 6, fn)))
+        return s;
     sparge_op_desc d = attention_desc(SPARGE_OP_BACKWARD, roles, 8, mask, params ? params->deterministic : 0);
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
@@ -182,7 +231,10 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
     sparge_bwd_args a = {qv, kv, vv, ov, dov, dqv, dkv, dvv, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
                          mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, params ? params->deterministic : 0,
                          mask ? &mask->v : NULL};
-    return be->backward(dev->impl, &a);
+    sparge_dev_lock(dev);
+    s = be->backward(dev->impl, &a);
+    sparge_dev_unlock(dev);
+    return s;
 }
 
 sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
@@ -194,7 +246,8 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     sparge_view qv, kv, vv, ov;
     tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
     sparge_mask_params p = params ? *params : sparge_mask_params_default();
-    if ((s = need_dev(dev, fn)) || (s = sparge_check_mask_params(&p, fn)) || (s = check_attention_tensors(roles, 4, fn)))
+    if ((s = need_dev(dev, fn)) || (s = sparge_check_mask_params(&p, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
+        (s = check_forward_disjoint(roles, lse, fn)))
         return s;
     if (!p.block_q) p.block_q = 128;
     if (!p.block_k) p.block_k = 64;
@@ -211,7 +264,9 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
         !(s = sparge_pick_tier(dev, &d, fn, &forward_tier)) &&
         !(s = sparge_run_predict(dev, &pq, &pk, &p, m, predict_tier))) {
         sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(p.scale, qv.D), m->v.bq, m->v.bk, &m->v};
+        sparge_dev_lock(dev);
         s = forward_tier->forward(dev->impl, &a);
+        sparge_dev_unlock(dev);
     }
     if (tmp) {
         /* The temporary mask must outlive the queued GPU work that reads it. */

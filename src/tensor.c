@@ -4,7 +4,15 @@
 
 #include "backend.h"
 
-size_t sparge_dtype_size(sparge_dtype t) { return t == SPARGE_F32 ? 4 : 2; }
+size_t sparge_dtype_size(sparge_dtype t)
+{
+    switch (t) {
+    case SPARGE_F32: return 4;
+    case SPARGE_F16:
+    case SPARGE_BF16: return 2;
+    }
+    return 0;
+}
 
 const char *sparge_dtype_name(sparge_dtype t)
 {
@@ -16,29 +24,59 @@ const char *sparge_dtype_name(sparge_dtype t)
     return "?";
 }
 
+/* a·b, or -1 when either is negative or the product overflows int64. */
+static int64_t mul_or_invalid(int64_t a, int64_t b)
+{
+    if (a < 0 || b < 0 || (a != 0 && b > INT64_MAX / a))
+        return -1;
+    return a * b;
+}
+
+/* Strides whose product overflows are all set to -1, which every entry point refuses. */
+static sparge_tensor contiguous(void *data, sparge_dtype t, const int64_t shape[4], const int order[4])
+{
+    sparge_tensor x = {data, t, {shape[0], shape[1], shape[2], shape[3]}, {0, 0, 0, 0}};
+    int64_t step = 1;
+    for (int i = 3; i >= 0; i--) {
+        x.stride[order[i]] = step;
+        step = mul_or_invalid(step, shape[order[i]]);
+        if (step < 0 && i > 0) {
+            x.stride[0] = x.stride[1] = x.stride[2] = x.stride[3] = -1;
+            break;
+        }
+    }
+    return x;
+}
+
 sparge_tensor sparge_tensor_bhnd(void *data, sparge_dtype t, int64_t B, int64_t H, int64_t N, int64_t D)
 {
-    sparge_tensor x = {data, t, {B, H, N, D}, {H * N * D, N * D, D, 1}};
-    return x;
+    const int64_t shape[4] = {B, H, N, D};
+    const int order[4] = {0, 1, 2, 3}; /* memory order, outermost first */
+    return contiguous(data, t, shape, order);
 }
 
 sparge_tensor sparge_tensor_bnhd(void *data, sparge_dtype t, int64_t B, int64_t H, int64_t N, int64_t D)
 {
-    sparge_tensor x = {data, t, {B, H, N, D}, {N * H * D, D, H * D, 1}};
-    return x;
+    const int64_t shape[4] = {B, H, N, D};
+    const int order[4] = {0, 2, 1, 3};
+    return contiguous(data, t, shape, order);
 }
 
 size_t sparge_tensor_span_bytes(const sparge_tensor *t)
 {
-    if (!t)
+    if (!t || !sparge_dtype_size(t->dtype))
         return 0;
-    size_t span = 1;
+    int64_t span = 1;
     for (int i = 0; i < 4; i++) {
-        if (t->shape[i] <= 0 || t->stride[i] < 0)
+        if (t->shape[i] <= 0)
             return 0;
-        span += (size_t)(t->shape[i] - 1) * (size_t)t->stride[i];
+        int64_t step = mul_or_invalid(t->shape[i] - 1, t->stride[i]);
+        if (step < 0 || span > INT64_MAX - step)
+            return 0;
+        span += step;
     }
-    return span * sparge_dtype_size(t->dtype);
+    int64_t bytes = mul_or_invalid(span, (int64_t)sparge_dtype_size(t->dtype));
+    return bytes < 0 || (uint64_t)bytes > SIZE_MAX ? 0 : (size_t)bytes;
 }
 
 static uint32_t f32_bits(float x)
