@@ -60,10 +60,11 @@ if [ "$peers" = 1 ] && ! "$py" -c 'import torch; assert torch.cuda.is_available(
 fi
 [ "$peers" = 1 ] || [ -n "$peers_note" ] || peers_note="--no-peers"
 
-backend=cuda:$gpu settle=1 reps=5 reps_mask=20 reps_speed=10 reps_peers=20 reps_peers_bwd=5 warmup=() flex_bwd=()
+backend=cuda:$gpu settle=1 warmup=() flex_bwd=()
+reps=5 reps_det=10 reps_mask=20 reps_speed=10 reps_peers=20 reps_peers_bwd=5
 if [ "$quick" = 1 ]; then
-    settle=0 reps=2 reps_mask=2 reps_speed=2 reps_peers=2 reps_peers_bwd=2 warmup=(--warmup 1) big=0
-    flex_bwd=(--no-flex-backward)
+    settle=0 warmup=(--warmup 1) flex_bwd=(--no-flex-backward) big=0
+    reps=2 reps_det=2 reps_mask=2 reps_speed=2 reps_peers=2 reps_peers_bwd=2
 fi
 mkdir -p "$out/log" "$out/masks"
 out=$(cd "$out" && pwd)
@@ -92,15 +93,15 @@ run() {
 # because after dense work the GPU holds its power cap for a while and would run the next level slower.
 wan13=(--B 1 --H 12 --N 32760 --D 128 --dtype bf16 --settle "$settle")
 wan14=(--B 1 --H 40 --N 75600 --D 128 --dtype bf16 --settle "$settle")
-timed="--reps $reps${warmup[*]:+ ${warmup[*]}}"
+w=${warmup[*]:+ ${warmup[*]}}
 benches=(
-    "bench-1.3b|${wan13[*]} --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid $timed"
-    "bench-1.3b-deterministic|${wan13[*]} --ops fwd,bwd --deterministic --sparsity dense,0.95,hybrid $timed"
-    "bench-1.3b-mask|${wan13[*]} --ops mask --sparsity 0.95,hybrid --reps $reps_mask${warmup[*]:+ ${warmup[*]}}"
+    "bench-1.3b|${wan13[*]} --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid --reps $reps$w"
+    "bench-1.3b-deterministic|${wan13[*]} --ops bwd --deterministic --sparsity 0.95,hybrid --reps $reps_det$w"
+    "bench-1.3b-mask|${wan13[*]} --ops mask --sparsity 0.95,hybrid --reps $reps_mask$w"
 )
 if [ "$big" = 1 ]; then
     benches+=(
-        "bench-14b|${wan14[*]} --ops mask,fwd --sparsity dense,0.5,0.8,0.9,0.95,0.97 --reps 3"
+        "bench-14b|${wan14[*]} --ops mask,fwd --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid --reps 3"
         "bench-14b-mask|${wan14[*]} --ops mask --sparsity 0.95,hybrid --reps 5"
     )
 fi
