@@ -42,7 +42,8 @@ for bin in "$sparge" "$peak_bin"; do
     [ -x "$bin" ] || { echo "cpu.sh: $bin is missing: run make in $build first (or give --build)" >&2; exit 1; }
 done
 command -v python3 >/dev/null || { echo "cpu.sh: python3 is needed for the tables" >&2; exit 1; }
-"$sparge" info | grep -q '^  cpu ' || { echo "cpu.sh: this build has no cpu backend" >&2; exit 1; }
+info=$("$sparge" info)  # captured: with pipefail, grep -q closing the pipe early could fail the check
+grep -q '^  cpu ' <<<"$info" || { echo "cpu.sh: this build has no cpu backend" >&2; exit 1; }
 
 N=8192 reps=10 warmup=2 reps_bwd=5 warmup_bwd=1 peak_s=0.5
 if [ "$quick" = 1 ]; then N=2048 reps=3 warmup=1 reps_bwd=3 warmup_bwd=1 peak_s=0.1; fi

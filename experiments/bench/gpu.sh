@@ -48,9 +48,10 @@ for bin in "$sparge" "$exp_speed"; do
     [ -x "$bin" ] || { echo "gpu.sh: $bin is missing: run make in $build first (or give --build)" >&2; exit 1; }
 done
 command -v python3 >/dev/null || { echo "gpu.sh: python3 is needed for the tables" >&2; exit 1; }
-if ! "$sparge" info | grep -q "^  cuda:$gpu "; then
+info=$("$sparge" info)  # captured: with pipefail, grep -q closing the pipe early could fail the check
+if ! grep -q "^  cuda:$gpu " <<<"$info"; then
     echo "gpu.sh: sparge info lists no device cuda:$gpu (configure --with-cuda, and a GPU):" >&2
-    "$sparge" info >&2
+    echo "$info" >&2
     exit 1
 fi
 py=${PYTHON:-python3} peers_note=
@@ -162,13 +163,13 @@ section() {
 gpu_name=$(nvidia-smi -i "$gpu" --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total \
            --format=csv,noheader 2>/dev/null || echo "nvidia-smi not available")
 {
-    echo "# sparge on ${gpu_name%%,*}"
+    echo "# sparge on $(sed -n "s/^  cuda:$gpu  *//p" <<<"$info")"
     echo
     echo "Produced by \`$invocation\` on $(date -u '+%Y-%m-%d %H:%M UTC') in $(($(date +%s) - t_all)) s;" \
          "source commit" \
          "$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$src" diff --quiet HEAD \
          2>/dev/null || echo ' (with local changes)'), build \`$build\`."
-    echo "GPU (nvidia-smi: name, driver, power limit, max SM clock, memory): $gpu_name."
+    echo "nvidia-smi (name, driver, power limit, max SM clock, memory): $gpu_name."
     [ "$peers" = 0 ] || echo "Peers: $("$py" -c 'import torch; print("torch", torch.__version__)' 2>&1)."
     echo "Dense-equivalent TFLOP/s = 4·B·H·Nq·Nk·D / t (×2.5 for the backward); effective: the kept token pairs" \
          "only. sparge bench reports the mean of queued runs, each operation after ${settle} s idle."
