@@ -1,67 +1,120 @@
 #!/usr/bin/env python3
-"""Time sparge's forward peers in PyTorch on the same shapes and the same block mask.
+"""Peer benchmark: sparge against PyTorch's attention, in one process, on the same tensors and block masks.
 
-Peers: SDPA with the FlashAttention-2 backend, SDPA with the cuDNN backend (both dense)
-and FlexAttention with the block mask that sparge predicted, exported by
-`sparge bench ... --export-mask PREFIX` as PREFIX.json + PREFIX.u8 (dense uint8
-[B,H,Nqb,Nkb]). The BlockMask is built with create_block_mask from a block-level
-lookup M[b,h,q//bq,k//bk] (DESIGN.md section 4: BlockMask.from_kv_blocks gave wrong
-outputs). Every peer's output is checked against an fp64 masked reference on sampled
-query blocks before it is timed; a peer that fails the check is reported, not timed.
+Implementations (the `impl` column):
+  sdpa-flash, sdpa-cudnn    dense SDPA with the FlashAttention-2 and with the cuDNN backend
+  sparge-dense              sparge without a mask (Python binding; the backward called directly)    --sparge
+  flex                      FlexAttention, the mask's token pattern as a BlockMask
+  sparge                    sparge on the identical mask (Python binding, through autograd)          --sparge
+  sparge-mask-prediction    sparge's mask prediction (pooling, pooled map, selection) alone          --sparge
+  sparge+mask-prediction    the prediction, then the forward, queued as one operation as a model
+                            runs them (timed alone, the short prediction waits for its own host
+                            overhead; see the host_ms column)                                        --sparge
 
-Timing: CUDA events, median of --reps runs after --warmup runs (DESIGN.md section 4). The "host ms" column is the
-host's time per call while queuing those runs: where it nears the GPU time, the GPU waits for the host.
-Dense-equivalent TFLOP/s = 4*B*H*Nq*Nk*D / t; effective = that times the kept density.
+Masks:
+  --mask PREFIX    a mask exported by `sparge bench --export-mask PREFIX` or `exp_speed --export-masks`:
+                   PREFIX.json + PREFIX.u8 (dense uint8 [B,H,Nqb,Nkb]); repeatable, the shape comes from the
+                   first. sparge's prediction rows then run on this script's random tensors with --topk and
+                   --topp (a prediction costs about the same whatever it keeps).
+  --levels K:P,..  masks that sparge predicts on this script's tensors, hybrid Top-k K ∪ Top-p P (P = 0:
+                   Top-k only, an exact kept fraction); implies --sparge; the shape from --B --H --N --D.
+  neither          the dense implementations only.
+The BlockMask is built by create_block_mask over the lookup M[b, h, q // block_q, k // block_k] (with
+_compile=True, so that [B,H,Nq,Nk] is never materialized); BlockMask.from_kv_blocks gave wrong outputs.
 
-With --backward (added by cuda-bwd) each peer's backward is timed instead: dQ, dK, dV of its forward
-through autograd (TFLOP/s ×2.5, DESIGN.md section 4), dQ checked against fp64 on sampled query blocks.
-FlexAttention's backward is tried on the mask's own blocks first, then on the same tokens in finer and in
-its default 128×128 blocks (flex_bwd_attempts); the row's mask name carries the granularity that ran.
+Checks: before it is timed, each implementation's result is compared on --check-heads whole heads (drawn with
+a fixed seed) with fp64 attention under the same mask: O in the forward; dQ, dK and dV in the backward. An
+implementation above the dtype's tolerance (rel. L2: bf16 1e-2, f16 3e-3, f32 1e-5) is reported and not
+timed, and the script exits with status 1. An implementation that this torch, GPU or build lacks is reported
+as unavailable, with the reason.
 
-With --sparge, sparge itself runs in the same process through its Python binding (python/sparge; the library from
-SPARGE_BUILD_DIR or SPARGE_LIBRARY) on the identical mask, set from the file, with the same tensors, checks and
-timing as the peers: its forward (or, with --backward, its backward through autograd), and its mask prediction on
-these tensors (Top-k --topk ∪ Top-p --topp; a prediction costs about the same whatever it selects), so that
-"mask prediction included" comparisons need no second process. The sparge+mask-prediction row times the two as
-one operation, the prediction on these tensors then the forward on the file's mask, queued as a model runs them
-(timed alone, the short prediction waits for its own host overhead; see the host ms column).
+Timing: --reps runs after --warmup runs, each between two CUDA events, queued back to back and synchronized
+once; the median is reported. host_ms is the host's time per call while queuing: where it nears the GPU time,
+the GPU waits for the host. The backward is torch.autograd.grad on one retained forward graph, so it is
+timed alone. Dense-equivalent TFLOP/s = 4·B·H·Nq·Nk·D / t (×2.5 for the backward); effective = that × the
+kept fraction of block pairs.
 
-usage: peer_bench.py --mask PREFIX [--mask PREFIX ...] [--csv FILE] [--backward] [--sparge]
-       peer_bench.py --B 1 --H 12 --N 32760 --D 128       (dense peers only)
+FlexAttention's backward: torch 2.11 finds no backward kernel for 128×64 BlockMasks (NoValidChoicesError),
+with its own tiles or with explicit ones. It is tried on the mask's own blocks (default, then explicit tiles),
+then on the same tokens as 64×64 blocks, then as its default 128×128 blocks; the first that compiles is timed
+and the `kernel_blocks` column names it. At a coarser granularity it computes more token pairs than the mask
+keeps (up to about 2× for a 95 % Top-k mask), so that ratio favours sparge.
+
+With --device cpu everything that runs on the CPU runs, timed by the wall clock: a smoke test of the script.
+
+examples:
+  peer_bench.py --sparge --mask m13-k0.03-p0.2 --mask m13-s95.12 --reps 20 --csv fwd.csv --md fwd.md
+  peer_bench.py --sparge --mask m13-k0.03-p0.2 --mask m13-s95.12 --pass backward --reps 10 --csv bwd.csv
+  peer_bench.py --levels 0.03:0.2,0.05:0 --pass both --csv levels.csv       # masks predicted here
+  peer_bench.py --B 1 --H 12 --N 32760 --D 128                              # dense peers only
+sparge is found through SPARGE_LIBRARY or SPARGE_BUILD_DIR (python/README.md).
 """
 import argparse
 import csv
+import datetime
 import json
 import math
 import os
+import statistics
+import subprocess
 import sys
 import time
 
-import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}  # DESIGN.md section 3
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_mask(prefix):
+    """(meta, bool [B,H,Nqb,Nkb]) of an exported mask."""
     with open(prefix + ".json") as f:
         meta = json.load(f)
     shape = (meta["B"], meta["H"], meta["Nqb"], meta["Nkb"])
-    dense = np.fromfile(prefix + ".u8", dtype=np.uint8)
-    if dense.size != math.prod(shape):
-        sys.exit(f"{prefix}.u8 holds {dense.size} bytes, {shape} needs {math.prod(shape)}")
-    return meta, torch.from_numpy(dense.reshape(shape) != 0)
+    raw = open(prefix + ".u8", "rb").read()
+    if len(raw) != math.prod(shape):
+        sys.exit(f"{prefix}.u8 holds {len(raw)} bytes, {list(shape)} needs {math.prod(shape)}")
+    return meta, torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(shape) != 0
 
 
-def time_ms(fn, warmup, reps):
-    """(Median ms between CUDA events around each run, mean host ms per call.) The runs are queued back to back and
+def parse_levels(text):
+    levels = []
+    for item in text.split(","):
+        try:
+            topk, topp = (float(x) for x in item.split(":"))
+        except ValueError:
+            sys.exit(f"peer_bench: --levels wants K:P pairs, not '{item}'")
+        levels.append((topk, topp))
+    return levels
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def first_line(e):
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:240]}"
+
+
+def time_ms(fn, warmup, reps, cuda):
+    """(median ms per run, host ms per call). On CUDA the runs are queued back to back between event pairs and
     synchronized once, so the host's launch overhead (large for a compiled FlexAttention call) overlaps the
-    previous run; where the host takes longer per call than the GPU, the GPU waits and the events include that."""
+    previous run; where the host takes longer per call than the GPU, the GPU waits and the events include it."""
     for _ in range(warmup):
         fn()
+    if not cuda:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), statistics.fmean(times)
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     t0 = time.perf_counter()
@@ -71,63 +124,46 @@ def time_ms(fn, warmup, reps):
         stop.record()
     host_ms = (time.perf_counter() - t0) * 1e3 / reps
     torch.cuda.synchronize()
-    return float(np.median([start.elapsed_time(stop) for start, stop in events])), host_ms
+    return statistics.median(start.elapsed_time(stop) for start, stop in events), host_ms
 
 
-def reference_rel_l2(out, q, k, v, scale, blocks, block_q, block_k, samples, seed=0):
-    """fp64 masked attention on `samples` random query blocks; relative L2 of out there.
-    blocks: bool [B,H,Nqb,Nkb] on the device, or None for dense."""
-    B, H, Nq, _ = q.shape
-    Nk = k.shape[2]
-    gen = torch.Generator().manual_seed(seed)
-    num = den = 0.0
-    for _ in range(samples):
-        b = int(torch.randint(B, (1,), generator=gen))
-        h = int(torch.randint(H, (1,), generator=gen))
-        i = int(torch.randint((Nq + block_q - 1) // block_q, (1,), generator=gen))
-        rows = slice(i * block_q, min((i + 1) * block_q, Nq))
-        s = (q[b, h, rows].double() @ k[b, h].double().T) * scale
+def reference_head(q, k, v, d_o, b, h, scale, blocks, block_q, block_k, chunk_rows=512):
+    """fp64 attention of head (b, h) under blocks (bool [Nqb, Nkb] of that head; None: dense): (O,) or, with d_o,
+    (O, dQ, dK, dV). Computed over chunks of whole query blocks, since every row's softmax is its own; a row
+    that keeps no key gives 0."""
+    qh, kh, vh = q[b, h].detach().double(), k[b, h].detach().double(), v[b, h].detach().double()
+    Nq, Nk = qh.shape[0], kh.shape[0]
+    o = torch.empty_like(qh)
+    if d_o is not None:
+        doh = d_o[b, h].double()
+        dq, dk, dv = torch.empty_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+    step = block_q * max(1, chunk_rows // block_q)
+    for r0 in range(0, Nq, step):
+        r1 = min(r0 + step, Nq)
+        s = (qh[r0:r1] @ kh.T) * scale
         if blocks is not None:
-            keep = blocks[b, h, i].repeat_interleave(block_k)[:Nk]
-            s[:, ~keep] = -math.inf
-        ref = torch.softmax(s, dim=-1) @ v[b, h].double()
-        num += (out[b, h, rows].double() - ref).square().sum().item()
-        den += ref.square().sum().item()
-    return math.sqrt(num / den)
+            keep = blocks[r0 // block_q:(r1 - 1) // block_q + 1].repeat_interleave(block_k, dim=1)[:, :Nk]
+            s.masked_fill_(~keep.repeat_interleave(block_q, dim=0)[:r1 - r0], -math.inf)
+        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)
+        o[r0:r1] = p @ vh
+        if d_o is not None:
+            do = doh[r0:r1]
+            ds = p * (do @ vh.T - (do * o[r0:r1]).sum(-1, keepdim=True))
+            dq[r0:r1] = scale * (ds @ kh)
+            dk += scale * (ds.T @ qh[r0:r1])
+            dv += p.T @ do
+    return (o,) if d_o is None else (o, dq, dk, dv)
 
 
-def reference_dq_rel_l2(dq, q, k, v, d_o, scale, blocks, block_q, block_k, samples, seed=0):
-    """fp64 dQ of masked attention on `samples` random query blocks, exact from those rows alone
-    (dQ = scale·(P∘(dP − rowsum(dO∘O)))·K); relative L2 of dq there."""
-    B, H, Nq, _ = q.shape
-    Nk = k.shape[2]
-    gen = torch.Generator().manual_seed(seed)
-    num = den = 0.0
-    with torch.no_grad():
-        for _ in range(samples):
-            b = int(torch.randint(B, (1,), generator=gen))
-            h = int(torch.randint(H, (1,), generator=gen))
-            i = int(torch.randint((Nq + block_q - 1) // block_q, (1,), generator=gen))
-            rows = slice(i * block_q, min((i + 1) * block_q, Nq))
-            kk, vv, dob = k[b, h].double(), v[b, h].double(), d_o[b, h, rows].double()
-            s = (q[b, h, rows].double() @ kk.T) * scale
-            if blocks is not None:
-                keep = blocks[b, h, i].repeat_interleave(block_k)[:Nk]
-                s[:, ~keep] = -math.inf
-            p = torch.softmax(s, dim=-1)
-            ds = p * (dob @ vv.T - (dob * (p @ vv)).sum(-1, keepdim=True))
-            ref = scale * ds @ kk
-            num += (dq[b, h, rows].double() - ref).square().sum().item()
-            den += ref.square().sum().item()
-    return math.sqrt(num / den)
+def rel_l2(x, ref):
+    diff = (x.double() - ref).norm().item()
+    return diff / ref.norm().item() if math.isfinite(diff) else math.inf
 
 
 def flex_bwd_attempts(bq, bk):
-    """(BlockMask granularity, kernel_options) for FlexAttention's backward, in the order tried. With its default
-    tiles, torch 2.11 finds no backward kernel for 128×64 BlockMasks (NoValidChoicesError): tiles that divide the
-    mask blocks are given explicitly (the bwd_/fwd_ prefixes address one pass; dK/dV needs BLOCK_N1 % BLOCK_M1 == 0
-    and dQ BLOCK_M2 % BLOCK_N2 == 0), then the same token mask as 64×64 blocks, then as FlexAttention's default
-    128×128 blocks."""
+    """(BlockMask granularity, kernel_options) for FlexAttention's backward, in the order tried. Explicit tiles
+    divide the mask blocks (the bwd_/fwd_ prefixes address one pass; dK/dV needs BLOCK_N1 % BLOCK_M1 == 0 and
+    dQ BLOCK_M2 % BLOCK_N2 == 0); then the same tokens as 64×64 blocks, then as the default 128×128 blocks."""
     def bwd(m1, n1, m2, n2, stages=None):
         o = {"bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": m2, "bwd_BLOCK_N2": n2}
         return o if stages is None else {**o, "bwd_num_stages": stages}
@@ -135,154 +171,372 @@ def flex_bwd_attempts(bq, bk):
     tries = [(own, None), (own, bwd(64, 64, 64, 64)), (own, bwd(32, 64, 64, 32)), (own, bwd(64, 64, 64, 64, 1))]
     if bq % 64 == 0 and bk % 64 == 0 and own != (64, 64):
         tries.append(((64, 64), {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, **bwd(32, 64, 64, 32, 1)}))
-    if own != (128, 128):  # FlexAttention's default granularity; more work for it where a block is partly kept
+    if own != (128, 128):
         tries.append(((128, 128), None))
     return tries
 
 
+class Flex:
+    """FlexAttention, compiled once; BlockMasks of a block mask's token pattern at any granularity."""
+
+    def __init__(self):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        try:  # the backward is timed on one retained graph, which a compiled backward with donated buffers refuses
+            import torch._functorch.config
+            torch._functorch.config.donated_buffer = False
+        except (ImportError, AttributeError):
+            pass
+        self.create_block_mask = create_block_mask
+        self.attend = torch.compile(flex_attention, dynamic=False)
+        self.bwd_known = None  # the backward attempt that compiled for an earlier mask, tried first
+
+    def block_mask(self, blocks, Nq, Nk, bq, bk, grain):
+        """blocks' token pattern (blocks: bool [B,H,Nqb,Nkb] of bq × bk) as a BlockMask of grain blocks; the same
+        tokens are kept at any granularity (FlexAttention applies the lookup per token in partly kept blocks)."""
+        last_q, last_k = blocks.shape[2] - 1, blocks.shape[3] - 1
+
+        def lookup(b, h, q_idx, kv_idx):
+            # clamped: the builder may pad the lengths past the last block; FlexAttention masks padding itself
+            return blocks[b, h, torch.clamp(q_idx // bq, max=last_q), torch.clamp(kv_idx // bk, max=last_k)]
+
+        B, H = blocks.shape[:2]
+        return self.create_block_mask(lookup, B, H, Nq, Nk, device=blocks.device, BLOCK_SIZE=grain, _compile=True)
+
+
+class Bench:
+    def __init__(self, args, q, k, v, d_o, dtype, device, commit):
+        self.args, self.q, self.k, self.v, self.d_o = args, q, k, v, d_o
+        self.cuda = device.type == "cuda"
+        self.B, self.H, self.Nq, self.D = q.shape
+        self.Nk = k.shape[2]
+        self.dtype, self.tol = dtype, TOLERANCE[dtype]
+        self.scale = 1.0 / math.sqrt(self.D)
+        self.flops = 4.0 * self.B * self.H * self.Nq * self.Nk * self.D
+        self.rows, self.failed = [], []
+        self.refs = {}
+        gen = torch.Generator().manual_seed(args.seed)
+        pairs = torch.randperm(self.B * self.H, generator=gen)[:max(1, args.check_heads)].tolist()
+        self.heads = [divmod(i, self.H) for i in pairs]
+        self.stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        self.device_name = torch.cuda.get_device_name(device) if self.cuda else "cpu"
+        self.commit = commit
+
+    def reference(self, mask_name, blocks, bq, bk, backward):
+        key = (mask_name, backward)
+        if key not in self.refs:
+            self.refs[key] = [reference_head(self.q, self.k, self.v, self.d_o if backward else None, b, h, self.scale,
+                                             None if blocks is None else blocks[b, h], bq, bk)
+                              for b, h in self.heads]
+        return self.refs[key]
+
+    def check(self, results, mask_name, blocks, bq, bk, backward):
+        """Largest rel. L2 over the checked heads of results (O, or dQ, dK, dV) against fp64, and its text."""
+        refs = self.reference(mask_name, blocks, bq, bk, backward)
+        names = ("dQ", "dK", "dV") if backward else ("O",)
+        errs = []
+        for i, name in enumerate(names):
+            pairs = [(results[i][b, h], ref[i + 1 if backward else 0]) for (b, h), ref in zip(self.heads, refs)]
+            errs.append(max(rel_l2(x, r) for x, r in pairs))
+        return max(errs), "/".join(names) + " " + "/".join(f"{e:.2e}" for e in errs)
+
+    def record(self, impl, which, mask_name, sparsity, status, ms=math.nan, host_ms=math.nan, err=math.nan,
+               note="", kernel_blocks="", bq="", bk="", flops=True):
+        f = self.flops * (2.5 if which == "backward" else 1.0) if flops else math.nan
+        row = dict(date=self.stamp, device=self.device_name, torch=torch.__version__, commit=self.commit, impl=impl,
+                   direction=which, mask=mask_name, B=self.B, H=self.H, Nq=self.Nq, Nk=self.Nk, D=self.D,
+                   dtype=str(self.dtype).split(".")[-1], block_q=bq, block_k=bk, kernel_blocks=kernel_blocks,
+                   sparsity=sparsity, ms=ms, host_ms=host_ms, tflops=f / (ms * 1e9),
+                   eff_tflops=f * (1.0 - sparsity) / (ms * 1e9), rel_l2=err, status=status, note=note)
+        self.rows.append(row)
+        shown = mask_name + (f"@{kernel_blocks}" if kernel_blocks and kernel_blocks != f"{bq}x{bk}" else "")
+        tail = {"ok": "", "unavailable": f"  unavailable: {note}"}.get(status, f"  {status.upper()}: {note}")
+        print(f"{impl:<23} {which:<8} {shown:<26} {100 * sparsity:7.2f}% {ms:9.3f} {row['tflops']:9.1f} "
+              f"{row['eff_tflops']:9.1f} {err:9.2e} {host_ms:8.3f}{tail}", flush=True)
+        if status not in ("ok", "unavailable"):
+            self.failed.append(f"{impl} {which} {mask_name}: {note}")
+
+    def measure(self, impl, which, mask_name, sparsity, blocks, bq, bk, make, peer=True, kernel_blocks=""):
+        """Check, then time, one implementation. make() returns (results, timed): results (O,) or (dQ, dK, dV)
+        for the check, timed the operation to time. An exception in make() is 'unavailable' for a peer and an
+        error for sparge."""
+        grad = torch.enable_grad() if which == "backward" else torch.no_grad()
+        extra = dict(kernel_blocks=kernel_blocks, bq=bq if blocks is not None else "",
+                     bk=bk if blocks is not None else "")
+        with grad:
+            try:
+                results, timed = make()
+            except Exception as e:  # noqa: BLE001 (any failure of a peer's stack is reported, not fatal)
+                self.record(impl, which, mask_name, sparsity, "unavailable" if peer else "error", note=first_line(e),
+                            **extra)
+                return
+            err, text = self.check(results, mask_name, blocks, bq, bk, which == "backward")
+            del results
+            if not err <= self.tol:
+                self.record(impl, which, mask_name, sparsity, "failed-check", err=err,
+                            note=f"{text} above {self.tol:g}, not timed", **extra)
+                return
+            ms, host_ms = time_ms(timed, self.args.warmup, self.args.reps, self.cuda)
+        self.record(impl, which, mask_name, sparsity, "ok", ms, host_ms, err, note=text, **extra)
+
+    def autograd_pair(self, forward, which):
+        """(results, timed) of forward() for measure(): O and the forward, or the gradients and the backward
+        alone on one retained graph."""
+        q, k, v, d_o = self.q, self.k, self.v, self.d_o
+        if which == "forward":
+            return (forward(),), forward
+        out = forward()
+        return torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True), \
+            lambda: torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
+
+
+def sdpa_impls(scale):
+    """{name: forward} of the dense SDPA backends (forward raises where a backend does not run)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def impl(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return run
+    return {"sdpa-flash": impl(SDPBackend.FLASH_ATTENTION), "sdpa-cudnn": impl(SDPBackend.CUDNN_ATTENTION)}
+
+
+def fmt(x, spec):
+    return format(x, spec) if isinstance(x, float) and math.isfinite(x) else "—"
+
+
+def times(a, b):
+    return fmt(a / b, ".2f") + "×" if math.isfinite(a / b) else "—"
+
+
+def rows_table(rows):
+    """Markdown lines: one per row."""
+    out = ["| impl | direction | mask | sparsity | ms | TFLOP/s (dense-eq.) | eff. TFLOP/s | host ms | check |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        own = f"{r['block_q']}x{r['block_k']}"
+        mask = r["mask"] + (f" ({r['kernel_blocks']} blocks)" if r["kernel_blocks"] not in ("", own) else "")
+        check = r["note"] if r["status"] == "ok" else f"{r['status']}: {r['note']}"
+        out.append(f"| {r['impl']} | {r['direction']} | {mask} | {100 * r['sparsity']:.2f} % | {fmt(r['ms'], '.3f')} "
+                   f"| {fmt(r['tflops'], '.1f')} | {fmt(r['eff_tflops'], '.1f')} | {fmt(r['host_ms'], '.3f')} "
+                   f"| {check.replace('|', '/')} |")
+    return out
+
+
+def ratio_table(rows, passes, masks):
+    """Markdown lines: sparge against FlexAttention on each mask and against the faster dense SDPA backend."""
+    def ms(impl, which, mask):
+        found = [r["ms"] for r in rows
+                 if (r["impl"], r["direction"], r["mask"], r["status"]) == (impl, which, mask, "ok")]
+        return found[0] if found else math.nan
+    out = ["| mask | direction | FlexAttention ms | sparge ms | sparge + prediction ms | Flex / sparge "
+           "| Flex / (sparge + prediction) | best dense ms | best dense / (sparge + prediction), backward: / sparge |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for which in passes:
+        dense = [t for t in (ms("sdpa-flash", which, "dense"), ms("sdpa-cudnn", which, "dense")) if math.isfinite(t)]
+        best = min(dense) if dense else math.nan
+        for mask in masks:
+            f, s, sp = ms("flex", which, mask), ms("sparge", which, mask), ms("sparge+mask-prediction", which, mask)
+            out.append(f"| {mask} | {which} | {fmt(f, '.3f')} | {fmt(s, '.3f')} | {fmt(sp, '.3f')} "
+                       f"| {times(f, s)} | {times(f, sp)} | {fmt(best, '.3f')} "
+                       f"| {times(best, sp if which == 'forward' else s)} |")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mask", action="append", default=[], help="PREFIX of an exported mask (repeatable)")
+    ap.add_argument("--mask", action="append", default=[], metavar="PREFIX", help="an exported mask (repeatable)")
+    ap.add_argument("--levels", help="K:P,... masks predicted by sparge on these tensors (implies --sparge)")
+    ap.add_argument("--sparge", action="store_true", help="also run sparge (its Python binding) on every mask")
+    ap.add_argument("--pass", dest="passes", default="forward", choices=("forward", "backward", "both"))
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--H", type=int, default=12)
-    ap.add_argument("--N", type=int, default=32760)
+    ap.add_argument("--N", type=int, default=32760, help="tokens, Nq = Nk (default: Wan2.1-1.3B at 480p)")
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--block-q", type=int, default=128, help="--levels: mask blocks (default 128 x 64)")
+    ap.add_argument("--block-k", type=int, default=64)
+    ap.add_argument("--topk", type=float, default=0.03, help="--mask with --sparge: Top-k of the timed prediction")
+    ap.add_argument("--topp", type=float, default=0.2, help="--mask with --sparge: Top-p of the timed prediction")
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--samples", type=int, default=6, help="query blocks checked against fp64 per peer")
-    ap.add_argument("--no-dense", action="store_true", help="skip the SDPA peers")
-    ap.add_argument("--csv", help="write the rows here")
-    ap.add_argument("--backward", action="store_true", help="time the peers' backward (dQ, dK, dV) instead")
-    ap.add_argument("--sparge", action="store_true", help="also time sparge on each mask (Python binding)")
-    ap.add_argument("--topk", type=float, default=0.03, help="--sparge: Top-k of the timed mask prediction")
-    ap.add_argument("--topp", type=float, default=0.2, help="--sparge: Top-p of the timed mask prediction")
+    ap.add_argument("--check-heads", type=int, default=2, help="whole heads checked against fp64 (default 2)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense implementations")
+    ap.add_argument("--no-flex-backward", action="store_true",
+                    help="skip FlexAttention's backward (each failed compilation attempt costs about a minute)")
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke test")
+    ap.add_argument("--commit", help="commit to record (default: git rev-parse of this checkout)")
+    ap.add_argument("--csv", help="write every row here")
+    ap.add_argument("--md", help="write a Markdown summary here")
     args = ap.parse_args()
-    if args.sparge:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+    if args.reps < 1 or args.warmup < 0:
+        sys.exit("peer_bench: --reps must be >= 1 and --warmup >= 0")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("peer_bench: no CUDA device (--device cpu runs a smoke test on the CPU)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    levels = parse_levels(args.levels) if args.levels else []
+    use_sparge = args.sparge or bool(levels)
+    if levels and args.mask:
+        sys.exit("peer_bench: give --mask or --levels, not both")
+    if use_sparge:
+        sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
         import sparge
+    passes = ("forward", "backward") if args.passes == "both" else (args.passes,)
 
-    masks = [load_mask(p) + (p,) for p in args.mask]
-    if masks:  # the shape comes from the (first) mask
-        meta = masks[0][0]
+    files = [load_mask(p) + (p,) for p in args.mask]
+    if files:
+        meta = files[0][0]
         B, H, Nq, Nk, D, dtype = meta["B"], meta["H"], meta["Nq"], meta["Nk"], meta["D"], DTYPES[meta["dtype"]]
-        for m, _, p in masks[1:]:
-            if (m["B"], m["H"], m["Nq"], m["Nk"], m["D"]) != (B, H, Nq, Nk, D):
-                sys.exit(f"{p}: shape differs from {masks[0][2]}")
+        for m, _, p in files[1:]:
+            if (m["B"], m["H"], m["Nq"], m["Nk"], m["D"], m["dtype"]) != (B, H, Nq, Nk, D, meta["dtype"]):
+                sys.exit(f"peer_bench: {p} has another shape or dtype than {files[0][2]}")
     else:
         B, H, Nq, Nk, D, dtype = args.B, args.H, args.N, args.N, args.D, DTYPES[args.dtype]
-    dev = torch.device("cuda")
-    torch.manual_seed(1)
-    q = torch.randn(B, H, Nq, D, device=dev, dtype=dtype)
-    k = torch.randn(B, H, Nk, D, device=dev, dtype=dtype)
-    v = torch.randn(B, H, Nk, D, device=dev, dtype=dtype)
-    scale = 1.0 / math.sqrt(D)
-    flops = 4.0 * B * H * Nq * Nk * D
-    if args.backward:
-        for x in (q, k, v):
-            x.requires_grad_()
-        d_o = torch.randn(B, H, Nq, D, device=dev, dtype=dtype)
-        flops *= 2.5
-    tol = TOLERANCE[dtype]
-    rows = []
-    print(f"peers on {torch.cuda.get_device_name()} (torch {torch.__version__}), B={B} H={H} Nq={Nq} Nk={Nk} D={D} "
-          f"{str(dtype).split('.')[-1]}, median of {args.reps} after {args.warmup} warm-up, CUDA events")
-    print(f"{'peer':<22} {'mask':<28} {'sparsity':>8} {'ms':>9} {'TFLOP/s':>9} {'eff TF/s':>9} {'relL2':>9} {'host ms':>8}")
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    need_grad = "backward" in passes
+    q, k, v = (torch.randn(B, H, n, D, device=device, dtype=dtype, generator=gen).requires_grad_(need_grad)
+               for n in (Nq, Nk, Nk))
+    d_o = torch.randn(B, H, Nq, D, device=device, dtype=dtype, generator=gen) if need_grad else None
+    bench = Bench(args, q, k, v, d_o, dtype, device, args.commit or git_commit())
+    print(f"peer_bench {bench.stamp}, {bench.device_name}, torch {torch.__version__}, commit {bench.commit}"
+          + (f", libsparge {sparge.library_path}" if use_sparge else ""))
+    print(f"B={B} H={H} Nq={Nq} Nk={Nk} D={D} {str(dtype).split('.')[-1]}, median of {args.reps} after "
+          f"{args.warmup} warm-up{', CUDA events' if bench.cuda else ', wall clock'}; checked against fp64 on "
+          f"heads {bench.heads}")
+    print(f"{'impl':<23} {'pass':<8} {'mask':<26} {'sparsity':>8} {'ms':>9} {'TFLOP/s':>9} {'eff TF/s':>9} "
+          f"{'relL2':>9} {'host ms':>8}")
 
-    def report(peer, mask_name, sparsity, fn):
-        out = fn()
-        timed = fn
-        if args.backward:
-            def timed():
-                return torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
-            err = reference_dq_rel_l2(timed()[0], q, k, v, d_o, scale, blk, bq, bk, args.samples)
-        else:
-            err = reference_rel_l2(out, q, k, v, scale, blk, bq, bk, args.samples)
-        ok = math.isfinite(err) and err <= tol
-        ms, host_ms = time_ms(timed, args.warmup, args.reps) if ok else (float("nan"), float("nan"))
-        row = {"peer": peer, "mask": mask_name, "B": B, "H": H, "Nq": Nq, "Nk": Nk, "D": D,
-               "sparsity": sparsity, "ms": ms, "tflops": flops / (ms * 1e9),
-               "eff_tflops": flops * (1 - sparsity) / (ms * 1e9), "rel_l2": err, "verified": ok, "host_ms": host_ms}
-        rows.append(row)
-        print(f"{peer:<22} {mask_name:<28} {100 * sparsity:7.2f}% {ms:9.3f} {row['tflops']:9.1f} "
-              f"{row['eff_tflops']:9.1f} {err:9.2e} {host_ms:8.3f}{'' if ok else '  FAILED the reference check, not timed'}",
-              flush=True)
-
-    blk, bq, bk = None, 128, 64
     if not args.no_dense:
-        for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
-            def run(backend=backend):
-                with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-            try:
-                report(name, "dense", 0.0, run)
-            except RuntimeError as e:  # backend not available for this shape or build
-                print(f"{name:<22} unavailable: {str(e).splitlines()[0]}")
+        try:
+            dense = sdpa_impls(bench.scale)
+        except ImportError as e:
+            dense = {}
+            for name in ("sdpa-flash", "sdpa-cudnn"):
+                for which in passes:
+                    bench.record(name, which, "dense", 0.0, "unavailable", note=first_line(e))
+        for name, attend in dense.items():
+            for which in passes:
+                bench.measure(name, which, "dense", 0.0, None, 128, 64,
+                              lambda: bench.autograd_pair(lambda: attend(q, k, v), which))
+        if use_sparge:
+            for which in passes:
+                def make_dense(which=which):
+                    if which == "forward":
+                        return (sparge.attention_forward(q, k, v)[0],), lambda: sparge.attention_forward(q, k, v)
+                    qd, kd, vd = q.detach(), k.detach(), v.detach()
+                    o, lse = sparge.attention_forward(qd, kd, vd)
+                    run = lambda: sparge.attention_backward(d_o, qd, kd, vd, o, lse)  # noqa: E731
+                    return run(), run
+                bench.measure("sparge-dense", which, "dense", 0.0, None, 128, 64, make_dense, peer=False)
 
-    flex = torch.compile(flex_attention, dynamic=False)
-    flex_bwd_known = None  # the backward attempt that compiled for an earlier mask, tried first
-    for meta, blocks, prefix in masks:
-        bq, bk = meta["block_q"], meta["block_k"]
-        blk = blocks.to(dev)
-        Nqb, Nkb = meta["Nqb"], meta["Nkb"]
+    masks = []  # (name, blocks bool [B,H,Nqb,Nkb] on the device, bq, bk, sparge.Mask or None, (topk, topp))
+    for meta, blocks, prefix in files:
+        smask = sparge.Mask.from_dense(blocks, Nq, Nk, meta["block_q"], meta["block_k"], device=device) \
+            if use_sparge else None
+        masks.append((os.path.basename(prefix), blocks.to(device), meta["block_q"], meta["block_k"], smask,
+                      (args.topk, args.topp)))
+    for topk, topp in levels:
+        with torch.no_grad():
+            smask = sparge.predict_mask(q.detach(), k.detach(), topk=topk, topp=topp, block_q=args.block_q,
+                                        block_k=args.block_k)
+        masks.append((f"k={topk:g} p={topp:g}", smask.dense.bool(), args.block_q, args.block_k, smask, (topk, topp)))
 
-        def block_mask_at(flex_bq, flex_bk, blk=blk, bq=bq, bk=bk, Nqb=Nqb, Nkb=Nkb):
-            """The mask's token pattern as a BlockMask of flex_bq × flex_bk blocks: the same tokens are kept whatever
-            the granularity (FlexAttention applies the lookup per token inside blocks that are partly kept)."""
-            def lookup(b, h, q_idx, kv_idx):
-                return blk[b, h, torch.clamp(q_idx // bq, max=Nqb - 1), torch.clamp(kv_idx // bk, max=Nkb - 1)]
-            # _compile=True evaluates the lookup block by block instead of materializing [B,H,Nq,Nk].
-            return create_block_mask(lookup, B, H, Nq, Nk, device=dev, BLOCK_SIZE=(flex_bq, flex_bk), _compile=True)
+    flex, flex_error = None, ""
+    if masks:
+        try:
+            flex = Flex()
+        except Exception as e:  # noqa: BLE001 (no FlexAttention in this torch)
+            flex_error = first_line(e)
+    for name, blocks, bq, bk, smask, (topk, topp) in masks:
+        sparsity = 1.0 - blocks.float().mean().item()
+        for which in passes:
+            if flex is None:
+                bench.record("flex", which, name, sparsity, "unavailable", note=flex_error, bq=bq, bk=bk)
+            elif which == "backward" and args.no_flex_backward:
+                bench.record("flex", which, name, sparsity, "unavailable", note="--no-flex-backward", bq=bq, bk=bk)
+            else:
+                attempts = [((bq, bk), None)]
+                if which == "backward":  # the first attempt that compiles is timed
+                    tries = flex_bwd_attempts(bq, bk)
+                    attempts = [a for a in tries if a == flex.bwd_known] + [a for a in tries if a != flex.bwd_known]
+                failures = []
+                for grain, options in attempts:
+                    def make_flex(grain=grain, options=options):
+                        block_mask = flex.block_mask(blocks, Nq, Nk, bq, bk, grain)
+                        return bench.autograd_pair(lambda: flex.attend(q, k, v, block_mask=block_mask,
+                                                                       scale=bench.scale, kernel_options=options),
+                                                   which)
+                    try:
+                        with torch.enable_grad() if which == "backward" else torch.no_grad():
+                            made = make_flex()
+                    except Exception as e:  # noqa: BLE001 (no kernel for these blocks and options: try the next)
+                        failures.append(f"{grain[0]}x{grain[1]} blocks, kernel_options {options}: {first_line(e)}")
+                        print(f"{'flex':<23} {which:<8} {name:<26} failed with {failures[-1]}", flush=True)
+                        torch._dynamo.reset()
+                        continue
+                    if which == "backward":
+                        flex.bwd_known = (grain, options)
+                    bench.measure("flex", which, name, sparsity, blocks, bq, bk, lambda made=made: made,
+                                  kernel_blocks=f"{grain[0]}x{grain[1]}")
+                    break
+                else:
+                    bench.record("flex", which, name, sparsity, "unavailable", note="; ".join(failures), bq=bq, bk=bk)
+            if smask is None:
+                continue
+            qd, kd = q.detach(), k.detach()
 
-        sparsity = 1.0 - blk.float().mean().item()
-        name = prefix.split("/")[-1]
-        attempts = [((bq, bk), None)]
-        if args.backward:  # the first that compiles is timed
-            tries = flex_bwd_attempts(bq, bk)
-            attempts = [a for a in tries if a == flex_bwd_known] + [a for a in tries if a != flex_bwd_known]
-        for (fq, fk), options in attempts:
-            block_mask = block_mask_at(fq, fk)
-            tag = name if (fq, fk) == (bq, bk) else f"{name}@{fq}x{fk}"
-            try:
-                report("flex", tag, sparsity,
-                       lambda: flex(q, k, v, block_mask=block_mask, scale=scale, kernel_options=options))
-                if args.backward:
-                    print(f"{'':<22} (FlexAttention ran with {fq}x{fk} blocks, kernel_options {options})", flush=True)
-                    flex_bwd_known = ((fq, fk), options)
-                break
-            except Exception as e:  # no kernel for these blocks and options: say why, try the next
-                print(f"{'flex':<22} {tag:<28} failed with kernel_options {options}: {type(e).__name__}: "
-                      f"{' '.join(str(e).split())[:300]}", flush=True)
-                torch._dynamo.reset()
-        if args.sparge:
-            smask = sparge.Mask.from_dense(blk, Nq, Nk, bq, bk, device=dev)
-            predicted = sparge.Mask(B, H, Nq, Nk, bq, bk, device=dev)
-
-            def forward():
+            def forward(smask=smask, bq=bq, bk=bk):
                 return sparge.sparge_attention(q, k, v, mask=smask, block_q=bq, block_k=bk)
+            bench.measure("sparge", which, name, sparsity, blocks, bq, bk,
+                          lambda forward=forward: bench.autograd_pair(forward, which), peer=False)
+            if which != "forward":
+                continue
+            # The timed prediction writes into its own mask, except in --levels mode, where predicting the level's
+            # mask again rewrites the same blocks (a prediction is deterministic).
+            predicted = smask if levels else sparge.Mask(B, H, Nq, Nk, bq, bk, device=device)
+            with torch.no_grad():
+                def predict(predicted=predicted, topk=topk, topp=topp):
+                    return predicted.predict(qd, kd, topk=topk, topp=topp)
+                predict()
+                ms, host_ms = time_ms(predict, args.warmup, args.reps, bench.cuda)
+            bench.record("sparge-mask-prediction", which, name if levels else f"k={topk:g} p={topp:g}",
+                         predicted.sparsity, "ok", ms, host_ms, note="on this script's tensors", bq=bq, bk=bk,
+                         flops=False)
 
-            def predict():
-                return predicted.predict(q, k, topk=args.topk, topp=args.topp)
+            def predict_then_forward(predict=predict, forward=forward):
+                predict()
+                return forward()
+            bench.measure("sparge+mask-prediction", which, name, sparsity, blocks, bq, bk,
+                          lambda f=predict_then_forward: ((f(),), f), peer=False)
 
-            report("sparge", name, sparsity, forward)
-            ms, host_ms = time_ms(predict, args.warmup, args.reps)
-            rows.append({**rows[-1], "peer": "sparge-mask-prediction", "mask": f"k={args.topk} p={args.topp}",
-                         "sparsity": predicted.sparsity, "ms": ms, "tflops": float("nan"),
-                         "eff_tflops": float("nan"), "rel_l2": float("nan"), "verified": True, "host_ms": host_ms})
-            print(f"{'sparge-mask-prediction':<22} {'(these tensors)':<28} {100 * predicted.sparsity:7.2f}% "
-                  f"{ms:9.3f} {'':9} {'':9} {'':9} {host_ms:8.3f}", flush=True)
-            if not args.backward:  # both queued as one operation, as a model runs them (host time overlaps)
-                def predict_then_forward():
-                    predict()
-                    return forward()
-                report("sparge+mask-prediction", name, sparsity, predict_then_forward)
-
-    if args.csv:
+    ratios = ratio_table(bench.rows, passes, [m[0] for m in masks]) if masks and use_sparge else []
+    if ratios:
+        print("\n" + "\n".join(ratios))
+    if args.csv and bench.rows:
         with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
-            w.writeheader()
-            w.writerows(rows)
+            writer = csv.DictWriter(f, fieldnames=list(bench.rows[0].keys()))
+            writer.writeheader()
+            writer.writerows(bench.rows)
         print(f"wrote {args.csv}")
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(f"Peers on {bench.device_name} (torch {torch.__version__}), commit {bench.commit}, {bench.stamp}: "
+                    f"B={B} H={H} Nq={Nq} Nk={Nk} D={D} {str(dtype).split('.')[-1]}, median of {args.reps} "
+                    f"{'queued runs (CUDA events)' if bench.cuda else 'runs (wall clock)'} after {args.warmup} "
+                    f"warm-up; every timed result checked against fp64 on {len(bench.heads)} "
+                    f"whole head(s) first.\n\n" + "\n".join(rows_table(bench.rows)) + "\n")
+            if ratios:
+                f.write("\n" + "\n".join(ratios) + "\n")
+        print(f"wrote {args.md}")
+    if bench.failed:
+        print("FAILED:\n  " + "\n  ".join(bench.failed))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# The GPU tables of experiments/BENCHMARKS.md on one CUDA GPU, from a configured and built build directory:
+# sparge bench at the Wan2.1-1.3B attention shape (B=1 H=12 N=32760 D=128 bf16, blocks 128x64) over sparsity
+# levels, its deterministic backward and mask prediction, the Wan2.1-14B shape (H=40 N=75600); the paper's
+# hybrid mask on video-like inputs (exp_speed, which exports the masks); and the PyTorch peers (SDPA,
+# FlexAttention) beside sparge in one process on those masks, forward and backward. CSV files, each
+# command's output and summary.md go to OUT_DIR.
+set -euo pipefail
+
+usage() {
+    cat <<EOF
+usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--no-peers] OUT_DIR
+
+  --build DIR  a build directory configured with the CUDA backend and built (default: the current directory)
+  --gpu N      the CUDA device to use (default 0)
+  --quick      2 timed runs per level, no idle between operations, no Wan2.1-14B rows, no FlexAttention
+               backward: a check that everything runs, not a measurement
+  --no-14b     skip the Wan2.1-14B rows (they need about 4 GiB of GPU memory)
+  --no-peers   skip the PyTorch peers (they need python3 with torch and CUDA; PYTHON picks the interpreter)
+Writes OUT_DIR/bench-*.csv (sparge bench), OUT_DIR/speed-video.{csv,md} and OUT_DIR/masks/ (exp_speed),
+OUT_DIR/peers-{forward,backward}.{csv,md} (experiments/peers/peer_bench.py), OUT_DIR/log/*.txt (each
+command's output) and OUT_DIR/summary.md. Exits 1 if a command failed; the others still run.
+EOF
+}
+
+invocation="experiments/bench/gpu.sh${*:+ $*}"
+build=. gpu=0 quick=0 big=1 peers=1 out=
+while [ $# -gt 0 ]; do
+    case $1 in
+    --build) [ $# -ge 2 ] || { usage >&2; exit 2; }; build=$2; shift 2 ;;
+    --gpu) [ $# -ge 2 ] || { usage >&2; exit 2; }; gpu=$2; shift 2 ;;
+    --quick) quick=1; shift ;;
+    --no-14b) big=0; shift ;;
+    --no-peers) peers=0; shift ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+    *) [ -z "$out" ] || { usage >&2; exit 2; }; out=$1; shift ;;
+    esac
+done
+[ -n "$out" ] || { usage >&2; exit 2; }
+case $gpu in ''|*[!0-9]*) echo "gpu.sh: --gpu wants a device number" >&2; exit 2 ;; esac
+
+src=$(cd "$(dirname "$0")/../.." && pwd)
+[ -d "$build" ] || { echo "gpu.sh: no build directory $build" >&2; exit 1; }
+build=$(cd "$build" && pwd)
+sparge=$build/src/sparge exp_speed=$build/experiments/exp_speed
+for bin in "$sparge" "$exp_speed"; do
+    [ -x "$bin" ] || { echo "gpu.sh: $bin is missing: run make in $build first (or give --build)" >&2; exit 1; }
+done
+command -v python3 >/dev/null || { echo "gpu.sh: python3 is needed for the tables" >&2; exit 1; }
+info=$("$sparge" info)  # captured: with pipefail, grep -q closing the pipe early could fail the check
+if ! grep -q "^  cuda:$gpu " <<<"$info"; then
+    echo "gpu.sh: sparge info lists no device cuda:$gpu (configure --with-cuda, and a GPU):" >&2
+    echo "$info" >&2
+    exit 1
+fi
+py=${PYTHON:-python3} peers_note=
+if [ "$peers" = 1 ] && ! "$py" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+    peers=0 peers_note="skipped: $py has no torch with CUDA"
+    echo "gpu.sh: peers $peers_note" >&2
+fi
+[ "$peers" = 1 ] || [ -n "$peers_note" ] || peers_note="--no-peers"
+
+backend=cuda:$gpu settle=1 warmup=() flex_bwd=()
+reps=5 reps_det=10 reps_mask=20 reps_speed=10 reps_peers=20 reps_peers_bwd=5
+if [ "$quick" = 1 ]; then
+    settle=0 warmup=(--warmup 1) flex_bwd=(--no-flex-backward) big=0
+    reps=2 reps_det=2 reps_mask=2 reps_speed=2 reps_peers=2 reps_peers_bwd=2
+fi
+mkdir -p "$out/log" "$out/masks"
+out=$(cd "$out" && pwd)
+t_all=$(date +%s)
+failed=()
+declare -A shown  # NAME -> the command as run, paths relative to the build, source and output directories
+
+# run NAME COMMAND...: print progress, run COMMAND with its output on the terminal (indented) and in
+# log/NAME.txt, and remember a failure instead of stopping.
+run() {
+    local name=$1 rc
+    shift
+    echo "== $name ($(date -u +%H:%M:%S)): $*"
+    shown[$name]=$(printf '%s ' "$@" | sed "s#$out/##g; s#$build/##g; s#$src/##g; s/ $//")
+    set +e
+    "$@" 2>&1 | tee "$out/log/$name.txt" | sed 's/^/   /'
+    rc=${PIPESTATUS[0]}
+    set -e
+    if [ "$rc" != 0 ]; then
+        echo "== $name FAILED (exit $rc), output in $out/log/$name.txt"
+        failed+=("$name (exit $rc)")
+    fi
+}
+
+# Each sparge bench command: NAME|OPTIONS (after the backend); --settle idles before each timed operation,
+# because after dense work the GPU holds its power cap for a while and would run the next level slower.
+wan13=(--B 1 --H 12 --N 32760 --D 128 --dtype bf16 --settle "$settle")
+wan14=(--B 1 --H 40 --N 75600 --D 128 --dtype bf16 --settle "$settle")
+w=${warmup[*]:+ ${warmup[*]}}
+benches=(
+    "bench-1.3b|${wan13[*]} --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid --reps $reps$w"
+    "bench-1.3b-deterministic|${wan13[*]} --ops bwd --deterministic --sparsity 0.95,hybrid --reps $reps_det$w"
+    "bench-1.3b-mask|${wan13[*]} --ops mask --sparsity 0.95,hybrid --reps $reps_mask$w"
+)
+if [ "$big" = 1 ]; then
+    benches+=(
+        "bench-14b|${wan14[*]} --ops mask,fwd --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid --reps 3"
+        "bench-14b-mask|${wan14[*]} --ops mask --sparsity 0.95,hybrid --reps 5"
+    )
+fi
+for b in "${benches[@]}"; do
+    name=${b%%|*} opts=${b#*|}
+    # shellcheck disable=SC2086  # opts is a list of options
+    run "$name" "$sparge" bench --backend "$backend" $opts --output "$out/$name.csv"
+done
+
+speed_opts=(--backend "$backend" --family video --heads 12 --dim 128 --dtype bf16 --sparsities 0.95 --hybrid 0.03:0.2
+            --backward --reps "$reps_speed" "${warmup[@]}")
+rm -f "$out"/masks/m13-*
+run speed-video "$exp_speed" "${speed_opts[@]}" --export-masks "$out/masks/m13" --csv "$out/speed-video.csv" \
+    --md "$out/speed-video.md"
+
+masks=() mask_names=()
+for m in "$out"/masks/m13-*.json; do
+    [ -f "$m" ] || continue
+    masks+=(--mask "${m%.json}")
+    mask_names+=("$(basename "${m%.json}")")
+done
+peer_cmd=("$py" "$src/experiments/peers/peer_bench.py" --device "$backend" --sparge "${masks[@]}")
+if [ "$peers" = 1 ] && [ ${#masks[@]} = 0 ]; then
+    peers=0 peers_note="skipped: exp_speed exported no masks"
+fi
+if [ "$peers" = 1 ]; then
+    export SPARGE_BUILD_DIR=$build
+    run peers-forward "${peer_cmd[@]}" --pass forward --reps "$reps_peers" "${warmup[@]}" \
+        --csv "$out/peers-forward.csv" --md "$out/peers-forward.md"
+    run peers-backward "${peer_cmd[@]}" --pass backward --reps "$reps_peers_bwd" "${warmup[@]}" "${flex_bwd[@]}" \
+        --csv "$out/peers-backward.csv" --md "$out/peers-backward.md"
+fi
+
+# section TITLE NAME [NOTE...]: a Markdown section with the command NAME ran, its table, or why it is missing
+section() {
+    local title=$1 name=$2
+    shift 2
+    echo
+    echo "## $title"
+    echo
+    if [ -n "${shown[$name]+set}" ]; then
+        echo "\`${shown[$name]}\`"
+        [ "${name#peers}" = "$name" ] || echo "(with SPARGE_BUILD_DIR=$build)"
+        echo
+    fi
+    [ $# = 0 ] || printf '%s\n' "$@" ""
+    if grep -qx "$name (exit [0-9]*)" < <(printf '%s\n' "${failed[@]+"${failed[@]}"}"); then
+        echo "Failed: see \`log/$name.txt\`."
+    elif [ -f "$out/$name.csv" ] && [ "${name#bench}" != "$name" ]; then
+        python3 "$src/experiments/bench/tables.py" bench "$out/$name.csv"
+    elif [ -f "$out/$name.md" ]; then
+        cat "$out/$name.md"
+    else
+        echo "Not run${peers_note:+ ($peers_note)}."
+    fi
+}
+
+gpu_name=$(nvidia-smi -i "$gpu" --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total \
+           --format=csv,noheader 2>/dev/null || echo "nvidia-smi not available")
+{
+    echo "# sparge on $(sed -n "s/^  cuda:$gpu  *//p" <<<"$info")"
+    echo
+    echo "Produced by \`$invocation\` on $(date -u '+%Y-%m-%d %H:%M UTC') in $(($(date +%s) - t_all)) s;" \
+         "source commit" \
+         "$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$src" diff --quiet HEAD \
+         2>/dev/null || echo ' (with local changes)'), build \`$build\`."
+    echo "nvidia-smi (name, driver, power limit, max SM clock, memory): $gpu_name."
+    [ "$peers" = 0 ] || echo "Peers: $("$py" -c 'import torch; print("torch", torch.__version__)' 2>&1)."
+    echo "Dense-equivalent TFLOP/s = 4·B·H·Nq·Nk·D / t (×2.5 for the backward); effective: the kept token pairs" \
+         "only. sparge bench reports the mean of queued runs, each operation after ${settle} s idle."
+    echo
+    echo '```'
+    "$sparge" info
+    echo '```'
+    section "Wan2.1-1.3B, forward and backward against sparsity" bench-1.3b \
+        "Levels: Top-k masks at 1 − sparsity, and the paper's hybrid (k 0.03, p 0.2), which keeps ≈ 20 % of the" \
+        "blocks on these random inputs."
+    section "Wan2.1-1.3B, deterministic backward" bench-1.3b-deterministic
+    section "Wan2.1-1.3B, mask prediction" bench-1.3b-mask
+    if [ "$big" = 1 ]; then
+        section "Wan2.1-14B, forward" bench-14b
+        section "Wan2.1-14B, mask prediction" bench-14b-mask
+    fi
+    section "The paper's hybrid mask on video-like inputs" speed-video \
+        "Each sparse run alternates with a dense one; the median of runs timed one at a time."
+    section "Peers in one process on the exported masks, forward" peers-forward
+    section "Peers in one process on the exported masks, backward" peers-backward
+    if [ ${#failed[@]} -gt 0 ]; then
+        echo
+        echo "## Failed commands"
+        echo
+        printf -- '- %s\n' "${failed[@]}"
+    fi
+} >"$out/summary.md"
+echo "== done in $(($(date +%s) - t_all)) s: $out/summary.md"
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu.sh: failed: ${failed[*]}" >&2
+    exit 1
+fi
