@@ -217,8 +217,9 @@ def _agree(q, k, v, opt, P, rank):
     bad = [r for r, row in enumerate(rows) if row[0]]
     if bad:
         if error:
-            raise ValueError(f"sparge.parallel: rank {rank}: {error}")
-        raise ValueError(f"sparge.parallel: rank(s) {bad} refused their arguments (the reason is raised there)")
+            raise ValueError(f"sparge.parallel: rank {rank} refused its arguments: {error}")
+        raise ValueError(f"sparge.parallel: rank {', '.join(map(str, bad))} refused its arguments (the reason is "
+                         "raised there)")
     for i, name in enumerate(_SAME):
         values = [row[1 + i] for row in rows]
         if len(set(values)) > 1:
