@@ -178,6 +178,9 @@ def _local_fields(q, k, v, opt):
     for role, t in (("q", q), ("k", k), ("v", v)):
         _torch.view(t, opt.layout, role)  # raises for non-tensors, unsupported dtypes, non-4-D shapes
     _torch.same_device([("q", q), ("k", k), ("v", v)])
+    kind = {"nccl": "cuda", "gloo": "cpu"}.get(str(dist.get_backend(opt.group)))
+    if kind is not None and q.device.type != kind:
+        raise ValueError(f"the group's backend {dist.get_backend(opt.group)} needs {kind} tensors, q is on {q.device}")
     if not (k.dtype == q.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, H, n, D = _torch.bhnd_shape(q, opt.layout)
@@ -463,34 +466,20 @@ class _ContextParallel(torch.autograd.Function):
         with st._part("comm", device):
             wanted = needs[:, :, :, k0:k1].clone()
             wanted[rank] = False
-            d_idx, b_idx, h_idx, j_idx = wanted.nonzero(as_tuple=True)
+            _, b_idx, h_idx, j_idx = wanted.nonzero(as_tuple=True)
             tok = (j_idx[:, None] * bk + torch.arange(bk, device=device)).clamp_(max=n - 1)
             send = torch.stack([kv[b_idx[:, None], h_idx[:, None], tok], vv[b_idx[:, None], h_idx[:, None], tok]], 1)
             send_counts = [counts[d][rank] for d in range(P)]
             recv_counts = counts[rank]
             recv = torch.empty((sum(recv_counts), 2, bk, D), dtype=q.dtype, device=device)
-            work = dist.all_to_all_single(recv.view(-1), send.reshape(-1), [c * blk for c in recv_counts],
-                                          [c * blk for c in send_counts], group=opt.group, async_op=True)
+            # Every rank knows every count, so all skip together when nothing moves (always with one rank).
+            work = _all_to_all_blocks(recv, send, recv_counts, send_counts, blk, opt.group, any(map(any, counts)))
             st._moved("kv", sum(send_counts) * blk * elem, sum(recv_counts) * blk * elem)
 
-        # The local partial runs while the blocks travel; then one partial per source that sends any.
-        o_acc = lse_acc = None
-        sources = []
-        order = [rank] + [s for s in range(P) if s != rank and recv_counts[s]]
-        offsets = [sum(recv_counts[:s]) for s in range(P)]
-        for s in order:
-            a, b = g.key_blocks(s)
-            sub = dense[:, :, :, a:b]
-            if s == rank:
-                if not sub.any():
-                    continue
-                src = _Source(s, kv, vv, None)
-                dense_c, nc = sub.clone(), n
-            else:
-                with st._part("comm", device):
-                    if s == order[1]:
-                        work.wait()
-                    src, dense_c, nc = _unpack(s, sub, recv[offsets[s]:offsets[s] + recv_counts[s]], g, B, H, D)
+        # The local partial runs while the blocks travel; then one partial per source that sent any.
+        acc, sources = [], []
+
+        def attend(src, sub, dense_c, nc):
             with st._part("mask", device):
                 rowkeep = sub.any(3)  # [B,H,nqb]
                 if not bool(rowkeep.all()):
@@ -505,22 +494,37 @@ class _ContextParallel(torch.autograd.Function):
                 if src.keep_tok is not None:
                     src.lse_own = lse_s
                     lse_s = lse_s.masked_fill(~src.keep_tok, float("-inf"))
-                if o_acc is None:
-                    o_acc, lse_acc = o_s.float() * _weight(lse_s, lse_s)[..., None], lse_s
+                if not acc:
+                    acc[:] = [o_s.float() * _weight(lse_s, lse_s)[..., None], lse_s]
                 else:
+                    o_acc, lse_acc = acc
                     lse_new = torch.logaddexp(lse_acc, lse_s)
-                    o_acc = o_acc * _weight(lse_acc, lse_new)[..., None] + o_s.float() * _weight(lse_s, lse_new)[..., None]
-                    lse_acc = lse_new
+                    acc[:] = [o_acc * _weight(lse_acc, lse_new)[..., None] +
+                              o_s.float() * _weight(lse_s, lse_new)[..., None], lse_new]
             sources.append(src)
-        if len(order) == 1:
+
+        local = dense[:, :, :, k0:k1]
+        if local.any():
+            attend(_Source(rank, kv, vv, None), local, local.clone(), n)
+        with st._part("comm", device):
             work.wait()
+        offset = 0
+        for s in range(P):
+            if s != rank and recv_counts[s]:
+                a, b = g.key_blocks(s)
+                sub = dense[:, :, :, a:b]
+                src, dense_c, nc = _unpack(s, sub, recv[offset:offset + recv_counts[s]], g, B, H, D)
+                attend(src, sub, dense_c, nc)
+            offset += recv_counts[s]
+        o_acc, lse_acc = acc
 
         o = _in_layout(o_acc, opt.layout, q.dtype)
         ctx.save_for_backward(q, o, lse_acc)
         ctx.opt, ctx.geometry, ctx.sources = opt, g, sources
         ctx.send_index = (b_idx, h_idx, j_idx, send_counts, recv_counts)
+        ctx.moves = any(map(any, counts))
         ctx.ring = dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
-        holder["mask"] = pm, dense, (n, N)
+        holder["mask"] = dense, n, N
         return o
 
     @staticmethod
@@ -528,7 +532,7 @@ class _ContextParallel(torch.autograd.Function):
     def backward(ctx, grad):
         q, o, lse = ctx.saved_tensors
         opt, g, st = ctx.opt, ctx.geometry, ctx.opt.stats
-        bq, bk, device = g.block_q, g.block_k, grad.device
+        bk, device = g.block_k, grad.device
         qv, ov, gv = _bhnd(q, opt.layout), _bhnd(o, opt.layout), _bhnd(grad, opt.layout)
         B, H, n, D = qv.shape
         nkb = -(-n // bk)
@@ -560,8 +564,7 @@ class _ContextParallel(torch.autograd.Function):
             send = torch.cat([back[s] for s in range(g.P) if s in back]) if back else \
                 torch.empty((0, 2, bk, D), dtype=q.dtype, device=device)
             recv = torch.empty((sum(send_counts), 2, bk, D), dtype=q.dtype, device=device)
-            dist.all_to_all_single(recv.view(-1), send.reshape(-1), [c * blk for c in send_counts],
-                                   [c * blk for c in recv_counts], group=opt.group)
+            _all_to_all_blocks(recv, send, send_counts, recv_counts, blk, opt.group, ctx.moves).wait()
             st._moved("grad_kv", sum(recv_counts) * blk * q.element_size(), sum(send_counts) * blk * q.element_size())
         with st._part("attention", device):
             dkb, dvb = dk.view(B, H, nkb, bk, D), dv.view(B, H, nkb, bk, D)
@@ -573,6 +576,20 @@ class _ContextParallel(torch.autograd.Function):
                 start += c
         return (_in_layout(dq, opt.layout, q.dtype), _in_layout(dk[:, :, :n], opt.layout, q.dtype),
                 _in_layout(dv[:, :, :n], opt.layout, q.dtype), None, None)
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+def _all_to_all_blocks(recv, send, recv_counts, send_counts, blk, group, moves):
+    """Blocks [count, 2, bk, D] to and from every rank (counts per rank, in blocks of blk elements),
+    asynchronously; nothing is called when no rank moves anything."""
+    if not moves:
+        return _Done()
+    return dist.all_to_all_single(recv.view(-1), send.reshape(-1), [c * blk for c in recv_counts],
+                                  [c * blk for c in send_counts], group=group, async_op=True)
 
 
 def _all_gather_same(t, group, stats, phase):
@@ -651,5 +668,5 @@ def context_parallel_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03,
     out = _ContextParallel.apply(q, k, v, opt, holder)
     if not return_mask:
         return out
-    _, dense, (n, N) = holder["mask"]
+    dense, n, N = holder["mask"]
     return out, Mask.from_dense(dense.to(torch.uint8), n, N, block_q, block_k, q.device, backend)
