@@ -125,6 +125,8 @@ def main():
     for scheme in args.schemes.split(","):
         fn = {"ulysses": parallel.ulysses_attention, "context": parallel.context_parallel_attention}[scheme]
         try:
+            if scheme == "ulysses" and args.H % P:
+                raise ValueError(f"P = {P} does not divide H = {args.H}")
             lengths = parallel.shard_lengths(args.N, P, scheme=scheme, block_q=args.block_q, block_k=args.block_k)
         except ValueError as e:
             rows.append(dict(scheme=scheme, skipped=str(e)))

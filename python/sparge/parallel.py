@@ -14,7 +14,8 @@ masks bit for bit, outputs and gradients within the dtype's rounding):
 
 Tensors are [B,H,N,D] (layout="bhnd", the package's default) or [B,N,H,D] (layout="bnhd"), N being the local
 shard. Every call starts with one small all-gather of each rank's shapes and parameters, so a configuration
-that one rank refuses is refused by every rank (a ValueError, never a hang).
+that one rank refuses is refused by every rank (the same ValueError) instead of leaving the others waiting.
+docs/PARALLEL.md compares the schemes and their communication volumes.
 """
 import contextlib
 import ctypes
