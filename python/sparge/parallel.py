@@ -1,0 +1,673 @@
+"""Sequence-parallel block-sparse attention over torch.distributed (NCCL on GPUs, gloo on CPUs).
+
+Two schemes; both take each rank's shard of the sequence and return that rank's shard of the output, with
+gradients through torch autograd, and both give what one device would compute on the whole sequence (the same
+masks bit for bit, outputs and gradients within the dtype's rounding):
+
+- ulysses_attention: an all-to-all turns sequence shards of all heads into the whole sequence for H/P heads,
+  sparge predicts the mask and attends locally, and the inverse all-to-all returns the output to sequence
+  shards. Needs equal shards and P dividing H.
+- context_parallel_attention: Q, K and V stay sharded. Ranks exchange the mean-pooled K (B·H·Nkb·D floats),
+  so each predicts the single-device mask for its query blocks, then fetch only the K/V blocks their query
+  blocks keep, attend per source rank and merge the partials by their log-sum-exp. Shards are whole blocks
+  (a multiple of lcm(block_q, block_k)) except the last rank's, which holds any ragged remainder.
+
+Tensors are [B,H,N,D] (layout="bhnd", the package's default) or [B,N,H,D] (layout="bnhd"), N being the local
+shard. Every call starts with one small all-gather of each rank's shapes and parameters, so a configuration
+that one rank refuses is refused by every rank (the same ValueError) instead of leaving the others waiting.
+docs/PARALLEL.md compares the schemes and their communication volumes.
+"""
+import contextlib
+import ctypes
+import dataclasses
+import math
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from . import _lib, _torch
+from .attention import attention_backward, attention_forward
+from .mask import Mask, predict_mask
+
+__all__ = ["CommStats", "ulysses_attention", "context_parallel_attention", "shard_lengths", "local_shard",
+           "dense_ring_bytes"]
+
+# sparge_pool is not in _lib's prototype table; indexing the library gives this module its own function object.
+_sparge_pool = _lib.lib["sparge_pool"]
+_sparge_pool.restype = ctypes.c_int
+_sparge_pool.argtypes = [ctypes.c_void_p, ctypes.POINTER(_lib.sparge_tensor), ctypes.c_int,
+                         ctypes.POINTER(_lib.sparge_tensor)]
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclasses.dataclass
+class CommStats:
+    """What one rank moved in the calls it was passed to (accumulated over calls, forward and backward).
+
+    sent / received: bytes per phase ("meta", "qkv", "o", "grad_o", "grad_qkv" for Ulysses; "meta", "pooled_k",
+    "need", "kv", "grad_kv" for context parallelism), counting the payload that leaves or reaches this rank
+    (its own chunk of an all-to-all is not counted). dense_ring: the bytes a dense ring would bring to this rank
+    for the same calls (every other shard's K and V in the forward, their dK and dV partials back in the
+    backward). seconds: with timing=True, wall time per part ("comm", "mask", "attention"), the device
+    synchronized around each part (which serializes what would otherwise overlap)."""
+
+    timing: bool = False
+    sent: dict = dataclasses.field(default_factory=dict)
+    received: dict = dataclasses.field(default_factory=dict)
+    dense_ring: dict = dataclasses.field(default_factory=dict)
+    seconds: dict = dataclasses.field(default_factory=dict)
+
+    def totals(self):
+        """{"sent": bytes, "received": bytes, "dense_ring_received": bytes} over every phase."""
+        return {"sent": sum(self.sent.values()), "received": sum(self.received.values()),
+                "dense_ring_received": sum(self.dense_ring.values())}
+
+    def reset(self):
+        for d in (self.sent, self.received, self.dense_ring, self.seconds):
+            d.clear()
+
+    def _moved(self, phase, sent, received):
+        self.sent[phase] = self.sent.get(phase, 0) + int(sent)
+        self.received[phase] = self.received.get(phase, 0) + int(received)
+
+    @contextlib.contextmanager
+    def _part(self, name, device):
+        if not self.timing:
+            yield
+            return
+        _sync(device)
+        t0 = time.perf_counter()
+        yield
+        _sync(device)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def dense_ring_bytes(lengths, B, H, D, dtype, rank):
+    """Bytes a dense ring brings to `rank` in one forward: K and V of every other shard (sequence lengths
+    `lengths`). Its backward returns as many bytes of dK and dV partials."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * B * H * D * elem * (sum(lengths) - lengths[rank])
+
+
+# ---------------------------------------------------------------- shards
+
+
+def _lcm(a, b):
+    return a * b // math.gcd(a, b)
+
+
+def shard_lengths(N, P, *, scheme="context", block_q=128, block_k=64):
+    """Local sequence lengths of P ranks for a sequence of N tokens. scheme="ulysses": N/P each (N must be a
+    multiple of P). scheme="context": whole units of lcm(block_q, block_k) tokens spread as evenly as they go,
+    the last rank holding the ragged remainder."""
+    if scheme == "ulysses":
+        if N % P:
+            raise ValueError(f"sparge.parallel: Ulysses needs equal shards; N = {N} is not a multiple of P = {P}")
+        return [N // P] * P
+    if scheme != "context":
+        raise ValueError(f"sparge.parallel: scheme must be 'ulysses' or 'context', got {scheme!r}")
+    unit = _lcm(block_q, block_k)
+    units = -(-N // unit)
+    if units < P:
+        raise ValueError(f"sparge.parallel: N = {N} holds {units} unit(s) of lcm(block_q, block_k) = {unit} "
+                         f"tokens, fewer than P = {P} ranks")
+    base, extra = divmod(units, P)
+    lengths = [(base + (i < extra)) * unit for i in range(P)]
+    lengths[-1] -= sum(lengths) - N
+    return lengths
+
+
+def local_shard(x, lengths, rank, dim):
+    """Rank `rank`'s shard of x along the sequence dimension `dim` (a view)."""
+    start = sum(lengths[:rank])
+    return x.narrow(dim, start, lengths[rank])
+
+
+# ---------------------------------------------------------------- agreement between ranks
+
+
+def _world(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("sparge.parallel: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _meta_device(group):
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bits(x):
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    group: object
+    layout: str
+    topk: float
+    topp: float
+    block_q: int
+    block_k: int
+    scale: object
+    backend: object
+    deterministic: bool
+    stats: CommStats
+
+
+# Fields every rank must agree on, in the order of the exchanged vector (the local length comes after them).
+_SAME = ("B", "H", "Hkv", "D", "dtype", "layout", "block_q", "block_k", "topk", "topp", "scale", "deterministic")
+
+
+def _local_fields(q, k, v, opt):
+    """The exchanged description of this rank's call, or raises what is wrong with its arguments."""
+    _torch.check_layout(opt.layout)
+    for role, t in (("q", q), ("k", k), ("v", v)):
+        _torch.view(t, opt.layout, role)  # raises for non-tensors, unsupported dtypes, non-4-D shapes
+    _torch.same_device([("q", q), ("k", k), ("v", v)])
+    kind = {"nccl": "cuda", "gloo": "cpu"}.get(str(dist.get_backend(opt.group)))
+    if kind is not None and q.device.type != kind:
+        raise ValueError(f"the group's backend {dist.get_backend(opt.group)} needs {kind} tensors, q is on {q.device}")
+    if not (k.dtype == q.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, n, D = _torch.bhnd_shape(q, opt.layout)
+    kB, Hkv, kn, kD = _torch.bhnd_shape(k, opt.layout)
+    if _torch.bhnd_shape(v, opt.layout) != (kB, Hkv, kn, kD):
+        raise ValueError(f"v {list(v.shape)} must have k's shape {list(k.shape)}")
+    if (kB, kn, kD) != (B, n, D):
+        raise ValueError(f"k and v must hold the same tokens as q (B, local N and D of q: {B}, {n}, {D}; of k: "
+                         f"{kB}, {kn}, {kD})")
+    if Hkv != H:
+        raise ValueError(f"k has {Hkv} heads and q {H}: grouped KV heads are not supported yet")
+    for name in ("block_q", "block_k"):
+        if not isinstance(getattr(opt, name), int) or getattr(opt, name) <= 0:
+            raise ValueError(f"{name} must be a positive int, got {getattr(opt, name)!r}")
+    if opt.scale is not None and not (math.isfinite(opt.scale) and opt.scale != 0):
+        raise ValueError(f"scale must be None or finite and nonzero, got {opt.scale!r}")
+    fields = dict(B=B, H=H, Hkv=Hkv, D=D, dtype=_DTYPE_CODES[q.dtype], layout=_torch.LAYOUTS.index(opt.layout),
+                  block_q=opt.block_q, block_k=opt.block_k, topk=_bits(opt.topk), topp=_bits(opt.topp),
+                  scale=_bits(opt.scale if opt.scale is not None else 0.0), deterministic=int(bool(opt.deterministic)))
+    return [fields[name] for name in _SAME] + [n]
+
+
+def _agree(q, k, v, opt, P, rank):
+    """Exchange every rank's description; every rank raises the same ValueError if a rank refused its
+    arguments or the ranks disagree. Returns the local lengths of all ranks and the shared fields."""
+    error = None
+    try:
+        local = _local_fields(q, k, v, opt)
+    except (TypeError, ValueError) as e:
+        error, local = str(e), [0] * (len(_SAME) + 1)
+    t = torch.tensor([1 if error else 0] + local, dtype=torch.int64, device=_meta_device(opt.group))
+    rows = [torch.empty_like(t) for _ in range(P)]
+    dist.all_gather(rows, t, group=opt.group)
+    rows = torch.stack(rows).cpu().tolist()
+    row_bytes = t.numel() * t.element_size()
+    opt.stats._moved("meta", row_bytes * (P - 1), row_bytes * (P - 1))
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    if bad:
+        if error:
+            raise ValueError(f"sparge.parallel: rank {rank} refused its arguments: {error}")
+        raise ValueError(f"sparge.parallel: rank {', '.join(map(str, bad))} refused its arguments (the reason is "
+                         "raised there)")
+    for i, name in enumerate(_SAME):
+        values = [row[1 + i] for row in rows]
+        if len(set(values)) > 1:
+            raise ValueError(f"sparge.parallel: the ranks disagree on {name} (one value per rank: {values})")
+    shared = dict(zip(_SAME, rows[0][1:]))
+    return [row[-1] for row in rows], shared
+
+
+# ---------------------------------------------------------------- Ulysses
+
+
+def _seq_to_heads(tensors, layout, P, group, stats, phase):
+    """Sequence shards of all heads -> the whole sequence for heads [rank·H/P, (rank+1)·H/P), for every tensor
+    of the list in one all-to-all (each may have its own head count, a multiple of P)."""
+    chunks, shapes = [], []
+    for x in tensors:
+        if layout == "bhnd":
+            B, H, n, D = x.shape
+            chunks.append(x.reshape(B, P, H // P, n, D).transpose(0, 1).reshape(P, -1))
+        else:
+            B, n, H, D = x.shape
+            chunks.append(x.reshape(B, n, P, H // P, D).permute(2, 0, 1, 3, 4).reshape(P, -1))
+        shapes.append((B, H // P, n, D))
+    recv = _all_to_all_equal(torch.cat(chunks, dim=1), group, stats, phase)
+    out, col = [], 0
+    for B, Hp, n, D in shapes:
+        part = recv[:, col:col + B * Hp * n * D]
+        col += B * Hp * n * D
+        if layout == "bhnd":  # [src, B, Hp, n, D] -> [B, Hp, src·n, D]
+            out.append(part.reshape(P, B, Hp, n, D).permute(1, 2, 0, 3, 4).reshape(B, Hp, P * n, D))
+        else:  # [src, B, n, Hp, D] -> [B, src·n, Hp, D]
+            out.append(part.reshape(P, B, n, Hp, D).transpose(0, 1).reshape(B, P * n, Hp, D))
+    return out
+
+
+def _heads_to_seq(tensors, layout, P, group, stats, phase):
+    """The inverse of _seq_to_heads."""
+    chunks, shapes = [], []
+    for y in tensors:
+        if layout == "bhnd":
+            B, Hp, N, D = y.shape
+            chunks.append(y.reshape(B, Hp, P, N // P, D).permute(2, 0, 1, 3, 4).reshape(P, -1))
+        else:
+            B, N, Hp, D = y.shape
+            chunks.append(y.reshape(B, P, N // P, Hp, D).transpose(0, 1).reshape(P, -1))
+        shapes.append((B, Hp, N // P, D))
+    recv = _all_to_all_equal(torch.cat(chunks, dim=1), group, stats, phase)
+    out, col = [], 0
+    for B, Hp, n, D in shapes:
+        part = recv[:, col:col + B * Hp * n * D]
+        col += B * Hp * n * D
+        if layout == "bhnd":  # [head group, B, Hp, n, D] -> [B, H, n, D]
+            out.append(part.reshape(P, B, Hp, n, D).transpose(0, 1).reshape(B, P * Hp, n, D))
+        else:  # [head group, B, n, Hp, D] -> [B, n, H, D]
+            out.append(part.reshape(P, B, n, Hp, D).permute(1, 2, 0, 3, 4).reshape(B, n, P * Hp, D))
+    return out
+
+
+def _all_to_all_equal(send, group, stats, phase):
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    P = send.shape[0]
+    moved = send.numel() // P * (P - 1) * send.element_size()
+    stats._moved(phase, moved, moved)
+    return recv
+
+
+class _Ulysses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, opt, holder):
+        P, rank = _world(opt.group)
+        lengths, shared = _agree(q, k, v, opt, P, rank)
+        if len(set(lengths)) > 1:
+            raise ValueError(f"sparge.parallel: Ulysses needs equal sequence shards, the ranks hold {lengths} tokens "
+                             "(use context_parallel_attention for unequal or ragged shards)")
+        if shared["H"] % P or shared["Hkv"] % P:
+            raise ValueError(f"sparge.parallel: Ulysses spreads heads over ranks: P = {P} must divide H = "
+                             f"{shared['H']} (and the KV heads, {shared['Hkv']})")
+        st, device = opt.stats, q.device
+        B, H, n, D = _torch.bhnd_shape(q, opt.layout)
+        st.dense_ring["forward"] = st.dense_ring.get("forward", 0) + dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+        with st._part("comm", device):
+            qh, kh, vh = _seq_to_heads([q, k, v], opt.layout, P, opt.group, st, "qkv")
+        with st._part("mask", device):
+            mask = predict_mask(qh, kh, topk=opt.topk, topp=opt.topp, block_q=opt.block_q, block_k=opt.block_k,
+                                scale=opt.scale, layout=opt.layout, backend=opt.backend)
+        with st._part("attention", device):
+            oh, lse = attention_forward(qh, kh, vh, mask, scale=opt.scale, layout=opt.layout, backend=opt.backend)
+        with st._part("comm", device):
+            (o,) = _heads_to_seq([oh], opt.layout, P, opt.group, st, "o")
+        ctx.save_for_backward(qh, kh, vh, oh, lse)
+        ctx.mask, ctx.opt, ctx.P, ctx.ring = mask, opt, P, dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+        holder["mask"] = mask
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        qh, kh, vh, oh, lse = ctx.saved_tensors
+        opt, P, st, device = ctx.opt, ctx.P, ctx.opt.stats, grad.device
+        st.dense_ring["backward"] = st.dense_ring.get("backward", 0) + ctx.ring
+        with st._part("comm", device):
+            (gh,) = _seq_to_heads([grad], opt.layout, P, opt.group, st, "grad_o")
+        with st._part("attention", device):
+            dq, dk, dv = attention_backward(gh, qh, kh, vh, oh, lse, ctx.mask, scale=opt.scale, layout=opt.layout,
+                                            deterministic=opt.deterministic, backend=opt.backend)
+        with st._part("comm", device):
+            dq, dk, dv = _heads_to_seq([dq, dk, dv], opt.layout, P, opt.group, st, "grad_qkv")
+        return dq, dk, dv, None, None
+
+
+def ulysses_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03, topp=0.2, block_q=128, block_k=64,
+                      scale=None, backend=None, deterministic=False, return_mask=False, stats=None):
+    """Block-sparse attention of a sequence sharded over the ranks of `group`, Ulysses style.
+
+    q, k, v: this rank's shard, [B,H,n,D] (layout="bhnd") or [B,N,H,D] with n local tokens ("bnhd"); every
+    rank holds n = N/P consecutive tokens, rank 0 the first. P must divide H. Returns this rank's shard of the
+    output in q's layout (and, with return_mask=True, the mask of this rank's H/P heads over the whole
+    sequence: heads [rank·H/P, (rank+1)·H/P) of the single-device mask). The mask parameters are
+    sparge_attention's; stats (a CommStats) accumulates the bytes moved and, if asked, the time per part."""
+    opt = _Options(group, layout, topk, topp, block_q, block_k, scale, backend, deterministic,
+                   stats if stats is not None else CommStats())
+    holder = {}
+    out = _Ulysses.apply(q, k, v, opt, holder)
+    return (out, holder["mask"]) if return_mask else out
+
+
+# ---------------------------------------------------------------- context parallelism
+
+
+def _pool(x, block, dev):
+    """Block means of x ([B,H,N,D] view) as f32 [B,H,ceil(N/block),D]: sparge_pool, the pooling of
+    sparge_mask_predict, so a shard's blocks pool exactly as they do in the whole sequence."""
+    B, H, N, D = x.shape
+    out = torch.empty((B, H, -(-N // block), D), dtype=torch.float32, device=x.device)
+    xv, ov = _torch.view(x, "bhnd", "x"), _torch.view(out, "bhnd", "pooled")
+    with dev.bound():
+        _lib.check(_sparge_pool(dev.handle, ctypes.byref(xv), block, ctypes.byref(ov)), "sparge_pool")
+    return out
+
+
+def _bhnd(t, layout):
+    return t if layout == "bhnd" else t.transpose(1, 2)
+
+
+def _in_layout(x, layout, dtype):
+    """A contiguous tensor in `layout` holding the [B,H,N,D] tensor x, cast to dtype."""
+    B, H, N, D = x.shape
+    out = _torch.empty_in_layout(B, H, N, D, layout, dtype, x.device)
+    _bhnd(out, layout).copy_(x)
+    return out
+
+
+@dataclasses.dataclass
+class _Geometry:
+    P: int
+    rank: int
+    lengths: list
+    block_q: int
+    block_k: int
+
+    @property
+    def starts(self):
+        return [sum(self.lengths[:s]) for s in range(self.P)]
+
+    def key_blocks(self, s):
+        """Global key-block range [first, end) of rank s's shard."""
+        first = self.starts[s] // self.block_k
+        return first, first + -(-self.lengths[s] // self.block_k)
+
+
+def _weight(lse_part, lse):
+    """exp(lse_part - lse), exactly 0 where the part holds nothing (lse_part = -inf)."""
+    w = torch.exp(lse_part - lse)
+    return torch.where(torch.isneginf(lse_part), torch.zeros_like(w), w)
+
+
+@dataclasses.dataclass
+class _Source:
+    """One source rank's partial attention: its K/V (the local shard, or the fetched blocks packed per head),
+    the mask over them, the query rows that keep nothing from it (None if none) and those rows' own LSE."""
+    rank: int
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Mask
+    keep_tok: object = None
+    lse_own: object = None
+    slots: object = None  # (b, h, slot) of the fetched blocks, in the order they arrived
+
+
+class _ContextParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, opt, holder):
+        P, rank = _world(opt.group)
+        lengths, shared = _agree(q, k, v, opt, P, rank)
+        bq, bk = opt.block_q, opt.block_k
+        unit = _lcm(bq, bk)
+        if any(n <= 0 for n in lengths):
+            raise ValueError(f"sparge.parallel: every rank must hold tokens, the ranks hold {lengths}")
+        bad = [s for s in range(P - 1) if lengths[s] % unit]
+        if bad:
+            raise ValueError(f"sparge.parallel: context parallelism needs shards of whole blocks: the shards of "
+                             f"ranks {bad} ({[lengths[s] for s in bad]} tokens) are not multiples of "
+                             f"lcm(block_q, block_k) = {unit} (only the last rank's may be ragged; "
+                             "see shard_lengths)")
+        g = _Geometry(P, rank, lengths, bq, bk)
+        st, device = opt.stats, q.device
+        dev = _torch.device_for(q, opt.backend)
+        qv, kv, vv = _bhnd(q, opt.layout), _bhnd(k, opt.layout), _bhnd(v, opt.layout)
+        B, H, n, D = qv.shape
+        N, nqb = sum(lengths), -(-n // bq)
+        Nkb = -(-N // bk)
+        k0, k1 = g.key_blocks(rank)
+
+        # The single-device mask of this rank's query blocks: pooled Q and K as sparge_mask_predict pools them,
+        # then a prediction on the pooled rows themselves (blocks of 1, whose pooling copies them exactly):
+        # the same pooled map over all key blocks, the same row softmax and selection.
+        with st._part("mask", device):
+            qbar, kbar = _pool(qv, bq, dev), _pool(kv, bk, dev)
+        with st._part("comm", device):
+            kbar_all = _all_gather_blocks(kbar, [g.key_blocks(s)[1] - g.key_blocks(s)[0] for s in range(P)],
+                                          opt.group, st)
+        with st._part("mask", device):
+            pm = Mask(B, H, nqb, Nkb, 1, 1, device, opt.backend)
+            pm.predict(qbar, kbar_all, topk=opt.topk, topp=opt.topp, scale=opt.scale)
+            dense = pm.dense.bool()  # [B,H,nqb,Nkb]
+        with st._part("comm", device):
+            needs = _all_gather_same(dense.any(2).to(torch.uint8), opt.group, st, "need").bool()  # [P,B,H,Nkb]
+
+        # counts[d][s]: key blocks rank d fetches from rank s (nothing from itself).
+        per_block = needs.sum((1, 2))
+        counts = torch.stack([per_block[:, a:b].sum(1) for a, b in map(g.key_blocks, range(P))], 1).tolist()
+        for s in range(P):
+            counts[s][s] = 0
+        elem = q.element_size()
+        blk = 2 * bk * D  # elements of one K block and one V block
+        st.dense_ring["forward"] = st.dense_ring.get("forward", 0) + dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+
+        # Send the kept blocks of this shard, for every destination in rank order, (b, h, j) ascending.
+        with st._part("comm", device):
+            wanted = needs[:, :, :, k0:k1].clone()
+            wanted[rank] = False
+            _, b_idx, h_idx, j_idx = wanted.nonzero(as_tuple=True)
+            tok = (j_idx[:, None] * bk + torch.arange(bk, device=device)).clamp_(max=n - 1)
+            send = torch.stack([kv[b_idx[:, None], h_idx[:, None], tok], vv[b_idx[:, None], h_idx[:, None], tok]], 1)
+            send_counts = [counts[d][rank] for d in range(P)]
+            recv_counts = counts[rank]
+            recv = torch.empty((sum(recv_counts), 2, bk, D), dtype=q.dtype, device=device)
+            # Every rank knows every count, so all skip together when nothing moves (always with one rank).
+            work = _all_to_all_blocks(recv, send, recv_counts, send_counts, blk, opt.group, any(map(any, counts)))
+            st._moved("kv", sum(send_counts) * blk * elem, sum(recv_counts) * blk * elem)
+
+        # The local partial runs while the blocks travel; then one partial per source that sent any.
+        acc, sources = [], []
+
+        def attend(src, sub, dense_c, nc):
+            with st._part("mask", device):
+                rowkeep = sub.any(3)  # [B,H,nqb]
+                if not bool(rowkeep.all()):
+                    # A row that keeps nothing from this source still needs a block: it attends to slot 0, and
+                    # its result is dropped (weight 0 here, zero dO in the backward).
+                    dense_c[:, :, :, 0] |= ~rowkeep
+                    src.keep_tok = rowkeep.repeat_interleave(bq, dim=2)[:, :, :n]
+                src.mask = Mask.from_dense(dense_c, n, nc, bq, bk, device, opt.backend)
+            with st._part("attention", device):
+                o_s, lse_s = attention_forward(qv, src.k, src.v, src.mask, scale=opt.scale, layout="bhnd",
+                                               backend=opt.backend)
+                if src.keep_tok is not None:
+                    src.lse_own = lse_s
+                    lse_s = lse_s.masked_fill(~src.keep_tok, float("-inf"))
+                if not acc:
+                    acc[:] = [o_s.float() * _weight(lse_s, lse_s)[..., None], lse_s]
+                else:
+                    o_acc, lse_acc = acc
+                    lse_new = torch.logaddexp(lse_acc, lse_s)
+                    acc[:] = [o_acc * _weight(lse_acc, lse_new)[..., None] +
+                              o_s.float() * _weight(lse_s, lse_new)[..., None], lse_new]
+            sources.append(src)
+
+        local = dense[:, :, :, k0:k1]
+        if local.any():
+            attend(_Source(rank, kv, vv, None), local, local.clone(), n)
+        with st._part("comm", device):
+            work.wait()
+        offset = 0
+        for s in range(P):
+            if s != rank and recv_counts[s]:
+                a, b = g.key_blocks(s)
+                sub = dense[:, :, :, a:b]
+                src, dense_c, nc = _unpack(s, sub, recv[offset:offset + recv_counts[s]], g, B, H, D)
+                attend(src, sub, dense_c, nc)
+            offset += recv_counts[s]
+        o_acc, lse_acc = acc
+
+        o = _in_layout(o_acc, opt.layout, q.dtype)
+        ctx.save_for_backward(q, o, lse_acc)
+        ctx.opt, ctx.geometry, ctx.sources = opt, g, sources
+        ctx.send_index = (b_idx, h_idx, j_idx, send_counts, recv_counts)
+        ctx.moves = any(map(any, counts))
+        ctx.ring = dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+        holder["mask"] = dense, n, N
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, o, lse = ctx.saved_tensors
+        opt, g, st = ctx.opt, ctx.geometry, ctx.opt.stats
+        bk, device = g.block_k, grad.device
+        qv, ov, gv = _bhnd(q, opt.layout), _bhnd(o, opt.layout), _bhnd(grad, opt.layout)
+        B, H, n, D = qv.shape
+        nkb = -(-n // bk)
+        b_idx, h_idx, j_idx, send_counts, recv_counts = ctx.send_index
+        st.dense_ring["backward"] = st.dense_ring.get("backward", 0) + ctx.ring
+        dq = torch.zeros((B, H, n, D), dtype=torch.float32, device=device)
+        dk = torch.zeros((B, H, nkb * bk, D), dtype=torch.float32, device=device)
+        dv = torch.zeros_like(dk)
+        back = {}
+        for src in ctx.sources:
+            with st._part("attention", device):
+                if src.keep_tok is None:
+                    g_s, lse_s = gv, lse
+                else:  # dropped rows: zero dO, and their own LSE so that their probabilities stay finite
+                    g_s = gv * src.keep_tok[..., None]
+                    lse_s = torch.where(src.keep_tok, lse, src.lse_own).contiguous()
+                dq_s, dk_s, dv_s = attention_backward(g_s, qv, src.k, src.v, ov, lse_s, src.mask, scale=opt.scale,
+                                                      layout="bhnd", deterministic=opt.deterministic,
+                                                      backend=opt.backend)
+                dq += dq_s
+                if src.rank == g.rank:
+                    dk[:, :, :n] += dk_s
+                    dv[:, :, :n] += dv_s
+                else:
+                    back[src.rank] = torch.stack([_blocks_of(dk_s, src.slots, bk), _blocks_of(dv_s, src.slots, bk)], 1)
+        # The partial dK/dV of fetched blocks go back to their owners (the reverse of the forward's exchange).
+        with st._part("comm", device):
+            blk = 2 * bk * D
+            send = torch.cat([back[s] for s in range(g.P) if s in back]) if back else \
+                torch.empty((0, 2, bk, D), dtype=q.dtype, device=device)
+            recv = torch.empty((sum(send_counts), 2, bk, D), dtype=q.dtype, device=device)
+            _all_to_all_blocks(recv, send, send_counts, recv_counts, blk, opt.group, ctx.moves).wait()
+            st._moved("grad_kv", sum(recv_counts) * blk * q.element_size(), sum(send_counts) * blk * q.element_size())
+        with st._part("attention", device):
+            dkb, dvb = dk.view(B, H, nkb, bk, D), dv.view(B, H, nkb, bk, D)
+            start = 0
+            for c in send_counts:  # one destination at a time: its blocks are distinct, the sum order fixed
+                sl = slice(start, start + c)
+                dkb.index_put_((b_idx[sl], h_idx[sl], j_idx[sl]), recv[sl, 0].float(), accumulate=True)
+                dvb.index_put_((b_idx[sl], h_idx[sl], j_idx[sl]), recv[sl, 1].float(), accumulate=True)
+                start += c
+        return (_in_layout(dq, opt.layout, q.dtype), _in_layout(dk[:, :, :n], opt.layout, q.dtype),
+                _in_layout(dv[:, :, :n], opt.layout, q.dtype), None, None)
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+def _all_to_all_blocks(recv, send, recv_counts, send_counts, blk, group, moves):
+    """Blocks [count, 2, bk, D] to and from every rank (counts per rank, in blocks of blk elements),
+    asynchronously; nothing is called when no rank moves anything."""
+    if not moves:
+        return _Done()
+    return dist.all_to_all_single(recv.view(-1), send.reshape(-1), [c * blk for c in recv_counts],
+                                  [c * blk for c in send_counts], group=group, async_op=True)
+
+
+def _all_gather_same(t, group, stats, phase):
+    P = dist.get_world_size(group)
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(P)]
+    dist.all_gather(parts, t, group=group)
+    moved = t.numel() * t.element_size() * (P - 1)
+    stats._moved(phase, moved, moved)
+    return torch.stack(parts)
+
+
+def _all_gather_blocks(x, counts, group, stats):
+    """Concatenate every rank's [B,H,counts[s],D] along dim 2 (padded to the largest count for the exchange)."""
+    B, H, c, D = x.shape
+    padded = torch.zeros((B, H, max(counts), D), dtype=x.dtype, device=x.device)
+    padded[:, :, :c] = x
+    parts = _all_gather_same(padded, group, stats, "pooled_k")
+    return torch.cat([parts[s, :, :, :counts[s]] for s in range(len(counts))], dim=2).contiguous()
+
+
+def _unpack(s, sub, blocks, g, B, H, D):
+    """The blocks fetched from rank s ([count, 2, bk, D], (b, h, j) ascending) packed per head into K and V of
+    [B,H,Nc,D]: block j of head (b,h) in slot (its rank among that head's blocks), a ragged last block of the
+    sequence in the last slot, so that it ends the tensor. Returns the source, the mask over the slots and Nc."""
+    bk = g.block_k
+    need = sub.any(2)  # [B,H,nkb_s]: what was fetched, in the order it was sent
+    rem = g.lengths[s] % bk
+    whole = need.clone()
+    if rem:
+        whole[:, :, -1] = False
+    slot = whole.long().cumsum(2) - 1
+    width = int(whole.sum(2).max())
+    ragged = bool(rem) and bool(need[:, :, -1].any())
+    if ragged:
+        slot[:, :, -1] = width
+    nslots = width + ragged
+    nc = width * bk + (rem if ragged else 0)
+    b, h, j = need.nonzero(as_tuple=True)
+    packed = torch.zeros((2, B, H, nslots, bk, D), dtype=blocks.dtype, device=blocks.device)
+    packed[:, b, h, slot[b, h, j]] = blocks.transpose(0, 1)
+    k = packed[0].view(B, H, nslots * bk, D)[:, :, :nc]
+    v = packed[1].view(B, H, nslots * bk, D)[:, :, :nc]
+    dense_c = torch.zeros(sub.shape[:3] + (nslots,), dtype=torch.bool, device=sub.device)
+    bb, hh, ii, jj = sub.nonzero(as_tuple=True)
+    dense_c[bb, hh, ii, slot[bb, hh, jj]] = True
+    return _Source(s, k, v, None, slots=(b, h, slot[b, h, j])), dense_c, nc
+
+
+def _blocks_of(x, slots, bk):
+    """The blocks at `slots` of a [B,H,Nc,D] tensor (zero past Nc), as [count, bk, D]."""
+    B, H, nc, D = x.shape
+    nslots = -(-nc // bk)
+    if nc != nslots * bk:
+        x = torch.cat([x, x.new_zeros((B, H, nslots * bk - nc, D))], dim=2)
+    b, h, slot = slots
+    return x.reshape(B, H, nslots, bk, D)[b, h, slot]
+
+
+def context_parallel_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03, topp=0.2, block_q=128,
+                               block_k=64, scale=None, backend=None, deterministic=False, return_mask=False,
+                               stats=None):
+    """Block-sparse attention of a sequence sharded over the ranks of `group`, with the exact global mask.
+
+    q, k, v: this rank's shard ([B,H,n,D] or [B,n,H,D] with layout="bnhd"); rank 0 holds the first tokens.
+    Every shard but the last must be a multiple of lcm(block_q, block_k) tokens (shard_lengths(N, P) gives such
+    lengths); the shards may differ in length. Each rank predicts the single-device mask of its query blocks
+    from its pooled Q and every rank's pooled K, fetches the K/V blocks it keeps from their owners, and merges
+    per-source partial attentions by their LSE; the backward returns the dK/dV partials to the owners.
+    Returns this rank's output shard in q's layout (and, with return_mask=True, the Mask of this rank's query
+    blocks over the whole sequence: rows [first, last] of the single-device mask, set from its dense form).
+    stats (a CommStats) accumulates the bytes moved, with the dense ring's for comparison."""
+    opt = _Options(group, layout, topk, topp, block_q, block_k, scale, backend, deterministic,
+                   stats if stats is not None else CommStats())
+    holder = {}
+    out = _ContextParallel.apply(q, k, v, opt, holder)
+    if not return_mask:
+        return out
+    dense, n, N = holder["mask"]
+    return out, Mask.from_dense(dense.to(torch.uint8), n, N, block_q, block_k, q.device, backend)
