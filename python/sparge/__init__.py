@@ -51,6 +51,7 @@ _TORCH_NAMES = {
     "SpargeAttentionFunction": "attention",
     "sparge_attention": "attention",
     "custom_ops_available": "attention",
+    "custom_ops_reason": "attention",
     "patch_sdpa": "sdpa",
     "open_device": "_torch",
 }

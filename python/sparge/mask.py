@@ -15,9 +15,18 @@ from . import _checks, _lib, _torch
 # stream all its work was queued on, so stream order protects the work still reading it, and only
 # to code that fills it before anyone can read it (Mask._recycled): a kept mask still holds the
 # selection of its last owner.
+#
+# A mask used while a CUDA graph is being captured belongs to that graph from then on: every replay
+# predicts into its arrays again. It is never freed and never handed to eager code, only to later
+# captures on its stream (graphs replayed in stream order refill it before reading it, as eager calls do).
 _POOL_PER_KEY = 4
 _pool = {}
+_captured = {}
 _pool_lock = threading.Lock()
+
+
+def _capturing(torch_device):
+    return torch_device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _destroy(device, handle):
@@ -25,7 +34,11 @@ def _destroy(device, handle):
         _lib.lib.sparge_mask_destroy(handle)
 
 
-def _release(device, key, handle, streams):
+def _release(device, key, handle, streams, state):
+    if state["captured"]:
+        with _pool_lock:
+            _captured.setdefault(key + (next(iter(streams)),), []).append(handle)
+        return
     if len(streams) <= 1:
         pool_key = key + (next(iter(streams), None),)
         with _pool_lock:
@@ -37,7 +50,8 @@ def _release(device, key, handle, streams):
 
 
 def free_cached_masks():
-    """Destroy the masks kept for reuse (like torch.cuda.empty_cache for sparge's mask arrays)."""
+    """Destroy the masks kept for reuse (like torch.cuda.empty_cache for sparge's mask arrays); masks that
+    CUDA graphs captured stay."""
     with _pool_lock:
         entries = list(_pool.items())
         _pool.clear()
@@ -98,18 +112,23 @@ class Mask:
                                          self.torch_device)
         key = (self.device, B, H, Nq, Nk, block_q, block_k)
         stream = _torch.current_stream(self.torch_device)
+        capturing = _capturing(self.torch_device)
         handle = None
         if recycle:
             with _pool_lock:
-                kept = _pool.get(key + (stream,))
-                handle = kept.pop() if kept else None
+                for pool in (_captured, _pool) if capturing else (_pool,):
+                    kept = pool.get(key + (stream,))
+                    if kept:
+                        handle = kept.pop()
+                        break
         if handle is None:
             handle = ctypes.c_void_p()
             with self.device.guard():
                 _lib.call("sparge_mask_create", self.device.handle, *key[1:], ctypes.byref(handle))
         self.handle = handle
         self._streams = {stream}  # streams its work was queued on (see _release)
-        self._finalizer = weakref.finalize(self, _release, self.device, key, handle, self._streams)
+        self._state = {"captured": capturing}
+        self._finalizer = weakref.finalize(self, _release, self.device, key, handle, self._streams, self._state)
         self._finalizer.atexit = False  # the process is ending: leave the memory to the OS
         shape = _lib.sparge_mask_shape()
         _lib.call("sparge_mask_get_shape", handle, ctypes.byref(shape))
@@ -126,6 +145,8 @@ class Mask:
         """Context for a sparge call that uses this mask on the current stream (recorded for reuse)."""
         with self.device.bound() as stream:
             self._streams.add(stream)
+            if _capturing(self.torch_device):
+                self._state["captured"] = True
             yield
 
     def check_attention_shapes(self, B, H, Nq, Nk):
