@@ -100,8 +100,8 @@ class sparge_attn_params(ctypes.Structure):
 
 
 _LIB_NAMES = ("libsparge.so.0", "libsparge.so", "libsparge.0.dylib", "libsparge.dylib")
-_PREFIX_DIRS = ("/usr/local/lib", "/usr/local/lib64", "/usr/lib", "/usr/lib64", "/usr/lib/x86_64-linux-gnu",
-                "/usr/lib/aarch64-linux-gnu", "/opt/sparge/lib")
+_PREFIX_DIRS = ("/usr/local/lib", "/usr/local/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+                "/usr/lib64", "/usr/lib")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -176,7 +176,10 @@ def _load():
             except OSError as e:
                 tried.append(f"{source}: {path} does not load ({e})")
         if missing and len(missing) == len(paths):
-            dirs = sorted({os.path.dirname(p) for p in missing})
+            if source == "SPARGE_LIBRARY":
+                tried.append(f"SPARGE_LIBRARY={paths[0]}: no such file")
+                continue
+            dirs = list(dict.fromkeys(os.path.dirname(p) for p in missing))
             tried.append(f"{source}: no {paths[0].rsplit(os.sep, 1)[-1]} in {', '.join(dirs)}")
     raise LibraryNotFoundError(
         "sparge: cannot find libsparge. Looked at, in order:\n  - " + "\n  - ".join(tried) +

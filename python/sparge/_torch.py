@@ -126,6 +126,11 @@ def check_layout(layout):
     _checks.layout(layout)
 
 
+def same_device(role_tensors):
+    """Every tensor on the first one's device (sparge cannot tell a host pointer from a device one)."""
+    _checks.same_device(role_tensors)
+
+
 def sparge_dtype(t, device_backend, role):
     """sparge's dtype for t on a device of backend device_backend. float64 is cpu-ref's, in libraries with
     SPARGE_F64: gradcheck needs real fp64 arithmetic end to end, which only the fp64 oracle has."""
