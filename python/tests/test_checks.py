@@ -34,12 +34,17 @@ class RecycledMaskHandles(unittest.TestCase):
 
     def test_filled_masks_still_reuse_handles(self):
         q, k, _ = qkv(1, 2, 256, 256, 64, seed=32)
-        first = sparge.predict_mask(q, k, topk=0.5)
-        handle = first.handle.value
-        del first
         dense = torch.zeros(1, 2, 2, 4, dtype=torch.uint8)
         dense[..., 3] = 1
-        second = sparge.Mask.from_dense(dense, 256, 256)
+        gc.collect()
+        gc.disable()  # no other mask of these shapes may reach the pool in between
+        try:
+            first = sparge.predict_mask(q, k, topk=0.5)
+            handle = first.handle.value
+            del first
+            second = sparge.Mask.from_dense(dense, 256, 256)
+        finally:
+            gc.enable()
         self.assertEqual(second.handle.value, handle)
         self.assertTrue(torch.equal(second.dense, dense))
         with self.assertRaisesRegex(sparge.SpargeError, "not predicted"):

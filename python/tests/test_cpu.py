@@ -1,5 +1,6 @@
 """CPU tests of the python layer: forward and backward against torch autograd on the equivalent dense
 masked attention, layouts and strides without copies, mask views, and error propagation."""
+import gc
 import math
 import unittest
 
@@ -224,10 +225,15 @@ class MaskViews(unittest.TestCase):
 
     def test_released_mask_is_reused_and_refilled(self):
         q, k, v = qkv(1, 2, 256, 256, 64, seed=21)
-        first = sparge.predict_mask(q, k, topk=0.5)
-        handle = first.handle.value
-        del first
-        second = sparge.predict_mask(q, k, topk=0.25)
+        gc.collect()
+        gc.disable()  # no other mask of these shapes may reach the pool in between
+        try:
+            first = sparge.predict_mask(q, k, topk=0.5)
+            handle = first.handle.value
+            del first
+            second = sparge.predict_mask(q, k, topk=0.25)
+        finally:
+            gc.enable()
         self.assertEqual(second.handle.value, handle)
         self.assertEqual(second.stats().kept_blocks, 2 * 2 * 1)  # 1 of 4 key blocks in each of 2x2 rows
         sparge.free_cached_masks()

@@ -33,7 +33,7 @@ class Examples(unittest.TestCase):
             self.assertEqual((r["tokens"], r["blocks"], r["blocks_timed"]), ("180", "2", "2"))
             self.assertGreater(float(r["step_ms"]), 0.0)
             self.assertGreater(float(r["attention_ms"]), 0.0)
-            self.assertLess(float(r["attention_share"]), 1.0)
+            self.assertGreater(float(r["attention_share"]), 0.0)  # timed apart from the step: may pass 1 on a busy CPU
         for r in rows[1:]:
             self.assertGreater(float(r["sparsity"]), 0.0)
             self.assertLess(float(r["sparsity"]), 1.0)
