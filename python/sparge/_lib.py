@@ -1,10 +1,14 @@
 """ctypes mirror of src/sparge.h: library lookup, structures, prototypes and status checks.
 
-Nothing here needs torch; the torch layer lives in the other modules of the package.
+Nothing here needs torch. The library is loaded on first use (`lib`, `library_path`), so importing the package
+works without it and the failure, when there is one, says what was looked at.
 """
 import ctypes
 import ctypes.util
 import os
+import shutil
+import subprocess
+import threading
 
 # ---------------------------------------------------------------- status codes (sparge_status)
 OK = 0
@@ -23,6 +27,10 @@ ERR_RUNTIME = 10
 F32 = 0
 F16 = 1
 BF16 = 2
+F64 = 3  # cpu-ref only, in libraries that have it (has_f64)
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 class SpargeError(RuntimeError):
@@ -34,6 +42,10 @@ class SpargeError(RuntimeError):
         self.status_name = status_name
         self.function = function
         super().__init__(f"{function}: {status_name}: {message}")
+
+
+class LibraryNotFoundError(OSError):
+    """No loadable libsparge was found; the message lists every place looked at and what to do."""
 
 
 class sparge_tensor(ctypes.Structure):
@@ -87,52 +99,96 @@ class sparge_attn_params(ctypes.Structure):
     ]
 
 
-_LIB_NAMES = ("libsparge.so.0", "libsparge.so", "libsparge.dylib")
+_LIB_NAMES = ("libsparge.so.0", "libsparge.so", "libsparge.0.dylib", "libsparge.dylib")
+_PREFIX_DIRS = ("/usr/local/lib", "/usr/local/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+                "/usr/lib64", "/usr/lib")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def _candidates():
-    """Where libsparge is looked for, in order (each entry: (path, how it was found))."""
+def _installed_libdir():
+    """The libdir recorded by `make install-python` (None for other installs and for the source tree)."""
+    try:
+        from . import _config
+    except ImportError:
+        return None
+    return getattr(_config, "libdir", None)
+
+
+def _pkg_config_libdir():
+    """(libdir or None, why not) from `pkg-config --variable=libdir sparge`."""
+    exe = shutil.which("pkg-config")
+    if exe is None:
+        return None, "pkg-config is not installed"
+    try:
+        run = subprocess.run([exe, "--variable=libdir", "sparge"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"pkg-config failed ({e})"
+    libdir = run.stdout.strip()
+    if run.returncode != 0 or not libdir:
+        where = os.environ.get("PKG_CONFIG_PATH")
+        return None, "pkg-config knows no 'sparge'" + (f" (PKG_CONFIG_PATH={where})" if where else
+                                                       " (PKG_CONFIG_PATH is unset)")
+    return libdir, None
+
+
+def _search_plan():
+    """[(source, [paths or loader names], note)] in lookup order. An empty path list carries the reason in note."""
     env = os.environ.get("SPARGE_LIBRARY")
     if env:
-        yield env, "SPARGE_LIBRARY"
-        return  # an explicit choice must not be silently replaced by another library
+        # An explicit choice must not be silently replaced by another library.
+        return [("SPARGE_LIBRARY", [env], None)]
+    plan = [("SPARGE_LIBRARY", [], "unset")]
     build = os.environ.get("SPARGE_BUILD_DIR")
     if build:
-        for sub in (".libs", ""):
-            for name in _LIB_NAMES:
-                yield os.path.join(build, sub, name), "SPARGE_BUILD_DIR"
-    # python/sparge/ sits two levels below the source root; an in-tree build puts the library in .libs/.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for name in _LIB_NAMES:
-        yield os.path.join(root, ".libs", name), "source tree"
+        plan.append(("SPARGE_BUILD_DIR", [os.path.join(build, sub, n) for sub in (".libs", "") for n in _LIB_NAMES],
+                     None))
+    else:
+        plan.append(("SPARGE_BUILD_DIR", [], "unset"))
+    plan.append(("the copy bundled in the package", [os.path.join(_PACKAGE_DIR, n) for n in _LIB_NAMES], None))
+    libdir = _installed_libdir()
+    if libdir:
+        plan.append(("the libdir recorded by make install-python", [os.path.join(libdir, n) for n in _LIB_NAMES],
+                     None))
+    # An in-tree build of a source checkout (python/sparge sits two levels below the source root).
+    root = os.path.dirname(os.path.dirname(_PACKAGE_DIR))
+    plan.append(("an in-tree build", [os.path.join(root, ".libs", n) for n in _LIB_NAMES], None))
+    libdir, why = _pkg_config_libdir()
+    plan.append(("pkg-config", [os.path.join(libdir, n) for n in _LIB_NAMES] if libdir else [], why))
     found = ctypes.util.find_library("sparge")
-    if found:
-        yield found, "ctypes.util.find_library"
-    for d in ("/usr/local/lib", "/usr/local/lib64", "/usr/lib", "/usr/lib64", "/usr/lib/x86_64-linux-gnu",
-              "/usr/lib/aarch64-linux-gnu"):
-        for name in _LIB_NAMES:
-            yield os.path.join(d, name), "system library directories"
+    plan.append(("ctypes.util.find_library (ldconfig)", [found] if found else [], None if found else "nothing"))
+    plan.append(("the usual prefixes", [os.path.join(d, n) for d in _PREFIX_DIRS for n in _LIB_NAMES], None))
+    return plan
 
 
 def _load():
     tried = []
-    for path, how in _candidates():
-        if os.sep in path and not os.path.exists(path):
-            if how == "SPARGE_LIBRARY":
-                tried.append(f"{path} ({how}): no such file")
+    for source, paths, note in _search_plan():
+        if not paths:
+            tried.append(f"{source}: {note}")
             continue
-        try:
-            return ctypes.CDLL(path), path
-        except OSError as e:
-            tried.append(f"{path} ({how}): {e}")
-    detail = ("; tried " + "; ".join(tried)) if tried else ""
-    raise OSError(
-        "sparge: libsparge.so not found. Set SPARGE_LIBRARY=/path/to/libsparge.so, or SPARGE_BUILD_DIR to a "
-        "build directory (the library is in its .libs/), or install sparge (make install) into a directory the "
-        "dynamic loader searches (ldconfig, LD_LIBRARY_PATH)" + detail)
+        missing = []
+        for path in paths:
+            if os.sep in path and not os.path.exists(path):
+                missing.append(path)
+                continue
+            try:
+                return ctypes.CDLL(path), os.path.abspath(path) if os.sep in path else path
+            except OSError as e:
+                tried.append(f"{source}: {path} does not load ({e})")
+        if missing and len(missing) == len(paths):
+            if source == "SPARGE_LIBRARY":
+                tried.append(f"SPARGE_LIBRARY={paths[0]}: no such file")
+                continue
+            dirs = list(dict.fromkeys(os.path.dirname(p) for p in missing))
+            tried.append(f"{source}: no {paths[0].rsplit(os.sep, 1)[-1]} in {', '.join(dirs)}")
+    raise LibraryNotFoundError(
+        "sparge: cannot find libsparge. Looked at, in order:\n  - " + "\n  - ".join(tried) +
+        "\nTo fix: install the library (./configure && make && make install; run ldconfig for a system prefix), "
+        "or point sparge at it: SPARGE_LIBRARY=/path/to/libsparge.so.0, or SPARGE_BUILD_DIR=<a build directory>; "
+        "a prefix the loader does not search is found through pkg-config "
+        "(PKG_CONFIG_PATH=<prefix>/lib/pkgconfig), or install the package with `make install-python`, which "
+        "records the library's directory, or install the wheel from `make python-wheel`, which bundles it.")
 
-
-lib, library_path = _load()
 
 _P = ctypes.c_void_p
 _T = ctypes.POINTER(sparge_tensor)
@@ -176,39 +232,81 @@ _PROTOTYPES = {
     "sparge_build_info": (ctypes.c_char_p, []),
     "sparge_topology_info": (ctypes.c_char_p, []),
 }
-for _name, (_restype, _argtypes) in _PROTOTYPES.items():
-    _fn = getattr(lib, _name)
-    _fn.restype = _restype
-    _fn.argtypes = _argtypes
+
+_state = {}
+_state_lock = threading.Lock()
+
+
+def _loaded():
+    """(CDLL, path), loading and binding the library on first use."""
+    state = _state.get("lib")
+    if state is None:
+        with _state_lock:
+            state = _state.get("lib")
+            if state is None:
+                cdll, path = _load()
+                for name, (restype, argtypes) in _PROTOTYPES.items():
+                    fn = getattr(cdll, name)
+                    fn.restype = restype
+                    fn.argtypes = argtypes
+                state = _state["lib"] = (cdll, path)
+    return state
+
+
+def __getattr__(name):
+    # `_lib.lib` and `_lib.library_path` load the library when first read.
+    if name == "lib":
+        return _loaded()[0]
+    if name == "library_path":
+        return _loaded()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def status_name(status):
-    return lib.sparge_status_name(status).decode()
+    return _loaded()[0].sparge_status_name(status).decode()
 
 
 def check(status, function):
     """Raise SpargeError carrying sparge_last_error() if status is not SPARGE_OK."""
     if status != OK:
-        message = lib.sparge_last_error().decode(errors="replace")
+        message = _loaded()[0].sparge_last_error().decode(errors="replace")
         raise SpargeError(status, status_name(status), message, function)
 
 
 def call(name, *args):
     """Call a status-returning sparge function and raise on failure."""
-    check(getattr(lib, name)(*args), name)
+    check(getattr(_loaded()[0], name)(*args), name)
 
 
 def backends():
     """Backends compiled into the loaded library ("cpu-ref", "cpu", "cuda", ...)."""
+    lib = _loaded()[0]
     return [lib.sparge_backend_name(i).decode() for i in range(lib.sparge_backend_count())]
 
 
 def backend_device_count(backend):
-    return lib.sparge_backend_device_count(backend.encode())
+    if not isinstance(backend, str):
+        raise TypeError(f"sparge: backend must be a str, got {type(backend).__name__}")
+    return _loaded()[0].sparge_backend_device_count(backend.encode())
 
 
 def build_info():
-    return lib.sparge_build_info().decode()
+    return _loaded()[0].sparge_build_info().decode()
+
+
+def library_version():
+    """The loaded library's version ("0.1.0"): the first line of sparge_build_info() is "sparge <version>"."""
+    first = build_info().split("\n", 1)[0].split()
+    return first[1] if len(first) == 2 and first[0] == "sparge" else None
 
 
 def dtype_name(dtype):
-    return lib.sparge_dtype_name(dtype).decode()
+    return _loaded()[0].sparge_dtype_name(dtype).decode()
+
+
+def has_f64():
+    """Whether the library knows SPARGE_F64 (fp64 tensors on cpu-ref): its dtype name is "f64"."""
+    flag = _state.get("f64")
+    if flag is None:
+        flag = _state["f64"] = dtype_name(F64) == "f64"
+    return flag

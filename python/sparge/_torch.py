@@ -5,16 +5,16 @@ import threading
 
 import torch
 
-from . import _lib
+from . import _checks, _lib
 
 _DTYPES = {torch.float32: _lib.F32, torch.float16: _lib.F16, torch.bfloat16: _lib.BF16}
-LAYOUTS = ("bhnd", "bnhd")
+LAYOUTS = _checks.LAYOUTS
 
 
 class Device:
-    """An open sparge device ("cpu", "cuda:0", ...), kept for the life of the process and shared by every
-    call. torch_device is where its tensors live. The lock serialises the stream hand-off and the call that
-    follows it, since a sparge handle has one stream."""
+    """An open sparge device handle ("cpu", "cuda:0", ...), kept for the life of the process. torch_device is
+    where its tensors live. The lock serialises the stream hand-off and the call that follows it, since a sparge
+    handle has one stream."""
 
     def __init__(self, name, torch_device):
         self.torch_device = torch_device
@@ -62,18 +62,42 @@ _devices = {}
 _devices_lock = threading.Lock()
 
 
+def current_stream(torch_device):
+    return torch.cuda.current_stream(torch_device).cuda_stream if torch_device.type == "cuda" else None
+
+
+def _check_compiled_in(backend):
+    available = _lib.backends()
+    if backend not in available:
+        raise ValueError(f"sparge: backend '{backend}' is not compiled into {_lib.library_path} (it has "
+                         f"{', '.join(available)})")
+
+
 def open_device(name, torch_device=None):
-    """The shared sparge Device for a name such as "cpu", "cpu-ref", "cuda:1", "cuda-generic:0"; torch_device
-    (where its tensors live) is read from the name unless given."""
+    """The sparge Device for a name such as "cpu", "cpu-ref", "cuda:1", "cuda-generic:0" on torch's current
+    stream; torch_device (where its tensors live) is read from the name unless given.
+
+    GPU handles are kept one per stream: a handle switching streams waits for the old one (its scratch memory
+    serves both), which a CUDA graph capture must not see, so work captured on a stream only ever uses the
+    handle that the same stream's warm-up runs opened and sized."""
+    if not isinstance(name, str):
+        raise TypeError(f"sparge: device name must be a str, got {type(name).__name__}")
+    backend, _, index = name.partition(":")
     if torch_device is None:
-        backend, _, index = name.partition(":")
         if backend == "auto":
             raise ValueError("sparge: name the device ('cpu', 'cuda:0', ...); 'auto' is for the C API")
-        torch_device = torch.device("cpu") if backend.startswith("cpu") else torch.device("cuda", int(index or 0))
+        if backend.startswith("cpu"):
+            torch_device = torch.device("cpu")
+        else:
+            if index and not index.isdigit():
+                raise ValueError(f"sparge: bad device index in {name!r}")
+            torch_device = torch.device("cuda", int(index or 0))
+    key = (name, current_stream(torch_device))
     with _devices_lock:
-        dev = _devices.get(name)
+        dev = _devices.get(key)
         if dev is None:
-            dev = _devices[name] = Device(name, torch_device)
+            _check_compiled_in(backend)
+            dev = _devices[key] = Device(name, torch_device)
         return dev
 
 
@@ -99,26 +123,37 @@ def device_for(tensor, backend=None):
 
 
 def check_layout(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"sparge: layout must be 'bhnd' ([B,H,N,D]) or 'bnhd' ([B,N,H,D]), got {layout!r}")
+    _checks.layout(layout)
 
 
 def same_device(role_tensors):
-    """Every tensor must be on the first one's device: sparge cannot tell a host pointer from a device one."""
-    first_role, first = role_tensors[0]
-    for role, t in role_tensors[1:]:
-        if t.device != first.device:
-            raise ValueError(f"sparge: {role} is on {t.device} but {first_role} is on {first.device}")
+    """Every tensor on the first one's device (sparge cannot tell a host pointer from a device one)."""
+    _checks.same_device(role_tensors)
 
 
-def view(t, layout, role):
+def sparge_dtype(t, device_backend, role):
+    """sparge's dtype for t on a device of backend device_backend. float64 is cpu-ref's, in libraries with
+    SPARGE_F64: gradcheck needs real fp64 arithmetic end to end, which only the fp64 oracle has."""
+    dtype = _DTYPES.get(t.dtype)
+    if dtype is not None:
+        return dtype
+    if t.dtype == torch.float64:
+        if device_backend != "cpu-ref":
+            raise TypeError(f"sparge: {role} is float64, which only backend='cpu-ref' computes (this call runs on "
+                            f"'{device_backend}')")
+        if not _lib.has_f64():
+            raise TypeError(f"sparge: {role} is float64, but {_lib.library_path} has no SPARGE_F64 (a libsparge "
+                            "whose cpu-ref takes fp64 tensors is needed)")
+        return _lib.F64
+    raise TypeError(f"sparge: {role} has dtype {t.dtype}; sparge takes float32, float16 and bfloat16")
+
+
+def view(t, layout, role, device_backend="cpu"):
     """sparge_tensor over t's memory: [B,H,N,D] for layout 'bhnd', or t = [B,N,H,D] seen as [B,H,N,D] for
     'bnhd'. Element strides are passed through, so no copy is made for any strided tensor."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"sparge: {role} must be a torch.Tensor, got {type(t).__name__}")
-    dtype = _DTYPES.get(t.dtype)
-    if dtype is None:
-        raise TypeError(f"sparge: {role} has dtype {t.dtype}; sparge takes float32, float16 and bfloat16")
+    dtype = sparge_dtype(t, device_backend, role)
     if t.dim() != 4:
         expected = "[B,H,N,D]" if layout == "bhnd" else "[B,N,H,D]"
         raise ValueError(f"sparge: {role} must be 4-D {expected} (layout '{layout}'), got shape {list(t.shape)}")
@@ -139,4 +174,3 @@ def empty_in_layout(B, H, N, D, layout, dtype, device):
     """A contiguous tensor of logical shape [B,H,N,D] stored as the layout says (shape [B,N,H,D] for 'bnhd')."""
     shape = (B, H, N, D) if layout == "bhnd" else (B, N, H, D)
     return torch.empty(shape, dtype=dtype, device=device)
-

@@ -1,52 +1,33 @@
-"""Block-sparse attention on torch tensors: forward, backward, autograd, and the SDPA drop-in."""
+"""Block-sparse attention on torch tensors: forward, backward, autograd, and the SDPA drop-in.
+
+Two autograd paths lead to the same library calls. On torch >= 2.4 sparge_attention calls the custom op
+sparge::attention (registered in _ops: fake shapes for torch.compile, autograd through sparge::attention_backward),
+which predicts its mask inside and predicts it again in the backward from the saved q and k, so no Python object
+crosses the graph. Elsewhere, and whenever a Mask object is given or returned, SpargeAttentionFunction holds the
+Mask from the forward to the backward.
+"""
 import ctypes
+import numbers
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _lib, _torch
-from .mask import Mask, _scale_arg, predict_mask
+from . import _checks, _lib, _torch
+from .mask import Mask, _predict, _scale_arg, mask_params, predict_csr_impl
 
 
-def _bound(mask, dev):
-    return mask.bound() if mask is not None else dev.bound()
-
-
-def _device_of(q, mask, backend):
-    if mask is None:
-        return _torch.device_for(q, backend)
+def _check_mask(mask, q, B, H, Nq, Nk, backend):
     if not isinstance(mask, Mask):
         raise TypeError(f"sparge: mask must be a sparge.Mask, got {type(mask).__name__}")
     if mask.torch_device != q.device:
         raise ValueError(f"sparge: the mask is on {mask.torch_device} but q is on {q.device}")
     if backend is not None and backend != mask.device.backend:
         raise ValueError(f"sparge: the mask lives on backend '{mask.device.backend}', not '{backend}'")
-    return mask.device
+    mask.check_attention_shapes(B, H, Nq, Nk)
 
 
 def _attn_params(scale, deterministic):
     return _lib.sparge_attn_params(_scale_arg(scale), 1 if deterministic else 0)
-
-
-def attention_forward(q, k, v, mask=None, *, scale=None, layout="bhnd", backend=None):
-    """O and LSE of block-sparse attention (dense attention when mask is None).
-
-    q [B,H,Nq,D], k and v [B,H,Nk,D] (or [B,N,H,D] each with layout="bnhd"), float32/float16/bfloat16,
-    any strides. Returns O in q's layout (contiguous) and LSE float32 [B,H,Nq] (natural log)."""
-    _torch.check_layout(layout)
-    _torch.same_device([("q", q), ("k", k), ("v", v)])
-    dev = _device_of(q, mask, backend)
-    qv, kv, vv = _torch.view(q, layout, "q"), _torch.view(k, layout, "k"), _torch.view(v, layout, "v")
-    B, H, Nq, D = _torch.bhnd_shape(q, layout)
-    o = _torch.empty_in_layout(B, H, Nq, D, layout, q.dtype, q.device)
-    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
-    ov = _torch.view(o, layout, "o")
-    params = _attn_params(scale, False)
-    with _bound(mask, dev):
-        _lib.call("sparge_attention_forward", dev.handle, ctypes.byref(qv), ctypes.byref(kv), ctypes.byref(vv),
-                  mask.handle if mask is not None else None, ctypes.byref(params), ctypes.byref(ov),
-                  ctypes.c_void_p(lse.data_ptr()))
-    return o, lse
 
 
 def _unit_stride_rows(t):
@@ -56,32 +37,102 @@ def _unit_stride_rows(t):
     return t
 
 
-def attention_backward(grad_out, q, k, v, o, lse, mask=None, *, scale=None, layout="bhnd", deterministic=False,
-                       backend=None):
-    """dQ, dK, dV of attention_forward with the mask held fixed. o and lse must come from that forward.
-    deterministic=True asks for bitwise reproducible gradients (no atomics)."""
-    _torch.check_layout(layout)
-    grad_out = _unit_stride_rows(grad_out)
-    tensors = [("q", q), ("k", k), ("v", v), ("o", o), ("grad_out", grad_out), ("lse", lse)]
-    _torch.same_device(tensors)
-    dev = _device_of(q, mask, backend)
-    views = [_torch.view(t, layout, role) for role, t in tensors[:5]]
+# ---------------------------------------------------------------- calls on checked arguments
+def _forward(q, k, v, mask, scale, layout, backend):
     B, H, Nq, D = _torch.bhnd_shape(q, layout)
-    # sparge sees lse as a bare pointer: its shape is checked here.
-    if lse.dtype != torch.float32 or not lse.is_contiguous() or lse.numel() != B * H * Nq:
-        raise ValueError(f"sparge: lse must be a contiguous float32 tensor of B*H*Nq = {B * H * Nq} elements "
-                         f"(the forward's), got {lse.dtype} {list(lse.shape)}")
     Nk = _torch.bhnd_shape(k, layout)[2]
+    if _checks.is_empty(B, H, Nq, Nk, D):
+        # Like SDPA: nothing to attend to gives zeros (Nk = 0), and an empty output stays empty.
+        o = _torch.empty_in_layout(B, H, Nq, D, layout, q.dtype, q.device).zero_()
+        return o, torch.full((B, H, Nq), float("-inf"), dtype=torch.float32, device=q.device)
+    dev = mask.device if mask is not None else _torch.device_for(q, backend)
+    qv, kv, vv = (_torch.view(t, layout, role, dev.backend) for t, role in ((q, "q"), (k, "k"), (v, "v")))
+    o = _torch.empty_in_layout(B, H, Nq, D, layout, q.dtype, q.device)
+    lse = torch.empty((B, H, Nq), dtype=torch.float32, device=q.device)
+    ov = _torch.view(o, layout, "o", dev.backend)
+    params = _attn_params(scale, False)
+    with (mask.bound() if mask is not None else dev.bound()):
+        _lib.call("sparge_attention_forward", dev.handle, ctypes.byref(qv), ctypes.byref(kv), ctypes.byref(vv),
+                  mask.handle if mask is not None else None, ctypes.byref(params), ctypes.byref(ov),
+                  ctypes.c_void_p(lse.data_ptr()))
+    return o, lse
+
+
+def _backward(grad_out, q, k, v, o, lse, mask, scale, layout, deterministic, backend):
+    B, H, Nq, D = _torch.bhnd_shape(q, layout)
+    Nk = _torch.bhnd_shape(k, layout)[2]
+    if _checks.is_empty(B, H, Nq, Nk, D):
+        return tuple(_torch.empty_in_layout(*_torch.bhnd_shape(t, layout), layout, t.dtype, t.device).zero_()
+                     for t in (q, k, v))
+    dev = mask.device if mask is not None else _torch.device_for(q, backend)
+    grad_out = _unit_stride_rows(grad_out)
+    tensors = [("q", q), ("k", k), ("v", v), ("o", o), ("grad_out", grad_out)]
+    views = [_torch.view(t, layout, role, dev.backend) for role, t in tensors]
     dq = _torch.empty_in_layout(B, H, Nq, D, layout, q.dtype, q.device)
-    dk = _torch.empty_in_layout(B, H, Nk, k.shape[-1], layout, k.dtype, k.device)
-    dv = _torch.empty_in_layout(B, H, Nk, v.shape[-1], layout, v.dtype, v.device)
-    grads = [_torch.view(dq, layout, "dq"), _torch.view(dk, layout, "dk"), _torch.view(dv, layout, "dv")]
+    dk = _torch.empty_in_layout(B, H, Nk, D, layout, k.dtype, k.device)
+    dv = _torch.empty_in_layout(B, H, Nk, D, layout, v.dtype, v.device)
+    grads = [_torch.view(t, layout, role, dev.backend) for t, role in ((dq, "dq"), (dk, "dk"), (dv, "dv"))]
     params = _attn_params(scale, deterministic)
-    with _bound(mask, dev):
+    with (mask.bound() if mask is not None else dev.bound()):
         _lib.call("sparge_attention_backward", dev.handle, *[ctypes.byref(x) for x in views],
                   ctypes.c_void_p(lse.data_ptr()), mask.handle if mask is not None else None, ctypes.byref(params),
                   *[ctypes.byref(x) for x in grads])
     return dq, dk, dv
+
+
+def forward_impl(q, k, v, topk, topp, block_q, block_k, scale, layout, backend):
+    """(O, LSE) with the mask predicted from q and k: the body of the custom op sparge::attention."""
+    B, H, Nq, D = _torch.bhnd_shape(q, layout)
+    Nk = _torch.bhnd_shape(k, layout)[2]
+    mask = None
+    if not _checks.is_empty(B, H, Nq, Nk, D):
+        mask = _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend)
+    return _forward(q, k, v, mask, scale, layout, backend)
+
+
+def backward_impl(grad_out, q, k, v, o, lse, topk, topp, block_q, block_k, scale, layout, backend, deterministic):
+    """(dQ, dK, dV) of forward_impl: the mask is predicted again from the same q and k with the same parameters,
+    which gives the forward's selection (prediction is deterministic), and costs a fraction of the backward."""
+    B, H, Nq, D = _torch.bhnd_shape(q, layout)
+    Nk = _torch.bhnd_shape(k, layout)[2]
+    mask = None
+    if not _checks.is_empty(B, H, Nq, Nk, D):
+        mask = _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend)
+    return _backward(grad_out, q, k, v, o, lse, mask, scale, layout, deterministic, backend)
+
+
+# ---------------------------------------------------------------- public functions
+def attention_forward(q, k, v, mask=None, *, scale=None, layout="bhnd", backend=None):
+    """O and LSE of block-sparse attention (dense attention when mask is None).
+
+    q [B,H,Nq,D], k and v [B,H,Nk,D] (or [B,N,H,D] each with layout="bnhd"), float32/float16/bfloat16 (float64
+    on backend="cpu-ref" where the library has it), any strides. Returns O in q's layout (contiguous) and LSE
+    float32 [B,H,Nq] (natural log). Empty tensors give an empty O (zeros when only Nk is 0) and LSE -inf."""
+    B, H, Nq, Nk, _ = _checks.qkv(q, k, v, layout)
+    scale, backend = _checks.scale(scale), _checks.backend(backend)
+    if mask is not None:
+        _check_mask(mask, q, B, H, Nq, Nk, backend)
+    return _forward(q, k, v, mask, scale, layout, backend)
+
+
+def attention_backward(grad_out, q, k, v, o, lse, mask=None, *, scale=None, layout="bhnd", deterministic=False,
+                       backend=None):
+    """dQ, dK, dV of attention_forward with the mask held fixed. o and lse must come from that forward.
+    deterministic=True asks for bitwise reproducible gradients (no atomics)."""
+    B, H, Nq, Nk, _ = _checks.qkv(q, k, v, layout)
+    _checks.like(o, "o", q, "q")
+    _checks.like(grad_out, "grad_out", q, "q")
+    scale, backend = _checks.scale(scale), _checks.backend(backend)
+    _checks.flag(deterministic, "deterministic")
+    # sparge sees lse as a bare pointer: its shape is checked here.
+    if (not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or not lse.is_contiguous()
+            or lse.numel() != B * H * Nq or lse.device != q.device):
+        raise ValueError(f"sparge: lse must be a contiguous float32 tensor of B*H*Nq = {B * H * Nq} elements on "
+                         f"{q.device} (the forward's), got {getattr(lse, 'dtype', type(lse).__name__)} "
+                         f"{list(getattr(lse, 'shape', []))}")
+    if mask is not None:
+        _check_mask(mask, q, B, H, Nq, Nk, backend)
+    return _backward(grad_out, q, k, v, o, lse, mask, scale, layout, deterministic, backend)
 
 
 class SpargeAttentionFunction(torch.autograd.Function):
@@ -89,14 +140,14 @@ class SpargeAttentionFunction(torch.autograd.Function):
 
     apply(q, k, v, mask, topk, topp, block_q, block_k, scale, layout, backend, deterministic): when mask is
     None it is predicted from q and k in the forward. The mask is held fixed: no gradient flows through it.
-    q, k, v, O, LSE and the mask are kept for the backward."""
+    q, k, v, O, LSE and the mask are kept for the backward. Arguments are those sparge_attention checked."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, topk, topp, block_q, block_k, scale, layout, backend, deterministic):
-        if mask is None:
-            mask = predict_mask(q, k, topk=topk, topp=topp, block_q=block_q, block_k=block_k, scale=scale,
-                                layout=layout, backend=backend)
-        o, lse = attention_forward(q, k, v, mask, scale=scale, layout=layout, backend=backend)
+        B, H, Nq, D = _torch.bhnd_shape(q, layout)
+        if mask is None and not _checks.is_empty(B, H, Nq, _torch.bhnd_shape(k, layout)[2], D):
+            mask = _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend)
+        o, lse = _forward(q, k, v, mask, scale, layout, backend)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mask = mask
         ctx.options = dict(scale=scale, layout=layout, backend=backend, deterministic=deterministic)
@@ -106,30 +157,75 @@ class SpargeAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(grad_out, q, k, v, o, lse, ctx.mask, **ctx.options)
+        o_ = ctx.options
+        dq, dk, dv = _backward(grad_out, q, k, v, o, lse, ctx.mask, o_["scale"], o_["layout"], o_["deterministic"],
+                               o_["backend"])
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
+def _unsupported(attn_mask, dropout_p, is_causal, enable_gqa):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"sparge: dropout_p must be a float, got {type(dropout_p).__name__}")
+    bad = [name for name, on in (("attn_mask", attn_mask is not None), ("dropout_p", dropout_p != 0.0),
+                                 ("is_causal", bool(is_causal)), ("enable_gqa", bool(enable_gqa))) if on]
+    if bad:
+        raise NotImplementedError(f"sparge_attention: {', '.join(bad)} not supported (block-sparse attention "
+                                  "without extra masks, dropout, causality or grouped heads)")
+
+
 def sparge_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                     enable_gqa=False, topk=0.03, topp=0.2, block_q=128, block_k=64, layout="bhnd", mask=None,
+                     enable_gqa=False, topk=None, topp=None, block_q=None, block_k=None, layout="bhnd", mask=None,
                      return_mask=False, backend=None, deterministic=False):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention with SpargeAttention2's block-sparse mask.
 
     Same conventions as SDPA: query [B,H,Nq,D], key/value [B,H,Nk,D] (or [B,N,H,D] with layout="bnhd",
     the layout of diffusion models and FlashAttention, without a copy), scale defaults to 1/sqrt(D), the
-    result has query's shape. Per call the hybrid Top-k (topk) ∪ Top-p (topp) mask over blocks of
-    block_q queries × block_k keys is predicted from query and key, unless mask (a sparge.Mask) is given.
-    attn_mask, dropout and causal masking are not supported. return_mask=True returns (out, mask).
-    backend overrides the sparge backend ("cpu-ref", "cuda-generic"); the device comes from the tensors."""
-    unsupported = [name for name, bad in (("attn_mask", attn_mask is not None), ("dropout_p", dropout_p != 0.0),
-                                          ("is_causal", bool(is_causal)), ("enable_gqa", bool(enable_gqa))) if bad]
-    if unsupported:
-        raise NotImplementedError(f"sparge_attention: {', '.join(unsupported)} not supported (block-sparse "
-                                  "attention without extra masks, dropout, causality or grouped heads)")
-    if return_mask and mask is None:
-        with torch.no_grad():
-            mask = predict_mask(query, key, topk=topk, topp=topp, block_q=block_q, block_k=block_k, scale=scale,
-                                layout=layout, backend=backend)
+    result has query's shape. Per call the hybrid Top-k (topk, default 0.03) ∪ Top-p (topp, default 0.2) mask
+    over blocks of block_q (128) queries × block_k (64) keys is predicted from query and key, unless mask (a
+    sparge.Mask) is given: then topk and topp must be left unset, and block_q / block_k, if given, must be the
+    mask's. attn_mask, dropout and causal masking are not supported. return_mask=True returns (out, mask); the
+    mask is None for empty inputs, which give an empty result like SDPA's. backend overrides the sparge backend
+    ("cpu-ref", "cuda-generic"); the device comes from the tensors. A given or returned Mask runs eagerly (an
+    autograd.Function holding it); without one, torch >= 2.4 runs the custom op, which torch.compile traces."""
+    _unsupported(attn_mask, dropout_p, is_causal, enable_gqa)
+    B, H, Nq, Nk, D = _checks.qkv(query, key, value, layout)
+    scale, backend = _checks.scale(scale), _checks.backend(backend)
+    _checks.flag(return_mask, "return_mask")
+    _checks.flag(deterministic, "deterministic")
+    if mask is not None:
+        if topk is not None or topp is not None:
+            raise ValueError("sparge_attention: mask= is given, so there is no prediction for topk / topp to "
+                             "steer; pass either mask or topk / topp")
+        _check_mask(mask, query, B, H, Nq, Nk, backend)
+        for name, given, own in (("block_q", block_q, mask.block_q), ("block_k", block_k, mask.block_k)):
+            if given is not None and _checks.block(given, name) != own:
+                raise ValueError(f"sparge_attention: {name} = {given} but the given mask has {name} = {own}")
+    else:
+        topk, topp, block_q, block_k, scale = mask_params(
+            _checks.DEFAULT_TOPK if topk is None else topk, _checks.DEFAULT_TOPP if topp is None else topp,
+            _checks.DEFAULT_BLOCK_Q if block_q is None else block_q,
+            _checks.DEFAULT_BLOCK_K if block_k is None else block_k, scale)
+        if not return_mask and _OPS_REGISTERED:
+            return torch.ops.sparge.attention(query, key, value, topk, topp, block_q, block_k, scale, layout,
+                                              backend, deterministic)[0]
+        if return_mask and not _checks.is_empty(B, H, Nq, Nk, D):
+            with torch.no_grad():
+                mask = _predict(query, key, topk, topp, block_q, block_k, scale, layout, backend)
     out = SpargeAttentionFunction.apply(query, key, value, mask, topk, topp, block_q, block_k, scale, layout,
                                         backend, deterministic)
     return (out, mask) if return_mask else out
+
+
+def custom_ops_available():
+    """Whether sparge's torch.library custom ops are registered (torch >= 2.4); see custom_ops_reason()."""
+    return _OPS_REGISTERED
+
+
+def custom_ops_reason():
+    """Why the custom ops are not registered (None when they are)."""
+    return _ops.UNAVAILABLE_REASON
+
+
+from . import _ops  # noqa: E402  (registration needs the functions above)
+
+_OPS_REGISTERED = _ops.register(forward_impl, backward_impl, predict_csr_impl)

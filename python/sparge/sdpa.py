@@ -1,0 +1,114 @@
+"""patch_sdpa: route a model's F.scaled_dot_product_attention calls to sparge without editing the model."""
+import contextlib
+import dataclasses
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from . import _checks, _lib
+from .attention import sparge_attention
+from .mask import mask_params
+
+_patch_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class SdpaRouting:
+    """What a patch_sdpa block did: calls sent to sparge and calls passed to torch unchanged."""
+
+    routed: int = 0
+    passed: int = 0
+
+
+def _math_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA's semantics spelled out, for torch without F.scaled_dot_product_attention (before 2.0)."""
+    if enable_gqa:
+        raise NotImplementedError("enable_gqa needs torch's own scaled_dot_product_attention")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    s = (query @ key.transpose(-1, -2)) * scale
+    if is_causal:
+        keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    p = torch.softmax(s, dim=-1)
+    if dropout_p > 0.0:
+        p = F.dropout(p, dropout_p)
+    return p @ value
+
+
+@contextlib.contextmanager
+def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_checks.DEFAULT_BLOCK_Q,
+               block_k=_checks.DEFAULT_BLOCK_K, *, min_tokens=0, backend=None, deterministic=False):
+    """Within the block, torch.nn.functional.scaled_dot_product_attention sends every call that sparge
+    computes exactly as asked — 4-D [B,H,N,D] query/key/value of one dtype sparge takes (float32, float16,
+    bfloat16) on a device it has a backend for, one head dim, the same head count, no attn_mask, dropout_p 0,
+    is_causal False, no enable_gqa, scale None or nonzero — to sparge_attention with these mask parameters,
+    self- and cross-attention alike, when both Nq and Nk are >= min_tokens (min_tokens=1024 keeps a 512-token
+    text cross-attention dense). Every other call goes to the function that was there before, unchanged.
+    The previous function is restored on exit. Yields an SdpaRouting that counts routed and passed calls.
+
+    The patch replaces the attribute of torch.nn.functional, so it reaches code that calls
+    F.scaled_dot_product_attention (or torch.nn.functional.scaled_dot_product_attention) at call time, not a
+    reference taken before the block, and it applies to every thread. Torch before 2.0 has no SDPA: there the
+    block installs one, and passed calls get the plain softmax(QKᵀ·scale)V computation."""
+    topk, topp, block_q, block_k, _ = mask_params(topk, topp, block_q, block_k, None)
+    min_tokens = _checks.integer(min_tokens, "min_tokens", 0, _lib.INT32_MAX)
+    backend = _checks.backend(backend)
+    _checks.flag(deterministic, "deterministic")
+    available = set(_lib.backends())  # read now: the routing test below stays plain Python for torch.compile
+    device_types = set()
+    if available & {"cpu", "cpu-ref"}:
+        device_types.add("cpu")
+    if available & {"cuda", "cuda-generic", "hip"}:
+        device_types.add("cuda")
+    if backend is not None:
+        device_types &= {"cpu"} if backend.startswith("cpu") else {"cuda"}
+    routing = SdpaRouting()
+    sentinel = object()
+    with _patch_lock:
+        previous = getattr(F, "scaled_dot_product_attention", sentinel)
+    fallback = _math_sdpa if previous is sentinel else previous
+
+    def routable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        if attn_mask is not None or dropout_p != 0.0 or is_causal or enable_gqa or scale == 0.0:
+            return False
+        tensors = (query, key, value)
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
+            return False
+        if query.dtype not in _checks.FLOAT_DTYPES or any(t.dtype != query.dtype or t.device != query.device
+                                                           for t in tensors):
+            return False
+        if query.device.type not in device_types:
+            return False
+        B, H, Nq, D = query.shape
+        if key.shape[:2] != (B, H) or key.shape[3] != D or value.shape != key.shape:
+            return False
+        return min(Nq, key.shape[2]) >= max(min_tokens, 1) and B > 0 and H > 0 and D > 0
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                                     scale=None, enable_gqa=False):
+        if routable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+            routing.routed += 1
+            return sparge_attention(query, key, value, scale=scale, topk=topk, topp=topp, block_q=block_q,
+                                    block_k=block_k, backend=backend, deterministic=deterministic)
+        routing.passed += 1
+        kwargs = {}
+        if scale is not None:
+            kwargs["scale"] = scale
+        if enable_gqa:
+            kwargs["enable_gqa"] = enable_gqa
+        return fallback(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
+
+    with _patch_lock:
+        F.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield routing
+    finally:
+        with _patch_lock:
+            if previous is sentinel:
+                del F.scaled_dot_product_attention
+            else:
+                F.scaled_dot_product_attention = previous

@@ -1,0 +1,56 @@
+"""The examples run: dit_bench.py's --tiny smoke run (CPU) writes its table's rows, swap_attention.py on the CPU."""
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from helpers import sparge  # noqa: F401  (skips the module without torch)
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+class Examples(unittest.TestCase):
+    def test_dit_bench_tiny(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "dit.csv")
+            result = run("dit_bench.py", "--tiny", "--csv", path)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            with open(path) as f:
+                rows = list(csv.DictReader(f))
+        self.assertEqual([r["method"][:6] for r in rows], ["dense ", "sparge", "sparge"])
+        self.assertIn("| tiny | sparge hybrid k=0.03 p=0.2 |", result.stdout)
+        dense = rows[0]
+        self.assertEqual((float(dense["sparsity"]), float(dense["step_speedup"])), (0.0, 1.0))
+        self.assertLess(float(dense["rel_l2_vs_dense"]), 1e-6)
+        for r in rows:
+            self.assertEqual((r["tokens"], r["blocks"], r["blocks_timed"]), ("180", "2", "2"))
+            self.assertGreater(float(r["step_ms"]), 0.0)
+            self.assertGreater(float(r["attention_ms"]), 0.0)
+            self.assertGreater(float(r["attention_share"]), 0.0)  # timed apart from the step: may pass 1 on a busy CPU
+        for r in rows[1:]:
+            self.assertGreater(float(r["sparsity"]), 0.0)
+            self.assertLess(float(r["sparsity"]), 1.0)
+            self.assertLess(float(r["rel_l2_vs_dense"]), 0.5)  # a sparse step, close to the dense one
+            self.assertGreater(float(r["rel_l2_vs_dense"]), 0.0)
+
+    def test_dit_bench_scales_fewer_blocks(self):
+        result = run("dit_bench.py", "--tiny", "--blocks", "1")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("| tiny (1/2 blocks timed) |", result.stdout)
+
+    def test_swap_attention_cpu(self):
+        result = run("swap_attention.py", "--device", "cpu", "--tokens", "700")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("module output vs dense attention with sparge's mask", result.stdout)
+        self.assertIn("finite: True", result.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
