@@ -260,6 +260,7 @@ double sparge_dtype_tolerance(sparge_dtype t)
     case SPARGE_F32: return 1e-5;
     case SPARGE_F16: return 3e-3;
     case SPARGE_BF16: return 1e-2;
+    case SPARGE_F64: return 1e-12;
     }
     return 0.0;
 }

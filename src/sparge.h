@@ -43,7 +43,9 @@ const char *sparge_last_error(void);
 
 /* ---------------------------------------------------------------- tensors */
 
-typedef enum { SPARGE_F32 = 0, SPARGE_F16 = 1, SPARGE_BF16 = 2 } sparge_dtype;
+/* Storage dtypes (arithmetic is fp32, fp64 in cpu-ref). SPARGE_F64 is for the reference: only "cpu-ref" takes it,
+ * so that gradients can be checked against finite differences in double precision. */
+typedef enum { SPARGE_F32 = 0, SPARGE_F16 = 1, SPARGE_BF16 = 2, SPARGE_F64 = 3 } sparge_dtype;
 
 size_t sparge_dtype_size(sparge_dtype t);
 const char *sparge_dtype_name(sparge_dtype t);
@@ -150,7 +152,7 @@ sparge_status sparge_device_get_option(const sparge_device *dev, const char *nam
 sparge_status sparge_device_set_option(sparge_device *dev, const char *name, const char *value);
 
 /* Relative L2 error against cpu-ref that every backend is held to for outputs stored in dtype
- * (docs/DESIGN.md, "Conformance"): f32 1e-5, f16 3e-3, bf16 1e-2. 0 for an unknown dtype. */
+ * (docs/DESIGN.md, "Conformance"): f32 1e-5, f16 3e-3, bf16 1e-2 (f64 1e-12). 0 for an unknown dtype. */
 double sparge_dtype_tolerance(sparge_dtype t);
 
 /* ---------------------------------------------------------------- masks */

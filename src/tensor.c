@@ -10,6 +10,7 @@ size_t sparge_dtype_size(sparge_dtype t)
     case SPARGE_F32: return 4;
     case SPARGE_F16:
     case SPARGE_BF16: return 2;
+    case SPARGE_F64: return 8;
     }
     return 0;
 }
@@ -20,6 +21,7 @@ const char *sparge_dtype_name(sparge_dtype t)
     case SPARGE_F32: return "f32";
     case SPARGE_F16: return "f16";
     case SPARGE_BF16: return "bf16";
+    case SPARGE_F64: return "f64";
     }
     return "?";
 }

@@ -42,7 +42,7 @@ sparge_status sparge_check_tensor(const sparge_tensor *t, const char *fn, const 
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: tensor %s is NULL", fn, role);
     if (!t->data)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s->data is NULL", fn, role);
-    if (t->dtype != SPARGE_F32 && t->dtype != SPARGE_F16 && t->dtype != SPARGE_BF16)
+    if (!sparge_dtype_size(t->dtype))
         return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: %s has unknown dtype %d", fn, role, (int)t->dtype);
     static const char dims[] = "BHND";
     int64_t elems = 1, span = 1;

@@ -1,4 +1,4 @@
-/* Hand-computed mask selections (DESIGN.md §1), statistics, the transpose and
+/* Hand-computed mask selections (docs/DESIGN.md §1.6-§1.8), statistics, the transpose and
  * imported and exported masks, on both CPU tiers. */
 #define _POSIX_C_SOURCE 200809L /* mkstemp */
 #include <math.h>

@@ -10,9 +10,11 @@
 #include "cpu.h"
 #include "topology.h"
 
-/* Both tiers: every op, any dtype and layout; attention up to SPARGE_CPU_MAX_D. */
+/* Both tiers: every op, any layout; attention up to SPARGE_CPU_MAX_D; f64 storage on cpu-ref only. */
 static sparge_status cpu_supports(const char *tier, const sparge_op_desc *d)
 {
+    if (d->dtype == SPARGE_F64 && strcmp(tier, "cpu-ref"))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: f64 tensors run on cpu-ref only", tier);
     if ((d->op == SPARGE_OP_FORWARD || d->op == SPARGE_OP_BACKWARD) && d->head_dim > SPARGE_CPU_MAX_D)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dimension D = %lld exceeds the CPU limit of %d", tier,
                            (long long)d->head_dim, SPARGE_CPU_MAX_D);

@@ -43,6 +43,20 @@ static inline void view_store(const sparge_view *v, int64_t off, float x)
     }
 }
 
+/* The reference's loads and stores: exact for f64 storage. */
+static inline double view_load_f64(const sparge_view *v, int64_t off)
+{
+    return v->dtype == SPARGE_F64 ? ((const double *)v->data)[off] : (double)view_load(v, off);
+}
+
+static inline void view_store_f64(const sparge_view *v, int64_t off, double x)
+{
+    if (v->dtype == SPARGE_F64)
+        ((double *)v->data)[off] = x;
+    else
+        view_store(v, off, (float)x);
+}
+
 /* Address of element (b, h, n, 0) of x. */
 static inline void *row_ptr(const sparge_view *x, int64_t b, int64_t h, int64_t n)
 {
@@ -118,14 +132,14 @@ static inline void ref_gather(const sparge_view *x, int64_t b, int64_t h, double
 {
     for (int64_t n = 0; n < x->N; n++)
         for (int64_t d = 0; d < x->D; d++)
-            out[n * x->D + d] = view_load(x, view_offset(x, b, h, n, d));
+            out[n * x->D + d] = view_load_f64(x, view_offset(x, b, h, n, d));
 }
 
 static inline void ref_scatter(const sparge_view *x, int64_t b, int64_t h, const double *src)
 {
     for (int64_t n = 0; n < x->N; n++)
         for (int64_t d = 0; d < x->D; d++)
-            view_store(x, view_offset(x, b, h, n, d), (float)src[n * x->D + d]);
+            view_store_f64(x, view_offset(x, b, h, n, d), src[n * x->D + d]);
 }
 
 /* cpu-ref: n buffers of the given element counts, all or none. */

@@ -20,8 +20,8 @@ sparge_status sparge_ref_pooled_map(void *impl, const sparge_map_args *a)
                 for (int64_t j = 0; j < k->N; j++) {
                     double dot = 0.0;
                     for (int64_t d = 0; d < q->D; d++)
-                        dot += (double)view_load(q, view_offset(q, b, h, i, d)) *
-                               (double)view_load(k, view_offset(k, b, h, j, d));
+                        dot += view_load_f64(q, view_offset(q, b, h, i, d)) *
+                               view_load_f64(k, view_offset(k, b, h, j, d));
                     row[j] = dot * a->scale;
                     nan |= isnan(row[j]);
                     if (row[j] > mx)

@@ -15,8 +15,8 @@ sparge_status sparge_ref_pool(void *impl, const sparge_pool_args *a)
                 for (int64_t d = 0; d < x->D; d++) {
                     double sum = 0.0;
                     for (int64_t t = t0; t < t1; t++)
-                        sum += view_load(x, view_offset(x, b, h, t, d));
-                    view_store(o, view_offset(o, b, h, i, d), (float)(sum / (double)(t1 - t0)));
+                        sum += view_load_f64(x, view_offset(x, b, h, t, d));
+                    view_store_f64(o, view_offset(o, b, h, i, d), sum / (double)(t1 - t0));
                 }
             }
     return SPARGE_OK;

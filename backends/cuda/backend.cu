@@ -15,18 +15,24 @@ sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *wh
     return sparge_fail(s, file, line, "%s failed: %s", what, gpuGetErrorString(e));
 }
 
+/* A buffer outgrown is kept until the device closes instead of freed: queued work or a captured CUDA graph may
+ * still read it, and growth by at least half keeps the retired ones below twice the last. */
 sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out)
 {
     if (ctx->workspace_bytes < bytes) {
-        sparge_status s;
-        /* The old buffer may still be read by queued work. */
-        if ((s = GPU_CHECK(gpuStreamSynchronize(ctx->stream))) || (s = GPU_CHECK(gpuFree(ctx->workspace))))
+        if (ctx->workspace && ctx->n_retired == GPU_MAX_RETIRED)
+            return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "GPU scratch memory grew %d times; close and reopen the device",
+                               GPU_MAX_RETIRED);
+        const size_t grown = ctx->workspace_bytes + ctx->workspace_bytes / 2;
+        const size_t want = bytes > grown ? bytes : grown;
+        void *fresh;
+        sparge_status s = GPU_CHECK(gpuMalloc(&fresh, want));
+        if (s)
             return s;
-        ctx->workspace = NULL;
-        ctx->workspace_bytes = 0;
-        if ((s = GPU_CHECK(gpuMalloc(&ctx->workspace, bytes))))
-            return s;
-        ctx->workspace_bytes = bytes;
+        if (ctx->workspace)
+            ctx->retired[ctx->n_retired++] = ctx->workspace;
+        ctx->workspace = fresh;
+        ctx->workspace_bytes = want;
     }
     *out = ctx->workspace;
     return SPARGE_OK;
@@ -70,6 +76,8 @@ static void close_device(void *impl)
     (void)gpuSetDevice(ctx->device);
     (void)gpuStreamSynchronize(ctx->stream);
     (void)gpuFree(ctx->workspace);
+    for (int i = 0; i < ctx->n_retired; i++)
+        (void)gpuFree(ctx->retired[i]);
     for (int i = 0; i < 2; i++)
         if (ctx->timer[i])
             (void)gpuEventDestroy(ctx->timer[i]);
@@ -253,9 +261,18 @@ static sparge_status mask_op_supports(const gpu_ctx *ctx, const sparge_op_desc *
     return SPARGE_OK;
 }
 
+static sparge_status no_f64(const sparge_op_desc *d, const char *tier)
+{
+    if (d->dtype == SPARGE_F64)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: f64 tensors run on cpu-ref only", tier);
+    return SPARGE_OK;
+}
+
 static sparge_status generic_supports(void *impl, const sparge_op_desc *d)
 {
     const gpu_ctx *ctx = (const gpu_ctx *)impl;
+    if (no_f64(d, "gpu"))
+        return SPARGE_ERR_UNSUPPORTED;
     switch (d->op) {
     case SPARGE_OP_FORWARD:
     case SPARGE_OP_BACKWARD: return SPARGE_GPU_FN(generic_fits)(ctx, d->head_dim, d->op == SPARGE_OP_BACKWARD);
@@ -314,6 +331,8 @@ GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
 {
     const gpu_ctx *ctx = (const gpu_ctx *)impl;
+    if (no_f64(d, "cuda"))
+        return SPARGE_ERR_UNSUPPORTED;
     if (d->op != SPARGE_OP_FORWARD && d->op != SPARGE_OP_BACKWARD)
         return mask_op_supports(ctx, d, true);
     const char *what = d->op == SPARGE_OP_FORWARD ? "cuda forward" : "cuda backward";

@@ -23,6 +23,8 @@ struct gpu_options {
     int map_tile;                      /* GPU_MAP_*: the pooled-map logits kernel */
 };
 
+constexpr int GPU_MAX_RETIRED = 48;
+
 struct gpu_ctx {
     int device;
     gpuStream_t stream;
@@ -33,6 +35,8 @@ struct gpu_ctx {
     gpuEvent_t timer[2];    /* created on first use */
     void *workspace;        /* grown on demand by gpu_workspace() */
     size_t workspace_bytes;
+    void *retired[GPU_MAX_RETIRED]; /* outgrown workspaces, freed at close */
+    int n_retired;
     gpu_options opt;
 };
 
@@ -48,7 +52,7 @@ sparge_status gpu_check(gpuError_t e, const char *file, int line, const char *wh
 #define GPU_CHECK(call) gpu_check((call), __FILE__, __LINE__, #call)
 /* Check the launch that was just queued. */
 #define GPU_CHECK_LAUNCH(what) gpu_check(gpuGetLastError(), __FILE__, __LINE__, what)
-/* At least `bytes` of scratch device memory, valid until the next call on ctx. */
+/* At least `bytes` of scratch device memory for the call being queued on ctx (a later call may reuse it). */
 sparge_status gpu_workspace(gpu_ctx *ctx, size_t bytes, void **out);
 
 /* Programmatic dependent launch (CUDA, sm_90+). A kernel queued with it (gpu_launch_dependent below) calls

@@ -54,6 +54,7 @@ _TORCH_NAMES = {
     "custom_ops_reason": "attention",
     "patch_sdpa": "sdpa",
     "open_device": "_torch",
+    "tolerance": "_torch",
 }
 
 __all__ = ["SpargeError", "LibraryNotFoundError", "backends", "backend_device_count", "build_info",

@@ -231,6 +231,7 @@ _PROTOTYPES = {
     "sparge_attention": (_S, [_P, _T, _T, _T, ctypes.POINTER(sparge_mask_params), _T, _P, _P]),
     "sparge_build_info": (ctypes.c_char_p, []),
     "sparge_topology_info": (ctypes.c_char_p, []),
+    "sparge_dtype_tolerance": (ctypes.c_double, [_S]),
 }
 
 _state = {}
@@ -288,6 +289,12 @@ def backend_device_count(backend):
     if not isinstance(backend, str):
         raise TypeError(f"sparge: backend must be a str, got {type(backend).__name__}")
     return _loaded()[0].sparge_backend_device_count(backend.encode())
+
+
+def tolerance(dtype_code):
+    """The relative L2 error against cpu-ref that every backend is held to for outputs of this sparge dtype
+    (F32, F16, BF16, F64): the library's one table (docs/DESIGN.md §2.1)."""
+    return _loaded()[0].sparge_dtype_tolerance(dtype_code)
 
 
 def build_info():

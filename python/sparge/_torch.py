@@ -11,6 +11,15 @@ _DTYPES = {torch.float32: _lib.F32, torch.float16: _lib.F16, torch.bfloat16: _li
 LAYOUTS = _checks.LAYOUTS
 
 
+def tolerance(dtype):
+    """Relative L2 error against cpu-ref that every backend is held to for outputs of this torch dtype
+    (float32 1e-5, float16 3e-3, bfloat16 1e-2, float64 on cpu-ref 1e-12): the library's one table."""
+    code = {**_DTYPES, torch.float64: _lib.F64}.get(dtype)
+    if code is None:
+        raise TypeError(f"sparge: no tolerance for {dtype} (sparge stores float32, float16, bfloat16 and float64)")
+    return _lib.tolerance(code)
+
+
 class Device:
     """An open sparge device handle ("cpu", "cuda:0", ...), kept for the life of the process. torch_device is
     where its tensors live. The lock serialises the stream hand-off and the call that follows it, since a sparge

@@ -6,7 +6,7 @@ import unittest
 
 from helpers import dense_masked_attention, randn, rel_l2, sparge, to_bhnd, torch
 
-F32_TOL = 1e-5
+F32_TOL = sparge.tolerance(torch.float32)
 
 
 def qkv(B, H, Nq, Nk, D, dtype=torch.float32, layout="bhnd", seed=0, requires_grad=False):

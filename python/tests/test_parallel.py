@@ -25,7 +25,7 @@ if MISSING:
 
 from sparge import parallel  # noqa: E402  (needs torch.distributed)
 
-F32_TOL = 1e-5
+F32_TOL = sparge.tolerance(torch.float32)
 KW = dict(topk=0.15, topp=0.3, block_q=32, block_k=16)
 COLLECTIVE_TIMEOUT_S = 60
 GROUP_DEADLINE_S = 100
