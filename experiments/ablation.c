@@ -74,8 +74,8 @@ static int each(exp_opts *o, exp_input *in)
                      pt[EXP_TOPK].sparsity, pt[EXP_TOPK].rel_l1, pt[EXP_TOPP].rel_l1, pt[EXP_TOPP].sparsity,
                      pt[EXP_HYBRID].rel_l1, pt[EXP_HYBRID].sparsity);
     }
-    snprintf(sweep_md[nsweep++], sizeof sweep_md[0], "| %s | %d | %.4f | %.4f | %.4f | %d / %d / %d |", x->label, points,
-             mean_err[0] / points, mean_err[1] / points, mean_err[2] / points, best[0], best[1], best[2]);
+    snprintf(sweep_md[nsweep++], sizeof sweep_md[0], "| %s | %d | %.4f | %.4f | %.4f | %d / %d / %d |", x->label,
+             points, mean_err[0] / points, mean_err[1] / points, mean_err[2] / points, best[0], best[1], best[2]);
     return 0;
 }
 

@@ -170,8 +170,8 @@ static int each(exp_opts *o, exp_input *in)
             }
         double nn = (double)a.n;
         fprintf(o->md, "| %s | %s | %.2f %% | %.3f | %.3f | %.4f | %.4f | %.1e (%.1e) | %.4f | %.4f |\n",
-                x->label, rules[rule].name, 100.0 * pt.sparsity, a.alpha / nn, a.pooled / nn, a.meas / a.o, a.pred / a.o,
-                a.resid / a.meas, a.resid_max, a.dropped / a.o, a.renorm / a.o);
+                x->label, rules[rule].name, 100.0 * pt.sparsity, a.alpha / nn, a.pooled / nn, a.meas / a.o,
+                a.pred / a.o, a.resid / a.meas, a.resid_max, a.dropped / a.o, a.renorm / a.o);
         if (o->csv)
             fprintf(o->csv, "%s,%s,%.6f,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.3e,%.3e,%.6f,%.6f\n",
                     exp_family_name(in->family), rules[rule].name, rules[rule].k, rules[rule].p, pt.sparsity,

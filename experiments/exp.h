@@ -247,14 +247,15 @@ typedef struct exp_opt {
 #define EXP_FLAG(n, p, h) .name = (n), .kind = EXP_OPT_FLAG, .ptr = (p), .help = (h)
 #define EXP_STR(n, p, a, h) .name = (n), .kind = EXP_OPT_STR, .ptr = (p), .arg = (a), .help = (h)
 #define EXP_OUT(n, p, h) .name = (n), .kind = EXP_OPT_OUT, .ptr = (p), .arg = "PATH", .help = (h)
-#define EXP_INT(n, p, a, lo, hi, h) .name = (n), .kind = EXP_OPT_INT, .ptr = (p), .arg = (a), .min = (lo), .max = (hi), .help = (h)
-#define EXP_I64(n, p, a, lo, hi, h) .name = (n), .kind = EXP_OPT_I64, .ptr = (p), .arg = (a), .min = (lo), .max = (hi), .help = (h)
-#define EXP_DBL(n, p, a, lo, hi, h) .name = (n), .kind = EXP_OPT_DBL, .ptr = (p), .arg = (a), .min = (lo), .max = (hi), .help = (h)
-#define EXP_LIST(n, p, length, cnt, a, lo, hi, h)                                                                  \
-    .name = (n), .kind = EXP_OPT_LIST, .ptr = (p), .len = (length), .count = (cnt), .arg = (a), .min = (lo),         \
-    .max = (hi), .help = (h)
+#define EXP_NUMBER_(k, n, p, a, lo, hi, h)                                                                            \
+    .name = (n), .kind = (k), .ptr = (p), .arg = (a), .min = (lo), .max = (hi), .help = (h)
+#define EXP_INT(n, p, a, lo, hi, h) EXP_NUMBER_(EXP_OPT_INT, n, p, a, lo, hi, h)
+#define EXP_I64(n, p, a, lo, hi, h) EXP_NUMBER_(EXP_OPT_I64, n, p, a, lo, hi, h)
+#define EXP_DBL(n, p, a, lo, hi, h) EXP_NUMBER_(EXP_OPT_DBL, n, p, a, lo, hi, h)
+#define EXP_LIST(n, p, length, cnt, a, lo, hi, h)                                                                    \
+    EXP_NUMBER_(EXP_OPT_LIST, n, p, a, lo, hi, h), .len = (length), .count = (cnt)
 #define EXP_CHOICE(n, p, choices, h) .name = (n), .kind = EXP_OPT_CHOICE, .ptr = (p), .arg = (choices), .help = (h)
-#define EXP_CUSTOM(n, p, a, parser, shower, h)                                                                     \
+#define EXP_CUSTOM(n, p, a, parser, shower, h)                                                                       \
     .name = (n), .kind = EXP_OPT_CUSTOM, .ptr = (p), .arg = (a), .parse = (parser), .show = (shower), .help = (h)
 #define EXP_COUNT(table) ((int)(sizeof(table) / sizeof((table)[0])))
 
@@ -320,7 +321,7 @@ typedef struct exp_driver {
     const char *md_header;  /* Markdown before the first input: the head of the table the inputs add rows to */
     int nfamilies;  /* the default --families: the first n of uniform,sink,video (0: all three) */
     int64_t tokens; /* the default --tokens (0: the generators') */
-    int equal;
+    int equal;      /* compares the rules at equal sparsity */
     int (*run)(exp_opts *o);
     int (*each)(exp_opts *o, exp_input *in);
     int (*done)(exp_opts *o);

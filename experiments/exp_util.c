@@ -13,7 +13,9 @@
 
 _Static_assert(SPARGE_F32 == 0 && SPARGE_F16 == 1 && SPARGE_BF16 == 2, "--dtype stores its choice's index");
 
-enum { MAX_OPTS = 64 };
+enum { MAX_OPTS = 64 }; /* the common options (32 at most) and a driver's own */
+/* help lines: "  --name ARG" padded to NAME_WIDTH, then the text wrapped at HELP_WIDTH columns */
+enum { NAME_WIDTH = 28, HELP_WIDTH = 118 };
 
 void exp_opts_init(exp_opts *o, const exp_driver *d)
 {
@@ -64,12 +66,16 @@ void exp_opts_init(exp_opts *o, const exp_driver *d)
 
 static const char *parse_grid(void *ptr, const char *v)
 {
-    int *g = ptr, t, h, w;
-    char end;
-    if (sscanf(v, "%dx%dx%d%c", &t, &h, &w, &end) != 3 || t < 1 || h < 1 || w < 1 || t > 4096 || h > 4096 ||
-        w > 4096)
-        return "TxHxW, three whole numbers in [1, 4096]";
-    g[0] = t, g[1] = h, g[2] = w;
+    int dims[3];
+    for (int i = 0; i < 3; i++) {
+        char *end;
+        long x = strtol(v, &end, 10);
+        if (end == v || x < 1 || x > 4096 || *end != (i < 2 ? 'x' : 0))
+            return "TxHxW, three whole numbers in [1, 4096]";
+        dims[i] = (int)x;
+        v = end + 1;
+    }
+    memcpy(ptr, dims, sizeof dims);
     return NULL;
 }
 
@@ -127,7 +133,6 @@ static void show_names(const void *ptr, char *buf, size_t len)
 
 /* ---------------------------------------------------------------- the tables */
 
-
 static int common_options(exp_opts *o, exp_opt *t)
 {
     exp_knobs *k = &o->knobs;
@@ -168,10 +173,11 @@ static int common_options(exp_opts *o, exp_opt *t)
         {EXP_DBL("--len-s", &k->len_s, "L", 0.0, DBL_MAX, "video: locality length scale in latent pixels"),
          .excl = EXP_EXCL_MIN},
         {EXP_DBL("--jitter", &k->jitter, "J", 0.0, DBL_MAX, "per-token part of q and k")},
-        {EXP_LIST("--value", k->value, 3, NULL, "M,B,N", -DBL_MAX, DBL_MAX, "value model: DC, block/field and noise scales")},
+        {EXP_LIST("--value", k->value, 3, NULL, "M,B,N", -DBL_MAX, DBL_MAX,
+                  "value model: DC, block/field and noise scales")},
         {EXP_STR("--input", &o->input, "FILE", "real Q/K/V from a safetensors file (family 'file', replaces "
                                               "--families)"),
-         .def = "none: synthetic inputs"},
+         .def = "none, synthetic inputs"},
         {EXP_CUSTOM("--names", o, "Q,K,V", parse_names, show_names, "tensor names in the --input file")},
         {EXP_CHOICE("--layout", &o->bnhd, "bhnd|bnhd", "layout of 4-D tensors in the --input file")},
     };
@@ -272,7 +278,7 @@ static int list(const exp_opt *op, const char *v)
     for (;;) {
         char tok[64];
         size_t l = strcspn(s, ",");
-        if (n == op->len || l >= sizeof tok)
+        if (n == op->len || n == (int)(sizeof x / sizeof x[0]) || l >= sizeof tok)
             return -1;
         memcpy(tok, s, l);
         tok[l] = 0;
@@ -349,7 +355,11 @@ static void show(const exp_opt *op, char *buf, size_t len)
     }
     switch (op->kind) {
     case EXP_OPT_FLAG: snprintf(buf, len, "%s", *(const int *)op->ptr ? "on" : "off"); break;
-    case EXP_OPT_STR: snprintf(buf, len, "%s", *(const char *const *)op->ptr ? *(const char *const *)op->ptr : "none"); break;
+    case EXP_OPT_STR: {
+        const char *v = *(const char *const *)op->ptr;
+        snprintf(buf, len, "%s", v ? v : "none");
+        break;
+    }
     case EXP_OPT_OUT: snprintf(buf, len, "none"); break;
     case EXP_OPT_INT: snprintf(buf, len, "%d", *(const int *)op->ptr); break;
     case EXP_OPT_I64: snprintf(buf, len, "%lld", (long long)*(const int64_t *)op->ptr); break;
@@ -376,10 +386,22 @@ static void show(const exp_opt *op, char *buf, size_t len)
 static void usage_lines(FILE *out, const exp_opt *t, int n)
 {
     for (int i = 0; i < n; i++) {
-        char head[64], def[512];
+        char head[64], def[512], text[1024];
         snprintf(head, sizeof head, "%s%s%s", t[i].name, t[i].arg ? " " : "", t[i].arg ? t[i].arg : "");
         show(&t[i], def, sizeof def);
-        fprintf(out, "  %-24s %s (default: %s)\n", head, t[i].help, def);
+        snprintf(text, sizeof text, "%s (default: %s)", t[i].help, def);
+        fprintf(out, "  %-*s", NAME_WIDTH, head);
+        int col = NAME_WIDTH + 2;
+        for (char *w = strtok(text, " "); w; w = strtok(NULL, " ")) {
+            int len = (int)strlen(w);
+            if (col + 1 + len > HELP_WIDTH) {
+                fprintf(out, "\n%*s", NAME_WIDTH + 2, "");
+                col = NAME_WIDTH + 2;
+            }
+            fprintf(out, " %s", w);
+            col += 1 + len;
+        }
+        fputc('\n', out);
     }
 }
 
@@ -395,7 +417,7 @@ void exp_usage(FILE *out, exp_opts *o)
     }
     fprintf(out, "common options (synthetic families: experiments/README.md):\n");
     usage_lines(out, t + d->nown, n - d->nown);
-    fprintf(out, "  %-24s %s\n", "--help", "this text");
+    fprintf(out, "  %-*s %s\n", NAME_WIDTH, "--help", "this text");
     if (d->ignores)
         fprintf(out, "%s accepts but does not use %s (so one argument list serves every driver)\n", d->name,
                 d->ignores);

@@ -97,7 +97,8 @@ static const char *parse_hybrid(void *ptr, const char *list)
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         double k, p;
         char end;
-        if (h->n == 16 || sscanf(tok, "%lf:%lf%c", &k, &p, &end) != 2 || !(k >= 0.0 && k <= 1.0 && p >= 0.0 && p <= 1.0))
+        if (h->n == 16 || sscanf(tok, "%lf:%lf%c", &k, &p, &end) != 2 || !(k >= 0.0 && k <= 1.0) ||
+            !(p >= 0.0 && p <= 1.0))
             return "up to 16 k:p pairs separated by commas, with k and p in [0, 1]";
         h->kp[2 * h->n] = k;
         h->kp[2 * h->n + 1] = p;
