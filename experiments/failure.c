@@ -6,7 +6,8 @@
  * Part 2, per query-block row of each input family: kept block count, kept
  * pooled mass and the row's relative L1 output error, for the paper's arms
  * (Top-k 0.05, Top-p 0.4, hybrid 0.03/0.2) and for the three rules at equal
- * sparsity (as in Table 1). --rows-csv writes every row; --csv the summary. */
+ * sparsity (as in Table 1: --topk, --hybrid-k). --rows-csv writes every row;
+ * --csv the summary. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
