@@ -154,6 +154,11 @@ typedef struct {
     float *o_ref;      /* dense output, host f32 [B,H,N,D] */
     float *o_sparse;   /* last sparse output, host f32 */
     double ref_l1;     /* sum |o_ref| */
+    /* per query-block row [rows], filled by exp_row_stats for the current mask: kept blocks, kept pooled mass,
+     * rel. L1 of the row's output, and the row's sum |o_ref| */
+    int32_t *row_count;
+    float *row_mass;
+    double *row_err, *row_ref_l1;
 } exp_session;
 
 /* ref_backend: NULL or "" -> dense on `backend` itself; otherwise a separate
@@ -198,62 +203,161 @@ extern const exp_rule exp_paper_arms[EXP_RULES];
  * calibrated to the same kept count. Returns 0 / -1. */
 int exp_equal_sparsity_rules(exp_session *s, double topk, double hybrid_k, exp_rule out[EXP_RULES]);
 
-/* Per query-block row: kept blocks, kept pooled mass, rel. L1 of the row's output. */
-int exp_row_stats(exp_session *s, int32_t *counts, float *mass, double *row_err);
+/* Fills the session's per-row statistics (row_count, row_mass, row_err, row_ref_l1) for its mask. Returns 0 / -1. */
+int exp_row_stats(exp_session *s);
 
-/* ---------------------------------------------------------------- output */
+/* ---------------------------------------------------------------- command line */
 
-/* Common command-line options of all drivers. */
+/* An option is a row of a table: its name, what its value is, where the value goes and a line of help. Every
+ * driver takes the common options (exp_parse adds them) and declares its own in a table of the same rows. */
+typedef enum {
+    EXP_OPT_FLAG,   /* int: set to 1; takes no value */
+    EXP_OPT_STR,    /* const char *: the value itself */
+    EXP_OPT_OUT,    /* FILE *: a path, opened for writing once every other value is good; closed by exp_main */
+    EXP_OPT_INT,    /* int: a whole number in [min, max] */
+    EXP_OPT_I64,    /* int64_t: a whole number in [min, max] */
+    EXP_OPT_DBL,    /* double: a number in [min, max] (a bound is left out where excl says so) */
+    EXP_OPT_LIST,   /* double[len]: comma-separated numbers as DBL; exactly len of them, or 1..len with count */
+    EXP_OPT_CHOICE, /* int: the index of the value among choices ("a|b|c") */
+    EXP_OPT_CUSTOM  /* anything: parse() reads the value, show() prints it */
+} exp_opt_kind;
+
+enum { EXP_EXCL_MIN = 1, EXP_EXCL_MAX = 2 };
+
+typedef struct exp_opt {
+    const char *name; /* "--stride" */
+    exp_opt_kind kind;
+    void *ptr;
+    const char *arg;  /* the value's name in the help ("S"); for a CHOICE, its choices */
+    const char *help;
+    double min, max;  /* numbers: the accepted range */
+    int excl;         /* EXP_EXCL_MIN, EXP_EXCL_MAX: the bound itself is refused */
+    int len;          /* LIST: the most values */
+    int *count;       /* LIST: how many were given (NULL: exactly len) */
+    const char *none; /* LIST with a count: the word that gives no values ("none"), or NULL */
+    const char *def;  /* the default as the help shows it, where the value itself does not say it */
+    const char *header; /* OUT: the first line written once it is open (a CSV header) */
+    /* CUSTOM: read value into ptr, returning NULL or what the value should be ("TxHxW, three whole numbers");
+     * show writes the current value for the help. */
+    const char *(*parse)(void *ptr, const char *value);
+    void (*show)(const void *ptr, char *buf, size_t len);
+} exp_opt;
+
+/* Rows of an option table (designated initializers, so a row may add fields: {EXP_DBL(...), .excl = ...}). */
+#define EXP_FLAG(n, p, h) .name = (n), .kind = EXP_OPT_FLAG, .ptr = (p), .help = (h)
+#define EXP_STR(n, p, a, h) .name = (n), .kind = EXP_OPT_STR, .ptr = (p), .arg = (a), .help = (h)
+#define EXP_OUT(n, p, h) .name = (n), .kind = EXP_OPT_OUT, .ptr = (p), .arg = "PATH", .help = (h)
+#define EXP_NUMBER_(k, n, p, a, lo, hi, h)                                                                            \
+    .name = (n), .kind = (k), .ptr = (p), .arg = (a), .min = (lo), .max = (hi), .help = (h)
+#define EXP_INT(n, p, a, lo, hi, h) EXP_NUMBER_(EXP_OPT_INT, n, p, a, lo, hi, h)
+#define EXP_I64(n, p, a, lo, hi, h) EXP_NUMBER_(EXP_OPT_I64, n, p, a, lo, hi, h)
+#define EXP_DBL(n, p, a, lo, hi, h) EXP_NUMBER_(EXP_OPT_DBL, n, p, a, lo, hi, h)
+#define EXP_LIST(n, p, length, cnt, a, lo, hi, h)                                                                    \
+    EXP_NUMBER_(EXP_OPT_LIST, n, p, a, lo, hi, h), .len = (length), .count = (cnt)
+#define EXP_CHOICE(n, p, choices, h) .name = (n), .kind = EXP_OPT_CHOICE, .ptr = (p), .arg = (choices), .help = (h)
+#define EXP_CUSTOM(n, p, a, parser, shower, h)                                                                       \
+    .name = (n), .kind = EXP_OPT_CUSTOM, .ptr = (p), .arg = (a), .parse = (parser), .show = (shower), .help = (h)
+#define EXP_COUNT(table) ((int)(sizeof(table) / sizeof((table)[0])))
+
+/* The family knobs, one value for every family they apply to (experiments/README.md, "Input families"). */
+typedef struct {
+    int64_t seed, heads, dim, tokens; /* tokens: uniform and sink */
+    int grid[3];                      /* video: T, H, W */
+    int block_q, block_k;
+    double tau[2];       /* uniform: min, max */
+    double focus[2];     /* uniform: share of hub rows, their mass on the hub */
+    double sink_mass[2]; /* sink and video: min, max */
+    int sink_blocks;     /* sink */
+    int video_sinks;     /* video */
+    double sink_value;   /* sink and video */
+    double sharpness, len_seq, len_t, len_s, jitter;
+    double value[3];     /* DC, block/field, noise */
+} exp_knobs;
+
+/* The common options, and what follows from them. */
 typedef struct {
     const char *backend;     /* --backend (default "cpu") */
-    const char *ref_backend; /* --ref (default: same backend) */
-    sparge_dtype dtype;      /* --dtype f32|f16|bf16 */
-    const char *csv, *md;    /* --csv PATH, --md PATH */
+    const char *ref_backend; /* --ref (default: the same backend) */
+    int dtype;               /* --dtype f32|f16|bf16: a sparge_dtype */
+    FILE *csv, *md;          /* --csv PATH, --md PATH (md is stdout without --md) */
     const char *input;       /* --input FILE.safetensors */
     const char *names[3];    /* --names q,k,v */
-    int bnhd;                /* --layout bnhd */
+    char names_buf[256];
+    int bnhd;                /* --layout bhnd|bnhd */
     int quiet;               /* --quiet */
     int seeds;               /* --seeds N (repetitions with seed, seed+1, ...) */
-    exp_gen_params gen[3];   /* per family, defaults + overrides */
+    double topk, hybrid_k;   /* --topk, --hybrid-k: the rules at equal sparsity, for drivers that compare them */
+    exp_knobs knobs;
     int families[3];         /* --families (default uniform,sink,video); --input replaces them by EXP_FILE */
     int nfamilies;
+    exp_gen_params gen[3];   /* per family: its defaults with the knobs applied (by exp_parse) */
+    const struct exp_driver *driver;
 } exp_opts;
 
-void exp_opts_init(exp_opts *o);
-/* Try to consume argv[*i] (and its value). Returns 1 if consumed, 0 if not
- * a common option, -1 on a bad value (message printed). */
-int exp_opts_parse(exp_opts *o, int argc, char **argv, int *i);
-/* Help text of the common options. */
-void exp_opts_usage(FILE *out);
+/* One input of the driver loop: family o->families[fi], seed index si, with its session open on --backend. */
+typedef struct {
+    int index; /* inputs started so far */
+    int fi, si;
+    exp_family family;
+    exp_gen_params g;
+    exp_qkv x;
+    exp_session s;
+    exp_rule equal[EXP_RULES]; /* the rules at equal sparsity, where the driver asks for them */
+    int open;
+} exp_input;
+
+/* A driver: its name (messages, help, the progress tag without "exp_"), what it does (the help's first lines), the
+ * common options it accepts but does not use (so that one argument list serves every driver), its own options, its
+ * changes to the common defaults, and its work: run once the outputs are open, each for every input (families times
+ * seeds, unless it ignores --seeds), done after the last. Each returns 0, or the exit status after a message. A
+ * driver with equal set takes --topk and --hybrid-k, and every input comes with its rules at equal sparsity. */
+typedef struct exp_driver {
+    const char *name;
+    const char *about;
+    const char *ignores; /* e.g. "--ref --seeds", or NULL */
+    const exp_opt *own;
+    int nown;
+    const char *csv_header; /* the first line of --csv */
+    const char *md_header;  /* Markdown before the first input: the head of the table the inputs add rows to */
+    int nfamilies;  /* the default --families: the first n of uniform,sink,video (0: all three) */
+    int64_t tokens; /* the default --tokens (0: the generators') */
+    int equal;      /* compares the rules at equal sparsity */
+    int (*run)(exp_opts *o);
+    int (*each)(exp_opts *o, exp_input *in);
+    int (*done)(exp_opts *o);
+} exp_driver;
+
+/* The common defaults with d's changes. */
+void exp_opts_init(exp_opts *o, const exp_driver *d);
+/* Reads argv[1..] against the common options and the driver's: every name first (an unknown one, a missing value,
+ * or --help / -h ends it there), then the values, then the outputs are opened. Returns 0; 1 for --help; -1 with a
+ * message naming the option in err. */
+int exp_parse(exp_opts *o, int argc, char **argv, char *err, size_t err_len);
+/* The driver's help: what it does, then every option (its own first) with its current value as the default. */
+void exp_usage(FILE *out, exp_opts *o);
+/* A driver's whole main: options, outputs, run, the inputs, done. Returns the exit status: 0; 2 for a bad command
+ * line; 1 or what the driver returned after an error. */
+int exp_main(const exp_driver *d, int argc, char **argv);
+
 /* The input of family f: Q/K/V loaded from o->input for EXP_FILE, otherwise generated from o->gen[f] with its seed
  * advanced by seed_offset. *g receives the parameters (for a file, the uniform family's: they give the block sizes).
  * Returns 0, or -1 with a message printed. */
 int exp_family_input(const exp_opts *o, exp_family f, uint64_t seed_offset, exp_gen_params *g, exp_qkv *x);
 
-/* Comma-separated family names ("uniform,sink,video"; not "file") into fam[0..max-1]. Returns the count, or -1
- * after printing a message for an unknown name. */
-int exp_parse_families(const char *list, int *fam, int max);
-/* Comma-separated numbers (atof) into values[0..max-1]. Returns the count. */
-int exp_parse_numbers(const char *list, double *values, int max);
+/* ---------------------------------------------------------------- output */
 
-/* Progress to stderr ("[table1] uniform seed 1: Top-p calibrated ..."), unless quiet. */
-void exp_progress(const exp_opts *o, const char *tag, const char *fmt, ...)
+/* Progress to stderr ("[table1] uniform N=32768 seed 1: ..."), unless --quiet. */
+void exp_progress(const exp_opts *o, const char *fmt, ...)
 #if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
+    __attribute__((format(printf, 2, 3)))
 #endif
     ;
-/* fopen for writing, creating nothing on NULL path; prints an error on failure. */
-FILE *exp_open_out(const char *path);
-/* The Markdown output: path opened as by exp_open_out, or stdout for a NULL path. */
-FILE *exp_open_md(const char *path);
-/* Closes an output of exp_open_out or exp_open_md; nothing for NULL or stdout. */
-void exp_close_out(FILE *f);
 /* Seconds of wall clock (monotonic). */
 double exp_now(void);
 /* Prints "what: sparge message" and returns -1 when s != OK. */
 int exp_check(sparge_status s, const char *what);
 /* Formats a message into err (when err_len > 0) and returns -1: the error path of the functions that report into
- * their caller's buffer (safetensors, trainer). */
+ * their caller's buffer (safetensors, trainer, the option parser). */
 int exp_fail(char *err, size_t err_len, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))

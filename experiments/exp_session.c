@@ -85,9 +85,9 @@ void exp_session_close(exp_session *s)
         sparge_mask_destroy(s->mask);
         sparge_device_close(s->dev);
     }
-    free(s->map_host);
-    free(s->o_ref);
-    free(s->o_sparse);
+    void *host[] = {s->map_host, s->o_ref, s->o_sparse, s->row_count, s->row_mass, s->row_err, s->row_ref_l1};
+    for (int i = 0; i < 7; i++)
+        free(host[i]);
     memset(s, 0, sizeof *s);
 }
 
@@ -108,7 +108,12 @@ int exp_session_open(exp_session *s, const char *backend, const char *ref_backen
     s->map_host = malloc(sizeof(float) * (size_t)(s->rows * s->Nkb));
     s->o_ref = malloc(n * sizeof(float));
     s->o_sparse = malloc(n * sizeof(float));
-    if (!s->map_host || !s->o_ref || !s->o_sparse) {
+    s->row_count = malloc(sizeof(int32_t) * (size_t)s->rows);
+    s->row_mass = malloc(sizeof(float) * (size_t)s->rows);
+    s->row_err = malloc(sizeof(double) * (size_t)s->rows);
+    s->row_ref_l1 = malloc(sizeof(double) * (size_t)s->rows);
+    if (!s->map_host || !s->o_ref || !s->o_sparse || !s->row_count || !s->row_mass || !s->row_err ||
+        !s->row_ref_l1) {
         fprintf(stderr, "exp_session_open: out of host memory\n");
         exp_session_close(s);
         return -1;
@@ -233,25 +238,24 @@ int64_t exp_calibrate_p(exp_session *s, double k, int64_t target_kept, double *p
     return exp_select(s, k, p) == kept ? kept : -1;
 }
 
-int exp_row_stats(exp_session *s, int32_t *counts, float *mass, double *row_err)
+int exp_row_stats(exp_session *s)
 {
     sparge_mask_stats st;
-    if ((counts && exp_check(sparge_mask_get_csr(s->mask, counts, NULL, NULL, NULL), "sparge_mask_get_csr")) ||
-        (mass && exp_check(sparge_mask_get_stats(s->mask, &st, NULL, mass), "sparge_mask_get_stats")))
+    if (exp_check(sparge_mask_get_csr(s->mask, s->row_count, NULL, NULL, NULL), "sparge_mask_get_csr") ||
+        exp_check(sparge_mask_get_stats(s->mask, &st, NULL, s->row_mass), "sparge_mask_get_stats"))
         return -1;
-    if (row_err) {
-        const exp_qkv *x = s->x;
-        for (int64_t bh = 0; bh < x->B * x->H; bh++)
-            for (int64_t i = 0; i < s->Nqb; i++) {
-                int64_t t0 = i * s->block_q, t1 = t0 + s->block_q < x->N ? t0 + s->block_q : x->N;
-                double num = 0.0, den = 0.0;
-                for (int64_t e = (bh * x->N + t0) * x->D; e < (bh * x->N + t1) * x->D; e++) {
-                    num += fabs((double)s->o_sparse[e] - (double)s->o_ref[e]);
-                    den += fabs((double)s->o_ref[e]);
-                }
-                row_err[bh * s->Nqb + i] = num / den;
+    const exp_qkv *x = s->x;
+    for (int64_t bh = 0; bh < x->B * x->H; bh++)
+        for (int64_t i = 0; i < s->Nqb; i++) {
+            int64_t t0 = i * s->block_q, t1 = t0 + s->block_q < x->N ? t0 + s->block_q : x->N;
+            double num = 0.0, den = 0.0;
+            for (int64_t e = (bh * x->N + t0) * x->D; e < (bh * x->N + t1) * x->D; e++) {
+                num += fabs((double)s->o_sparse[e] - (double)s->o_ref[e]);
+                den += fabs((double)s->o_ref[e]);
             }
-    }
+            s->row_err[bh * s->Nqb + i] = num / den;
+            s->row_ref_l1[bh * s->Nqb + i] = den;
+        }
     return 0;
 }
 

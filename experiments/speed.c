@@ -7,25 +7,12 @@
  * the sparsity is exact) and, with --hybrid, the paper's hybrid masks, whose
  * rows keep uneven counts; inputs come from one synthetic family (--family,
  * default uniform; video gives the hybrid k = 0.03, p = 0.2 about 94.5 %). */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "exp.h"
-
-static void usage(void)
-{
-    fputs("usage: exp_speed [--batch B] [--heads H] [--tokens N] [--dim D] [--sparsities s1,s2,...|none]\n"
-          "                 [--hybrid k:p,...] [--family uniform|sink|video] [--reps R] [--warmup W]\n"
-          "                 [--backward] [--export-masks PREFIX] [options]\n"
-          "  defaults: B=1 H=2 N=4096 D=64, sparsities 0,0.5,0.75,0.9,0.95,0.97,0.98, reps 10, warmup 2\n"
-          "  --hybrid k:p,...        also time hybrid masks (Top-k ∪ Top-p) with these parameters\n"
-          "  --family NAME           synthetic inputs of that family (default uniform; see --grid for video)\n"
-          "  --export-masks PREFIX  write each level's mask as PREFIX-sNN.NN.{json,u8} (the format of\n"
-          "                         `sparge bench --export-mask`, read by experiments/peers/peer_bench.py)\n",
-          stderr);
-    exp_opts_usage(stderr);
-}
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -95,89 +82,72 @@ static int time_ops(bench *b, int op_a, int op_b, int warmup, int reps, double *
     return rc;
 }
 
-/* "k:p,k:p,..." into pairs; returns their count, or -1 (with a message) on a malformed entry. */
-static int parse_hybrid(const char *list, double *pairs, int max)
+/* --hybrid: up to 16 (k, p) pairs. */
+typedef struct {
+    double kp[2 * 16];
+    int n;
+} hybrid_list;
+
+static const char *parse_hybrid(void *ptr, const char *list)
 {
+    hybrid_list *h = ptr;
     char buf[512];
     snprintf(buf, sizeof buf, "%s", list);
-    int n = 0;
+    h->n = 0;
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         double k, p;
         char end;
-        if (n == max || sscanf(tok, "%lf:%lf%c", &k, &p, &end) != 2 || !(k >= 0.0 && k <= 1.0 && p >= 0.0 && p <= 1.0)) {
-            fprintf(stderr, "exp_speed: --hybrid wants up to %d k:p pairs with k, p in [0, 1], not '%s'\n", max, tok);
-            return -1;
-        }
-        pairs[2 * n] = k;
-        pairs[2 * n + 1] = p;
-        n++;
+        if (h->n == 16 || sscanf(tok, "%lf:%lf%c", &k, &p, &end) != 2 || !(k >= 0.0 && k <= 1.0) ||
+            !(p >= 0.0 && p <= 1.0))
+            return "up to 16 k:p pairs separated by commas, with k and p in [0, 1]";
+        h->kp[2 * h->n] = k;
+        h->kp[2 * h->n + 1] = p;
+        h->n++;
     }
-    return n;
+    return h->n ? NULL : "up to 16 k:p pairs separated by commas, with k and p in [0, 1]";
 }
 
-int main(int argc, char **argv)
+static void show_hybrid(const void *ptr, char *buf, size_t len)
 {
-    exp_opts o;
-    exp_opts_init(&o);
-    o.gen[EXP_UNIFORM].N = 4096;
-    double sp[32] = {0.0, 0.5, 0.75, 0.9, 0.95, 0.97, 0.98}, hyb[2 * 16], paper_speedup = 16.2;
-    int nsp = 7, nhyb = 0, reps = 10, warmup = 2, backward = 0, family = EXP_UNIFORM;
-    const char *export_prefix = NULL;
-    int64_t batch = 1;
-    for (int i = 1; i < argc; i++) {
-        int r = exp_opts_parse(&o, argc, argv, &i);
-        if (r < 0)
-            return 2;
-        if (r)
-            continue;
-        if (!strcmp(argv[i], "--sparsities") && i + 1 < argc)
-            nsp = strcmp(argv[++i], "none") ? exp_parse_numbers(argv[i], sp, 32) : 0;
-        else if (!strcmp(argv[i], "--hybrid") && i + 1 < argc) {
-            if ((nhyb = parse_hybrid(argv[++i], hyb, 16)) < 0)
-                return 2;
-        } else if (!strcmp(argv[i], "--family") && i + 1 < argc) {
-            if ((family = exp_family_parse(argv[++i])) < 0 || family == EXP_FILE) {
-                fprintf(stderr, "exp_speed: --family must be uniform, sink or video\n");
-                return 2;
-            }
-        }
-        else if (!strcmp(argv[i], "--reps") && i + 1 < argc)
-            reps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--warmup") && i + 1 < argc)
-            warmup = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
-            batch = atoll(argv[++i]);
-        else if (!strcmp(argv[i], "--paper-speedup") && i + 1 < argc)
-            paper_speedup = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--backward"))
-            backward = 1;
-        else if (!strcmp(argv[i], "--export-masks") && i + 1 < argc)
-            export_prefix = argv[++i];
-        else {
-            usage();
-            return strcmp(argv[i], "--help") ? 2 : 0;
-        }
-    }
-    if (reps < 1 || warmup < 0 || batch < 1 || nsp + nhyb == 0) {
-        usage();
+    const hybrid_list *h = ptr;
+    snprintf(buf, len, "%s", h->n ? "" : "none");
+    for (int i = 0; i < h->n; i++)
+        snprintf(buf + strlen(buf), len - strlen(buf), "%s%g:%g", i ? "," : "", h->kp[2 * i], h->kp[2 * i + 1]);
+}
+
+static double sp[32] = {0.0, 0.5, 0.75, 0.9, 0.95, 0.97, 0.98}, paper_speedup = 16.2;
+static int nsp = 7, reps = 10, warmup = 2, backward = 0, family = EXP_UNIFORM;
+static hybrid_list hybrid;
+static const char *export_prefix;
+static int64_t batch = 1;
+
+static const char csv_header[] =
+    "backend,device,dtype,B,H,N,D,target_sparsity,sparsity,token_density,mask_ms,fwd_ms,total_ms,dense_ms,speedup_fwd,"
+    "speedup_total,dense_equiv_tflops,effective_tflops,bwd_ms,dense_bwd_ms,speedup_bwd,rule,topk,topp,min_row_blocks,"
+    "max_row_blocks\n";
+
+static int run(exp_opts *o)
+{
+    if (nsp + hybrid.n == 0) {
+        fprintf(stderr, "exp_speed: nothing to time: --sparsities none needs --hybrid\n");
         return 2;
     }
-    exp_gen_params *g = &o.gen[family];
-    g->B = batch;
+    int nhyb = hybrid.n;
+    const double *hyb = hybrid.kp;
+    o->gen[family].B = batch;
     exp_qkv x;
-    if (o.input ? exp_load_qkv(o.input, o.names, o.bnhd, &x) : exp_generate(g, &x))
+    exp_gen_params g;
+    if (exp_family_input(o, o->input ? EXP_FILE : (exp_family)family, 0, &g, &x))
         return 1;
-    FILE *csv = exp_open_out(o.csv), *md = exp_open_md(o.md);
-    if ((o.csv && !csv) || !md)
-        return 1;
+    FILE *csv = o->csv, *md = o->md;
     bench b = {0};
-    if (exp_check(sparge_device_open(o.backend, &b.dev), "sparge_device_open"))
+    if (exp_check(sparge_device_open(o->backend, &b.dev), "sparge_device_open"))
         return 1;
-    size_t n = (size_t)(x.B * x.H * x.N * x.D), es = sparge_dtype_size(o.dtype);
+    size_t n = (size_t)(x.B * x.H * x.N * x.D), es = sparge_dtype_size(o->dtype);
     void *buf[8] = {0};
     const float *src[8] = {x.q, x.k, x.v, NULL, x.v, NULL, NULL, NULL}; /* d_o: reuse V as a fixed upstream gradient */
     int nbuf = backward ? 8 : 4;
-    uint16_t *tmp = o.dtype == SPARGE_F32 ? NULL : malloc(n * 2);
+    uint16_t *tmp = o->dtype == SPARGE_F32 ? NULL : malloc(n * 2);
     for (int i = 0; i < nbuf; i++) {
         if (exp_check(sparge_malloc(b.dev, n * es, &buf[i]), "sparge_malloc"))
             return 1;
@@ -185,7 +155,7 @@ int main(int argc, char **argv)
             const void *h = src[i];
             if (tmp) {
                 for (size_t e = 0; e < n; e++)
-                    tmp[e] = o.dtype == SPARGE_F16 ? sparge_f32_to_f16(src[i][e]) : sparge_f32_to_bf16(src[i][e]);
+                    tmp[e] = o->dtype == SPARGE_F16 ? sparge_f32_to_f16(src[i][e]) : sparge_f32_to_bf16(src[i][e]);
                 h = tmp;
             }
             if (exp_check(sparge_memcpy_to_device(b.dev, buf[i], h, n * es), "sparge_memcpy_to_device"))
@@ -195,33 +165,29 @@ int main(int argc, char **argv)
     free(tmp);
     sparge_tensor *views[8] = {&b.q, &b.k, &b.v, &b.o, &b.d_o, &b.dq, &b.dk, &b.dv};
     for (int i = 0; i < nbuf; i++)
-        *views[i] = sparge_tensor_bhnd(buf[i], o.dtype, x.B, x.H, x.N, x.D);
+        *views[i] = sparge_tensor_bhnd(buf[i], o->dtype, x.B, x.H, x.N, x.D);
     void *lse = NULL;
     if (exp_check(sparge_malloc(b.dev, (size_t)(x.B * x.H * x.N) * sizeof(float), &lse), "sparge_malloc") ||
-        exp_check(sparge_mask_create(b.dev, x.B, x.H, x.N, x.N, g->block_q, g->block_k, &b.mask), "sparge_mask_create"))
+        exp_check(sparge_mask_create(b.dev, x.B, x.H, x.N, x.N, g.block_q, g.block_k, &b.mask), "sparge_mask_create"))
         return 1;
     b.lse = lse;
     double flops = 4.0 * (double)x.B * (double)x.H * (double)x.N * (double)x.N * (double)x.D;
-    exp_progress(&o, "speed", "%s on %s (%s), B=%lld H=%lld N=%lld D=%lld %s, median of %d after %d warm-up",
+    exp_progress(o, "%s on %s (%s), B=%lld H=%lld N=%lld D=%lld %s, median of %d after %d warm-up",
                  x.label, sparge_device_name(b.dev), sparge_device_description(b.dev), (long long)x.B, (long long)x.H,
-                 (long long)x.N, (long long)x.D, sparge_dtype_name(o.dtype), reps, warmup);
+                 (long long)x.N, (long long)x.D, sparge_dtype_name(o->dtype), reps, warmup);
     /* a first dense measurement for the header; each sparsity level re-times dense alternately with sparse */
     double t_dense, t_dense_bwd = -1.0;
     if (time_ops(&b, OP_DENSE, -1, warmup, reps, &t_dense, NULL) ||
         (backward && time_ops(&b, OP_DENSE_BWD, -1, warmup, reps, &t_dense_bwd, NULL)))
         return 1;
-    exp_progress(&o, "speed", "  dense forward %.3f ms (%.3f TFLOP/s)", t_dense, flops / t_dense * 1e-9);
-    if (csv)
-        fprintf(csv, "backend,device,dtype,B,H,N,D,target_sparsity,sparsity,token_density,mask_ms,fwd_ms,total_ms,"
-                     "dense_ms,speedup_fwd,speedup_total,dense_equiv_tflops,effective_tflops,bwd_ms,dense_bwd_ms,"
-                     "speedup_bwd,rule,topk,topp,min_row_blocks,max_row_blocks\n");
+    exp_progress(o, "  dense forward %.3f ms (%.3f TFLOP/s)", t_dense, flops / t_dense * 1e-9);
     fprintf(md, "Device: %s (%s). Shape B=%lld H=%lld N=%lld D=%lld, %s, blocks %dx%d. Median of %d runs after %d "
                 "warm-up; timer: sparge_timer_start/stop. Each sparse forward is timed alternately with a dense "
                 "forward (mask NULL) and compared with that dense median, so a shared machine's drifting load "
                 "cancels in the ratio."
                 "\n\nDense forward, first measurement: %.3f ms (%.3f TFLOP/s).\n\n",
             sparge_device_name(b.dev), sparge_device_description(b.dev), (long long)x.B, (long long)x.H,
-            (long long)x.N, (long long)x.D, sparge_dtype_name(o.dtype), g->block_q, g->block_k, reps, warmup, t_dense,
+            (long long)x.N, (long long)x.D, sparge_dtype_name(o->dtype), g.block_q, g.block_k, reps, warmup, t_dense,
             flops / t_dense * 1e-9);
     if (backward)
         fprintf(md, "Dense backward: %.3f ms.\n\n", t_dense_bwd);
@@ -230,7 +196,7 @@ int main(int argc, char **argv)
                 "| effective TFLOP/s |%s\n|---|---|---|---|---|---|---|---|---|---|---|---|%s\n",
             backward ? " backward ms | speedup (backward) |" : "", backward ? "---|---|" : "");
     double speedup_at_95 = NAN;
-    int64_t nkb = (x.N + g->block_k - 1) / g->block_k, last_count = -1;
+    int64_t nkb = (x.N + g.block_k - 1) / g.block_k, last_count = -1;
     for (int i = 0; i < nsp + nhyb; i++) {
         double topk, topp = 0.0, target = -1.0; /* target: the Top-k level's sparsity, -1 for hybrid masks */
         char rule[64], prefix[1024];
@@ -249,7 +215,7 @@ int main(int argc, char **argv)
             topp = hyb[2 * (i - nsp) + 1];
             snprintf(rule, sizeof rule, "hybrid k=%g p=%g", topk, topp);
         }
-        b.mp = (sparge_mask_params){g->block_q, g->block_k, topk, topp, 0.0f};
+        b.mp = (sparge_mask_params){g.block_q, g.block_k, topk, topp, 0.0f};
         sparge_mask_stats st;
         double t_mask, t_fwd, t_bwd = -1.0;
         if (time_ops(&b, OP_MASK, -1, warmup, reps, &t_mask, NULL) ||
@@ -262,7 +228,7 @@ int main(int argc, char **argv)
                 snprintf(prefix, sizeof prefix, "%s-s%05.2f", export_prefix, 100.0 * st.sparsity);
             else
                 snprintf(prefix, sizeof prefix, "%s-k%g-p%g", export_prefix, topk, topp);
-            if (exp_check(sparge_mask_export(b.mask, prefix, x.D, o.dtype), "sparge_mask_export"))
+            if (exp_check(sparge_mask_export(b.mask, prefix, x.D, o->dtype), "sparge_mask_export"))
                 return 1;
         }
         double total = t_mask + t_fwd;
@@ -278,13 +244,13 @@ int main(int argc, char **argv)
         if (csv)
             fprintf(csv, "%s,%s,%s,%lld,%lld,%lld,%lld,%.4f,%.6f,%.6f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,"
                          "%.4f,%.4f,%s,%g,%g,%d,%d\n",
-                    sparge_device_backend(b.dev), sparge_device_name(b.dev), sparge_dtype_name(o.dtype), (long long)x.B,
+                    sparge_device_backend(b.dev), sparge_device_name(b.dev), sparge_dtype_name(o->dtype), (long long)x.B,
                     (long long)x.H, (long long)x.N, (long long)x.D, target, st.sparsity, st.token_density, t_mask, t_fwd,
                     total, t_dense, t_dense / t_fwd, t_dense / total, flops / total * 1e-9,
                     flops * (1.0 - st.sparsity) / t_fwd * 1e-9, t_bwd, t_dense_bwd,
                     backward ? t_dense_bwd / t_bwd : -1.0, i < nsp ? "topk" : "hybrid", topk, topp, st.min_row_blocks,
                     st.max_row_blocks);
-        exp_progress(&o, "speed", "  %s, sparsity %.4f: mask %.3f ms, sparse forward %.3f ms, speedup %.2fx (%.2fx with "
+        exp_progress(o, "  %s, sparsity %.4f: mask %.3f ms, sparse forward %.3f ms, speedup %.2fx (%.2fx with "
                      "mask)", rule, st.sparsity, t_mask, t_fwd, t_dense / t_fwd, t_dense / total);
     }
     if (!isnan(speedup_at_95))
@@ -297,7 +263,28 @@ int main(int argc, char **argv)
     sparge_mask_destroy(b.mask);
     sparge_device_close(b.dev);
     exp_qkv_free(&x);
-    exp_close_out(csv);
-    exp_close_out(md);
     return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const exp_opt own[] = {
+        {EXP_I64("--batch", &batch, "B", 1, 4096, "batch size")},
+        {EXP_LIST("--sparsities", sp, 32, &nsp, "S1,S2,...", 0.0, 1.0, "Top-k levels to time"), .none = "none"},
+        {EXP_CUSTOM("--hybrid", &hybrid, "K:P,...", parse_hybrid, show_hybrid,
+                    "also time hybrid masks (Top-k and Top-p) with these parameters")},
+        {EXP_CHOICE("--family", &family, "uniform|sink|video", "synthetic inputs of that family (--grid for video)")},
+        {EXP_INT("--reps", &reps, "R", 1, 1000000, "timed runs; the median is reported")},
+        {EXP_INT("--warmup", &warmup, "W", 0, 1000000, "untimed runs before them")},
+        {EXP_FLAG("--backward", &backward, "time the backward pass too")},
+        {EXP_STR("--export-masks", &export_prefix, "PREFIX",
+                 "write each level's mask as PREFIX-sNN.NN.{json,u8} (the format of `sparge bench --export-mask`, "
+                 "read by experiments/peers/peer_bench.py)")},
+        {EXP_DBL("--paper-speedup", &paper_speedup, "X", 0.0, DBL_MAX, "the paper's speedup at 95 % sparsity"),
+         .excl = EXP_EXCL_MIN},
+    };
+    static const exp_driver d = {"exp_speed", "Attention time against sparsity on one backend, device-timed medians.",
+                                 "--ref --seeds --families", own, EXP_COUNT(own), csv_header, .tokens = 4096,
+                                 .run = run};
+    return exp_main(&d, argc, argv);
 }

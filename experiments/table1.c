@@ -22,15 +22,6 @@ static double paper_value(exp_family f, int rule)
     return f == EXP_UNIFORM ? uniform[rule] : f == EXP_SINK ? skewed[rule] : NAN;
 }
 
-static void usage(void)
-{
-    fputs("usage: exp_table1 [--families uniform,sink,video] [--topk K] [--hybrid-k K] [--row LABEL] [options]\n"
-          "  --row LABEL   print one Markdown table row per family (LABEL | Top-k | Top-p | hybrid | ordering)\n"
-          "                instead of the full table (for sensitivity studies)\n",
-          stderr);
-    exp_opts_usage(stderr);
-}
-
 typedef struct {
     exp_point pt[RULES];
 } result;
@@ -53,88 +44,54 @@ static const char *ordering(const double *v, char *buf, size_t len)
     return buf;
 }
 
-int main(int argc, char **argv)
+static const char *row_label;
+/* per family and seed, in the order of the inputs */
+static result *res;
+static char label[3][96];
+static double sparsity_target[3];
+
+static const char csv_header[] =
+    "family,seed,rule,k,p,kept_blocks,sparsity,token_density,mean_row_mass,rel_l1,rel_l2,paper_rel_l1\n";
+
+static int run(exp_opts *o)
 {
-    exp_opts o;
-    exp_opts_init(&o);
-    o.nfamilies = 2; /* the paper's two cases, uniform and sink, unless --families says otherwise */
-    double topk = 0.05, hybrid_k = 0.03;
-    const char *row_label = NULL;
-    for (int i = 1; i < argc; i++) {
-        int r = exp_opts_parse(&o, argc, argv, &i);
-        if (r < 0)
-            return 2;
-        if (r)
-            continue;
-        if (!strcmp(argv[i], "--topk") && i + 1 < argc)
-            topk = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--hybrid-k") && i + 1 < argc)
-            hybrid_k = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--row") && i + 1 < argc)
-            row_label = argv[++i];
-        else {
-            usage();
-            return strcmp(argv[i], "--help") ? 2 : 0;
-        }
+    res = calloc((size_t)(o->nfamilies * o->seeds), sizeof *res);
+    return res ? 0 : 1;
+}
+
+static int each(exp_opts *o, exp_input *in)
+{
+    snprintf(label[in->fi], sizeof label[in->fi], "%s", in->x.label);
+    result *r = &res[in->fi * o->seeds + in->si];
+    for (int rule = 0; rule < RULES; rule++)
+        if (exp_measure(&in->s, in->equal[rule].k, in->equal[rule].p, &r->pt[rule]))
+            return 1;
+    sparsity_target[in->fi] = r->pt[EXP_TOPK].sparsity;
+    for (int rule = 0; rule < RULES; rule++) {
+        const exp_point *pt = &r->pt[rule];
+        exp_progress(o, "  %-6s k=%.4f p=%.4f sparsity %.4f rel.L1 %.4f", rule_name[rule], pt->k, pt->p, pt->sparsity,
+                     pt->rel_l1);
+        if (o->csv)
+            fprintf(o->csv, "%s,%llu,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.4f\n", exp_family_name(in->family),
+                    (unsigned long long)in->g.seed, rule_name[rule], pt->k, pt->p, (long long)pt->kept, pt->sparsity,
+                    pt->token_density, pt->mean_row_mass, pt->rel_l1, pt->rel_l2, paper_value(in->family, rule));
     }
-    FILE *csv = exp_open_out(o.csv), *md = exp_open_md(o.md);
-    if ((o.csv && !csv) || !md)
-        return 1;
-    if (csv)
-        fprintf(csv, "family,seed,rule,k,p,kept_blocks,sparsity,token_density,mean_row_mass,rel_l1,rel_l2,"
-                     "paper_rel_l1\n");
-    result *res = calloc((size_t)(o.nfamilies * o.seeds), sizeof *res);
-    char label[4][96];
-    double sparsity_target[4] = {0};
-    if (!res)
-        return 1;
-    for (int fi = 0; fi < o.nfamilies; fi++)
-        for (int si = 0; si < o.seeds; si++) {
-            exp_family f = (exp_family)o.families[fi];
-            exp_qkv x;
-            exp_gen_params g;
-            double t0 = exp_now();
-            if (exp_family_input(&o, f, (uint64_t)si, &g, &x))
-                return 1;
-            snprintf(label[fi], sizeof label[fi], "%s", x.label);
-            exp_session s;
-            if (exp_session_open(&s, o.backend, o.ref_backend, &x, o.dtype, g.block_q, g.block_k))
-                return 1;
-            exp_progress(&o, "table1", "%s seed %llu: dense reference on %s done (%.1fs)", x.label,
-                         (unsigned long long)g.seed, sparge_device_name(s.dev), exp_now() - t0);
-            result *r = &res[fi * o.seeds + si];
-            exp_rule rules[RULES];
-            if (exp_equal_sparsity_rules(&s, topk, hybrid_k, rules))
-                return 1;
-            for (int rule = 0; rule < RULES; rule++)
-                if (exp_measure(&s, rules[rule].k, rules[rule].p, &r->pt[rule]))
-                    return 1;
-            sparsity_target[fi] = r->pt[EXP_TOPK].sparsity;
-            for (int rule = 0; rule < RULES; rule++) {
-                const exp_point *pt = &r->pt[rule];
-                exp_progress(&o, "table1", "  %-6s k=%.4f p=%.4f sparsity %.4f rel.L1 %.4f", rule_name[rule], pt->k,
-                             pt->p, pt->sparsity, pt->rel_l1);
-                if (csv)
-                    fprintf(csv, "%s,%llu,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.4f\n", exp_family_name(f),
-                            (unsigned long long)g.seed, rule_name[rule], pt->k, pt->p, (long long)pt->kept,
-                            pt->sparsity, pt->token_density, pt->mean_row_mass, pt->rel_l1, pt->rel_l2,
-                            paper_value(f, rule));
-            }
-            exp_session_close(&s);
-            exp_qkv_free(&x);
-        }
+    return 0;
+}
+
+static int done(exp_opts *o)
+{
+    FILE *md = o->md;
     if (row_label) {
-        for (int fi = 0; fi < o.nfamilies; fi++) {
+        for (int fi = 0; fi < o->nfamilies; fi++) {
             double mean[RULES] = {0};
             char a[64];
             for (int rule = 0; rule < RULES; rule++)
-                for (int si = 0; si < o.seeds; si++)
-                    mean[rule] += res[fi * o.seeds + si].pt[rule].rel_l1 / o.seeds;
+                for (int si = 0; si < o->seeds; si++)
+                    mean[rule] += res[fi * o->seeds + si].pt[rule].rel_l1 / o->seeds;
             fprintf(md, "| %s | %s | %.2f %% | %.4f | %.4f | %.4f | %s |\n", label[fi], row_label,
                     100.0 * sparsity_target[fi], mean[0], mean[1], mean[2], ordering(mean, a, sizeof a));
         }
-        exp_close_out(csv);
-        exp_close_out(md);
         free(res);
         return 0;
     }
@@ -142,44 +99,44 @@ int main(int argc, char **argv)
     fprintf(md, "| input | rule | k | p | sparsity | kept pooled mass | rel. L1 (ours) | rel. L2 (ours) "
                 "| rel. L1 (paper) | ÷ Top-k (ours) | ÷ Top-k (paper) |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int fi = 0; fi < o.nfamilies; fi++)
+    for (int fi = 0; fi < o->nfamilies; fi++)
         for (int rule = 0; rule < RULES; rule++) {
             double l1 = 0.0, l2 = 0.0, lo = INFINITY, hi = -INFINITY, sp = 0.0, mass = 0.0, k = 0.0, p = 0.0;
             double l1_topk = 0.0;
-            for (int si = 0; si < o.seeds; si++) {
-                const exp_point *pt = &res[fi * o.seeds + si].pt[rule];
-                l1 += pt->rel_l1 / o.seeds;
-                l2 += pt->rel_l2 / o.seeds;
-                sp += pt->sparsity / o.seeds;
-                mass += pt->mean_row_mass / o.seeds;
-                k += pt->k / o.seeds;
-                p += pt->p / o.seeds;
+            for (int si = 0; si < o->seeds; si++) {
+                const exp_point *pt = &res[fi * o->seeds + si].pt[rule];
+                l1 += pt->rel_l1 / o->seeds;
+                l2 += pt->rel_l2 / o->seeds;
+                sp += pt->sparsity / o->seeds;
+                mass += pt->mean_row_mass / o->seeds;
+                k += pt->k / o->seeds;
+                p += pt->p / o->seeds;
                 lo = pt->rel_l1 < lo ? pt->rel_l1 : lo;
                 hi = pt->rel_l1 > hi ? pt->rel_l1 : hi;
-                l1_topk += res[fi * o.seeds + si].pt[EXP_TOPK].rel_l1 / o.seeds;
+                l1_topk += res[fi * o->seeds + si].pt[EXP_TOPK].rel_l1 / o->seeds;
             }
-            double paper = paper_value((exp_family)o.families[fi], rule);
+            double paper = paper_value((exp_family)o->families[fi], rule);
             char pbuf[16] = "—", pratio[16] = "—", spread[48] = "";
             if (!isnan(paper)) {
                 snprintf(pbuf, sizeof pbuf, "%.4f", paper);
-                snprintf(pratio, sizeof pratio, "%.3f", paper / paper_value((exp_family)o.families[fi], EXP_TOPK));
+                snprintf(pratio, sizeof pratio, "%.3f", paper / paper_value((exp_family)o->families[fi], EXP_TOPK));
             }
-            if (o.seeds > 1)
+            if (o->seeds > 1)
                 snprintf(spread, sizeof spread, " (%.4f–%.4f)", lo, hi);
             fprintf(md, "| %s | %s | %.4f | %.4f | %.2f %% | %.3f | %.4f%s | %.4f | %s | %.3f | %s |\n", label[fi],
                     rule_name[rule], k, p, 100.0 * sp, mass, l1, spread, l2, pbuf, l1 / l1_topk, pratio);
         }
     fprintf(md, "\nOrderings by mean rel. L1 (lower is better):\n\n");
-    for (int fi = 0; fi < o.nfamilies; fi++) {
+    for (int fi = 0; fi < o->nfamilies; fi++) {
         double ours[RULES] = {0}, paper[RULES];
         int wins[RULES] = {0};
         for (int rule = 0; rule < RULES; rule++) {
-            for (int si = 0; si < o.seeds; si++)
-                ours[rule] += res[fi * o.seeds + si].pt[rule].rel_l1 / o.seeds;
-            paper[rule] = paper_value((exp_family)o.families[fi], rule);
+            for (int si = 0; si < o->seeds; si++)
+                ours[rule] += res[fi * o->seeds + si].pt[rule].rel_l1 / o->seeds;
+            paper[rule] = paper_value((exp_family)o->families[fi], rule);
         }
-        for (int si = 0; si < o.seeds; si++) {
-            const result *r = &res[fi * o.seeds + si];
+        for (int si = 0; si < o->seeds; si++) {
+            const result *r = &res[fi * o->seeds + si];
             int best = 0;
             for (int rule = 1; rule < RULES; rule++)
                 best = r->pt[rule].rel_l1 < r->pt[best].rel_l1 ? rule : best;
@@ -190,10 +147,22 @@ int main(int argc, char **argv)
                 ordering(ours, a, sizeof a));
         if (!isnan(paper[0]))
             fprintf(md, "; paper %s", ordering(paper, b, sizeof b));
-        fprintf(md, " (best per seed: Top-k %d, Top-p %d, hybrid %d of %d)\n", wins[0], wins[1], wins[2], o.seeds);
+        fprintf(md, " (best per seed: Top-k %d, Top-p %d, hybrid %d of %d)\n", wins[0], wins[1], wins[2], o->seeds);
     }
-    exp_close_out(csv);
-    exp_close_out(md);
     free(res);
     return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static const exp_opt own[] = {
+        {EXP_STR("--row", &row_label, "LABEL",
+                 "one Markdown row per family (LABEL | Top-k | Top-p | hybrid | ordering) instead of the table "
+                 "(sensitivity studies)")},
+    };
+    static const exp_driver d = {"exp_table1", "Relative L1 error of Top-k, Top-p and hybrid at equal sparsity.", NULL,
+                                 own, EXP_COUNT(own), csv_header,
+                                 .nfamilies = 2, /* the paper's cases, uniform and sink */
+                                 .equal = 1, .run = run, .each = each, .done = done};
+    return exp_main(&d, argc, argv);
 }

@@ -1,6 +1,7 @@
 /* Tests of the experiment helpers (experiments/exp.h): the input generators'
  * statistics, the calibration to equal sparsity, the safetensors reader and
- * writer, and the error decomposition the drivers report. */
+ * writer, the error decomposition the drivers report, and the drivers' option
+ * parser and input loop. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -469,6 +470,282 @@ static void test_load_qkv(void **state)
     exp_qkv_free(&x);
 }
 
+/* ---------------------------------------------------------------- the drivers' command line */
+
+/* A driver with an option of every kind; reset() restores their defaults between tests. */
+static int t_int, t_flag, t_choice, t_count;
+static int64_t t_i64;
+static double t_dbl, t_list[4];
+static const char *t_str;
+static FILE *t_out;
+
+static const exp_opt test_own[] = {
+    {EXP_INT("--int", &t_int, "N", -3, 3, "a small int")},
+    {EXP_I64("--i64", &t_i64, "N", 0, 1e12, "a large int")},
+    {EXP_DBL("--dbl", &t_dbl, "X", 0.0, 1.0, "a fraction above 0"), .excl = EXP_EXCL_MIN},
+    {EXP_LIST("--list", t_list, 4, &t_count, "A,B,...", -1.0, 1.0, "up to four numbers"), .none = "none"},
+    {EXP_CHOICE("--choice", &t_choice, "red|green|blue", "a colour")},
+    {EXP_FLAG("--flag", &t_flag, "a flag")},
+    {EXP_STR("--str", &t_str, "S", "a string")},
+    {EXP_OUT("--out", &t_out, "an output with a header"), .header = "a,b\n"},
+};
+
+static const exp_driver test_driver = {"exp_test", "Option parser tests.", "--ref --csv", test_own,
+                                       EXP_COUNT(test_own), "x,y\n", .equal = 1};
+
+static void reset(exp_opts *o, const exp_driver *d)
+{
+    t_int = 1, t_flag = 0, t_choice = 2, t_count = 1;
+    t_i64 = 5;
+    t_dbl = 0.5;
+    t_list[0] = 0.25;
+    t_str = NULL;
+    t_out = NULL;
+    exp_opts_init(o, d);
+}
+
+/* exp_parse on a command line given as one string of words separated by single spaces. */
+static int parse_line(exp_opts *o, const char *line, char *err, size_t err_len)
+{
+    static char buf[1024];
+    char *argv[64] = {"exp_test"};
+    int argc = 1;
+    snprintf(buf, sizeof buf, "%s", line);
+    for (char *w = strtok(buf, " "); w && argc < 63; w = strtok(NULL, " "))
+        argv[argc++] = w;
+    err[0] = 0;
+    return exp_parse(o, argc, argv, err, err_len);
+}
+
+static void test_parse_values(void **state)
+{
+    (void)state;
+    exp_opts o;
+    char err[512];
+    reset(&o, &test_driver);
+    assert_int_equal(parse_line(&o, "--int -3 --i64 1e12 --dbl 1 --list -1,0.5,1 --choice green --flag --str hi "
+                                    "--dtype bf16 --seed 7 --tokens 1000 --grid 2x3x4 --focus 0,0.5 --families video,sink "
+                                    "--names a,b,c --layout bnhd --topk 0.1 --hybrid-k 0 --ref ignored",
+                                err, sizeof err),
+                     0);
+    assert_int_equal(t_int, -3);
+    assert_true(t_i64 == 1000000000000LL);
+    assert_true(t_dbl == 1.0);
+    assert_int_equal(t_count, 3);
+    assert_true(t_list[0] == -1.0 && t_list[1] == 0.5 && t_list[2] == 1.0);
+    assert_int_equal(t_choice, 1);
+    assert_int_equal(t_flag, 1);
+    assert_string_equal(t_str, "hi");
+    assert_int_equal(o.dtype, SPARGE_BF16);
+    assert_true(o.topk == 0.1 && o.hybrid_k == 0.0);
+    assert_int_equal(o.bnhd, 1);
+    assert_string_equal(o.names[0], "a");
+    assert_string_equal(o.names[2], "c");
+    assert_int_equal(o.nfamilies, 2);
+    assert_int_equal(o.families[0], EXP_VIDEO);
+    assert_int_equal(o.families[1], EXP_SINK);
+    /* the knobs reach every family they apply to */
+    for (int f = 0; f < 3; f++)
+        assert_true(o.gen[f].seed == 7);
+    assert_true(o.gen[EXP_UNIFORM].N == 1000 && o.gen[EXP_SINK].N == 1000 && o.gen[EXP_VIDEO].N == 24);
+    assert_int_equal(o.gen[EXP_UNIFORM].sink_blocks, 0); /* no hub rows */
+    assert_true(o.md == stdout);
+    assert_null(t_out);
+
+    /* a list may be emptied by its word; --input replaces the families whatever the order */
+    reset(&o, &test_driver);
+    assert_int_equal(parse_line(&o, "--input x.safetensors --list none --families uniform", err, sizeof err), 0);
+    assert_int_equal(t_count, 0);
+    assert_int_equal(o.nfamilies, 1);
+    assert_int_equal(o.families[0], EXP_FILE);
+
+    /* nothing given: the defaults, those of the generators included */
+    reset(&o, &test_driver);
+    assert_int_equal(parse_line(&o, "", err, sizeof err), 0);
+    exp_gen_params g;
+    for (int f = 0; f < 3; f++) {
+        exp_gen_defaults((exp_family)f, &g);
+        assert_memory_equal(&g, &o.gen[f], sizeof g);
+    }
+    assert_int_equal(t_int, 1);
+    assert_int_equal(o.nfamilies, 3);
+}
+
+/* Every bad value is refused with a message that names its option; nothing is clamped. */
+static void test_parse_refused(void **state)
+{
+    (void)state;
+    static const char *const bad[][2] = {
+        {"--tokens -5", "--tokens"},        {"--tokens 1e99", "--tokens"},    {"--seeds foo", "--seeds"},
+        {"--seeds 0", "--seeds"},           {"--heads 2.5", "--heads"},       {"--int 4", "--int"},
+        {"--int 0x", "--int"},              {"--i64 1e13", "--i64"},          {"--dbl 0", "--dbl"},
+        {"--dbl nan", "--dbl"},             {"--dbl inf", "--dbl"},           {"--list 0.5,2", "--list"},
+        {"--list 1,1,1,1,1", "--list"},     {"--list 1,,2", "--list"},        {"--value 1,2", "--value"},
+        {"--choice purple", "--choice"},    {"--dtype f64", "--dtype"},       {"--grid 2x3", "--grid"},
+        {"--grid 2x3x0", "--grid"},         {"--families uniform,x", "--families"}, {"--names a,b", "--names"},
+        {"--tau 0.5,0.1", "--tau"},         {"--focus 0.5,1", "--focus"},     {"--sink-mass 0,0.5", "--sink-mass"},
+        {"--topk 0", "--topk"},             {"--len-s 0", "--len-s"},         {"--bogus", "'--bogus'"},
+        {"stray", "'stray'"},               {"--int 1 --tokens", "--tokens needs a value"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        exp_opts o;
+        char err[512];
+        reset(&o, &test_driver);
+        assert_int_equal(parse_line(&o, bad[i][0], err, sizeof err), -1);
+        if (!strstr(err, bad[i][1]) || !strstr(err, "exp_test"))
+            fail_msg("'%s': message '%s' does not name %s", bad[i][0], err, bad[i][1]);
+    }
+    /* --topk and --hybrid-k belong to drivers that compare the rules at equal sparsity */
+    exp_driver plain = test_driver;
+    plain.equal = 0;
+    exp_opts o;
+    char err[512];
+    reset(&o, &plain);
+    assert_int_equal(parse_line(&o, "--topk 0.1", err, sizeof err), -1);
+    assert_non_null(strstr(err, "unknown option '--topk'"));
+}
+
+/* --help stops at once: the defaults it shows are untouched by values before it. */
+static void test_parse_help(void **state)
+{
+    (void)state;
+    exp_opts o;
+    char err[512];
+    reset(&o, &test_driver);
+    assert_int_equal(parse_line(&o, "--tokens 5 --int 3 --help --bogus", err, sizeof err), 1);
+    assert_int_equal(t_int, 1);
+    assert_true(o.knobs.tokens == 32768);
+    reset(&o, &test_driver);
+    assert_int_equal(parse_line(&o, "-h", err, sizeof err), 1);
+}
+
+/* The help lists every option, the driver's and the common ones, each with its default. */
+static void test_usage(void **state)
+{
+    (void)state;
+    exp_opts o;
+    reset(&o, &test_driver);
+    FILE *f = tmpfile();
+    assert_non_null(f);
+    exp_usage(f, &o);
+    long len = ftell(f);
+    char *text = calloc((size_t)len + 1, 1);
+    assert_non_null(text);
+    rewind(f);
+    assert_int_equal(fread(text, 1, (size_t)len, f), (size_t)len);
+    fclose(f);
+    static const char *const names[] = {
+        "--int",      "--i64",       "--dbl",         "--list",      "--choice",  "--flag",   "--str",
+        "--out",      "--backend",   "--ref",         "--dtype",     "--csv",     "--md",     "--seed",
+        "--seeds",    "--quiet",     "--families",    "--heads",     "--dim",     "--tokens", "--grid",
+        "--block-q",  "--block-k",   "--tau",         "--focus",     "--sink-mass", "--sink-blocks",
+        "--sink-value", "--video-sinks", "--sharpness", "--len-seq", "--len-t",   "--len-s",  "--jitter",
+        "--value",    "--input",     "--names",       "--layout",    "--topk",    "--hybrid-k"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        char key[64];
+        snprintf(key, sizeof key, "\n  %s ", names[i]);
+        const char *at = strstr(text, key);
+        if (!at)
+            fail_msg("%s is not in the help", names[i]);
+        const char *next = strstr(at + 1, "\n  --"), *def = strstr(at, "(default: ");
+        if (!def || (next && def > next))
+            fail_msg("%s has no default in the help", names[i]);
+    }
+    /* the defaults are the values */
+    static const char *const shown[] = {"(default: 1)", "(default: 0.25)", "(default: blue)", "(default: off)",
+                                        "(default: 32768)", "(default: 21x30x52)", "(default: 0.3,0.8)",
+                                        "(default: q,k,v)", "(default: uniform,sink,video)", "(default: 0.05)"};
+    for (size_t i = 0; i < sizeof shown / sizeof shown[0]; i++)
+        if (!strstr(text, shown[i]))
+            fail_msg("the help does not show %s", shown[i]);
+    assert_non_null(strstr(text, "exp_test accepts but does not use --ref --csv"));
+    free(text);
+}
+
+/* Outputs open once the command line is good, with their header; an ignored one is not created. */
+static void test_parse_outputs(void **state)
+{
+    (void)state;
+    exp_opts o;
+    char err[512], line[1024], out[256], csv[256];
+    snprintf(out, sizeof out, "%s", tmp_path("out"));
+    snprintf(csv, sizeof csv, "%s", tmp_path("csv"));
+    unlink(csv);
+    reset(&o, &test_driver);
+    snprintf(line, sizeof line, "--out %s --csv %s --int 9", out, csv);
+    unlink(out);
+    assert_int_equal(parse_line(&o, line, err, sizeof err), -1);
+    assert_int_equal(access(out, F_OK), -1); /* refused before anything was created */
+    reset(&o, &test_driver);
+    snprintf(line, sizeof line, "--out %s --csv %s", out, csv);
+    assert_int_equal(parse_line(&o, line, err, sizeof err), 0);
+    assert_non_null(t_out);
+    assert_null(o.csv);
+    fclose(t_out);
+    FILE *f = fopen(out, "r");
+    assert_non_null(f);
+    char got[16] = {0};
+    assert_non_null(fgets(got, sizeof got, f));
+    assert_string_equal(got, "a,b\n");
+    fclose(f);
+    assert_int_equal(access(csv, F_OK), -1);
+    unlink(out);
+    reset(&o, &test_driver);
+    assert_int_equal(parse_line(&o, "--out /nonexistent-dir/x.csv", err, sizeof err), -1);
+    assert_non_null(strstr(err, "--out"));
+}
+
+/* exp_main's loop: every family times every seed, in order, with the session open and the rules at equal sparsity
+ * computed; a driver that ignores --seeds sees one seed per family. */
+static int seen[8][4], nseen;
+
+static int record_input(exp_opts *o, exp_input *in)
+{
+    assert_true(nseen < 8);
+    assert_true(in->s.rows > 0 && in->x.N == 256);
+    assert_true(in->equal[EXP_HYBRID].k == o->hybrid_k && in->equal[EXP_TOPK].k > 0.0);
+    seen[nseen][0] = in->fi;
+    seen[nseen][1] = in->si;
+    seen[nseen][2] = in->family;
+    seen[nseen][3] = (int)in->g.seed;
+    nseen++;
+    return 0;
+}
+
+static int fail_third(exp_opts *o, exp_input *in)
+{
+    (void)o;
+    (void)in;
+    return ++nseen == 3 ? 7 : 0;
+}
+
+static void test_driver_loop(void **state)
+{
+    (void)state;
+    char *argv[] = {"exp_test", "--quiet", "--tokens", "256", "--heads", "1", "--families", "sink,uniform",
+                    "--seed", "4", "--seeds", "2"};
+    int argc = (int)(sizeof argv / sizeof argv[0]);
+    exp_driver d = {"exp_test", "Loop test.", NULL, NULL, 0, NULL, .equal = 1, .each = record_input};
+    nseen = 0;
+    assert_int_equal(exp_main(&d, argc, argv), 0);
+    assert_int_equal(nseen, 4);
+    static const int want[4][4] = {{0, 0, EXP_SINK, 4}, {0, 1, EXP_SINK, 5}, {1, 0, EXP_UNIFORM, 4},
+                                   {1, 1, EXP_UNIFORM, 5}};
+    assert_memory_equal(seen, want, sizeof want);
+    d.ignores = "--seeds";
+    nseen = 0;
+    assert_int_equal(exp_main(&d, argc, argv), 0);
+    assert_int_equal(nseen, 2);
+    /* the first status other than 0 ends the loop and is the exit status */
+    d.each = fail_third;
+    d.ignores = NULL;
+    nseen = 0;
+    assert_int_equal(exp_main(&d, argc, argv), 7);
+    assert_int_equal(nseen, 3);
+    char *bad[] = {"exp_test", "--seeds", "-1"};
+    assert_int_equal(exp_main(&d, 3, bad), 2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -483,6 +760,12 @@ int main(void)
         cmocka_unit_test(test_safetensors_roundtrip),
         cmocka_unit_test(test_safetensors_handmade),
         cmocka_unit_test(test_load_qkv),
+        cmocka_unit_test(test_parse_values),
+        cmocka_unit_test(test_parse_refused),
+        cmocka_unit_test(test_parse_help),
+        cmocka_unit_test(test_usage),
+        cmocka_unit_test(test_parse_outputs),
+        cmocka_unit_test(test_driver_loop),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,4 +1,4 @@
-/* sparge-train: train the tiny video DiT of issue 8 (README.md beside this file).
+/* sparge-train: train the tiny video DiT (README.md beside this file).
  *   sparge-train [CONFIG.cfg] [key=value ...]
  * Arguments apply in order (a config file, then key=value overrides). mode=eval prints one CSV
  * row of held-out metrics of init= (README.md, "Evaluation") instead of training. */

@@ -502,74 +502,57 @@ void linear_backward(tr_ops *o, float *din, float *dw, float *db, const float *d
     }
 }
 
-void layernorm_forward(tr_ops *o, float *xhat, float *rstd, const float *x, int rows, int d)
+/* An op of the "other" part that is one kernel: kernel<<<grid, block>>>(args...), unless an earlier call failed. */
+template <typename... P, typename... A> void launch(tr_ops *o, void (*kernel)(P...), dim3 grid, dim3 block, A... args)
 {
     mark(o, TR_PART_OTHER);
     if (self(o)->failed)
         return;
-    layernorm_forward_kernel<<<(rows + 7) / 8, 256>>>(xhat, rstd, x, rows, d);
+    kernel<<<grid, block>>>(args...);
     LAUNCHED(self(o));
+}
+
+void layernorm_forward(tr_ops *o, float *xhat, float *rstd, const float *x, int rows, int d)
+{
+    launch(o, layernorm_forward_kernel, (rows + 7) / 8, 256, xhat, rstd, x, rows, d);
 }
 
 void layernorm_backward(tr_ops *o, float *dx, const float *dxhat, const float *xhat, const float *rstd, int rows,
                         int d)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    layernorm_backward_kernel<<<(rows + 7) / 8, 256>>>(dx, dxhat, xhat, rstd, rows, d);
-    LAUNCHED(self(o));
+    launch(o, layernorm_backward_kernel, (rows + 7) / 8, 256, dx, dxhat, xhat, rstd, rows, d);
 }
 
 void modulate_forward(tr_ops *o, float *h, const float *xhat, const float *shift, const float *scale, int ms, int B,
                       int N, int d)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
     size_t total = (size_t)B * N * d;
-    modulate_forward_kernel<<<blocks_for(total), THREADS>>>(h, xhat, shift, scale, ms, N, d, total);
-    LAUNCHED(self(o));
+    launch(o, modulate_forward_kernel, blocks_for(total), THREADS, h, xhat, shift, scale, ms, N, d, total);
 }
 
 void modulate_backward(tr_ops *o, float *dxhat, float *dshift, float *dscale, const float *dh, const float *xhat,
                        const float *scale, int ms, int B, int N, int d)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    token_sums_kernel<<<dim3((d + 31) / 32, B), dim3(32, 32)>>>(dxhat, dshift, dscale, dh, xhat, scale, 1.0f, ms, N,
-                                                                 d);
-    LAUNCHED(self(o));
+    launch(o, token_sums_kernel, dim3((d + 31) / 32, B), dim3(32, 32), dxhat, dshift, dscale, dh, xhat, scale, 1.0f,
+           ms, N, d);
 }
 
 void gated_add(tr_ops *o, float *out, const float *in, const float *gate, const float *y, int ms, int B, int N, int d)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
     size_t total = (size_t)B * N * d;
-    gated_add_kernel<<<blocks_for(total), THREADS>>>(out, in, gate, y, ms, N, d, total);
-    LAUNCHED(self(o));
+    launch(o, gated_add_kernel, blocks_for(total), THREADS, out, in, gate, y, ms, N, d, total);
 }
 
 void gated_add_backward(tr_ops *o, float *dy, float *dgate, const float *dout, const float *gate, const float *y,
                         int ms, int B, int N, int d)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    token_sums_kernel<<<dim3((d + 31) / 32, B), dim3(32, 32)>>>(dy, NULL, dgate, dout, y, gate, 0.0f, ms, N, d);
-    LAUNCHED(self(o));
+    launch(o, token_sums_kernel, dim3((d + 31) / 32, B), dim3(32, 32), dy, nullptr, dgate, dout, y, gate, 0.0f, ms,
+           N, d);
 }
 
 template <unary_op F> void unary(tr_ops *o, float *out, const float *x, size_t n)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    unary_kernel<F><<<blocks_for(n), THREADS>>>(out, x, n);
-    LAUNCHED(self(o));
+    launch(o, unary_kernel<F>, blocks_for(n), THREADS, out, x, n);
 }
 
 void gelu_forward(tr_ops *o, float *out, const float *x, size_t n) { unary<GELU>(o, out, x, n); }
@@ -579,58 +562,34 @@ void silu_backward(tr_ops *o, float *g, const float *x, size_t n) { unary<SILU_G
 
 void patchify(tr_ops *o, float *tokens, const float *video, int B, int T, int H, int W, int C)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
     size_t total = (size_t)B * T * H * W * C;
-    patch_kernel<true><<<blocks_for(total), THREADS>>>(tokens, (float *)video, H, W, C, total);
-    LAUNCHED(self(o));
+    launch(o, patch_kernel<true>, blocks_for(total), THREADS, tokens, (float *)video, H, W, C, total);
 }
 
 void unpatchify(tr_ops *o, float *video, const float *tokens, int B, int T, int H, int W, int C)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
     size_t total = (size_t)B * T * H * W * C;
-    patch_kernel<false><<<blocks_for(total), THREADS>>>((float *)tokens, video, H, W, C, total);
-    LAUNCHED(self(o));
+    launch(o, patch_kernel<false>, blocks_for(total), THREADS, (float *)tokens, video, H, W, C, total);
 }
 
 void add_positional(tr_ops *o, float *x, const float *pos, int B, size_t n)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    add_positional_kernel<<<blocks_for(B * n), THREADS>>>(x, pos, n, B * n);
-    LAUNCHED(self(o));
+    launch(o, add_positional_kernel, blocks_for(B * n), THREADS, x, pos, n, B * n);
 }
 
 void timestep_embedding(tr_ops *o, float *out, const float *t, int B, int F)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    timestep_kernel<<<blocks_for((size_t)B * (F / 2)), THREADS>>>(out, t, B, F);
-    LAUNCHED(self(o));
+    launch(o, timestep_kernel, blocks_for((size_t)B * (F / 2)), THREADS, out, t, B, F);
 }
 
 void class_embedding_forward(tr_ops *o, float *c, float *cs, const float *table, const int *y, int B, int d)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    class_forward_kernel<<<blocks_for((size_t)B * d), THREADS>>>(c, cs, table, y, B, d);
-    LAUNCHED(self(o));
+    launch(o, class_forward_kernel, blocks_for((size_t)B * d), THREADS, c, cs, table, y, B, d);
 }
 
 void class_embedding_backward(tr_ops *o, float *dtable, float *dcs, const float *c, const int *y, int B, int d)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    class_backward_kernel<<<blocks_for(d), THREADS>>>(dtable, dcs, c, y, B, d);
-    LAUNCHED(self(o));
+    launch(o, class_backward_kernel, blocks_for(d), THREADS, dtable, dcs, c, y, B, d);
 }
 
 /* The two sums of reduction R into out[0..1] on the host (waits for the device); zeros on failure. */
@@ -674,39 +633,23 @@ void sum_squares(tr_ops *o, const float *x, size_t n, double *out)
 
 void scale(tr_ops *o, float *x, size_t n, float s)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    scale_kernel<<<blocks_for(n), THREADS>>>(x, n, s);
-    LAUNCHED(self(o));
+    launch(o, scale_kernel, blocks_for(n), THREADS, x, n, s);
 }
 
 void to_bf16(tr_ops *o, uint16_t *dst, const float *src, size_t n)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    to_bf16_kernel<<<blocks_for(n), THREADS>>>(dst, src, n);
-    LAUNCHED(self(o));
+    launch(o, to_bf16_kernel, blocks_for(n), THREADS, dst, src, n);
 }
 
 void from_bf16(tr_ops *o, float *dst, const uint16_t *src, size_t n)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    from_bf16_kernel<<<blocks_for(n), THREADS>>>(dst, src, n);
-    LAUNCHED(self(o));
+    launch(o, from_bf16_kernel, blocks_for(n), THREADS, dst, src, n);
 }
 
 void adamw(tr_ops *o, float *p, const float *g, float *m, float *v, size_t n, double lr, double beta1, double beta2,
            double c1, double c2, double eps, double decay)
 {
-    mark(o, TR_PART_OTHER);
-    if (self(o)->failed)
-        return;
-    adamw_kernel<<<blocks_for(n), THREADS>>>(p, g, m, v, n, lr, beta1, beta2, c1, c2, eps, decay);
-    LAUNCHED(self(o));
+    launch(o, adamw_kernel, blocks_for(n), THREADS, p, g, m, v, n, lr, beta1, beta2, c1, c2, eps, decay);
 }
 
 } // namespace

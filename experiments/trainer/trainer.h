@@ -1,4 +1,4 @@
-/* sparge-train: a tiny video DiT trained with sparge attention in the loop (issue 8).
+/* sparge-train: a tiny video DiT trained with sparge attention in the loop.
  *
  * llm.c-style plain C11: one float array holds every parameter (and its gradient and AdamW
  * moments in the same layout), one float array holds every activation the backward needs.
