@@ -163,7 +163,7 @@ int exp_session_open(exp_session *s, const char *backend, const char *ref_backen
 
 int64_t exp_select(exp_session *s, double k, double p)
 {
-    sparge_mask_params mp = {s->block_q, s->block_k, k, p, 0.0f};
+    sparge_mask_params mp = {s->block_q, s->block_k, k, p, 0.0f, 0};
     sparge_mask_stats st;
     if (exp_check(sparge_mask_select(s->dev, &s->tmap, &mp, s->mask), "sparge_mask_select") ||
         exp_check(sparge_mask_get_stats(s->mask, &st, NULL, NULL), "sparge_mask_get_stats"))

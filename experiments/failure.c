@@ -41,7 +41,7 @@ static int toy_rows(exp_opts *o)
     fprintf(md, "Toy rows (64 key blocks), selected by sparge_mask_select:\n\n"
                 "| row | rule | k | p | kept blocks | kept mass | paper |\n|---|---|---|---|---|---|---|\n");
     for (int r = 0; r < 3; r++) {
-        sparge_mask_params mp = {128, 64, toy[r].k, toy[r].p, 0.0f};
+        sparge_mask_params mp = {128, 64, toy[r].k, toy[r].p, 0.0f, 0};
         int32_t counts[2];
         float mass[2];
         sparge_mask_stats st;

@@ -215,7 +215,7 @@ static int run(exp_opts *o)
             topp = hyb[2 * (i - nsp) + 1];
             snprintf(rule, sizeof rule, "hybrid k=%g p=%g", topk, topp);
         }
-        b.mp = (sparge_mask_params){g.block_q, g.block_k, topk, topp, 0.0f};
+        b.mp = (sparge_mask_params){g.block_q, g.block_k, topk, topp, 0.0f, 0};
         sparge_mask_stats st;
         double t_mask, t_fwd, t_bwd = -1.0;
         if (time_ops(&b, OP_MASK, -1, warmup, reps, &t_mask, NULL) ||

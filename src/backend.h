@@ -23,10 +23,13 @@ typedef struct {
     int64_t sb, sh, sn, sd;
 } sparge_view;
 
-/* Device arrays of a mask (all int32 unless noted), see sparge.h. */
+/* Device arrays of a mask (all int32 unless noted), see sparge.h. Varlen: B sequences, Nq/Nk the longest one's
+ * tokens, Nqb/Nkb its blocks; seq_q/seq_k the B+1 token offsets of the sequences in the packed tensors. */
 typedef struct {
     int64_t B, H, Nq, Nk, Nqb, Nkb;
     int bq, bk;
+    int causal;
+    const int32_t *seq_q, *seq_k; /* NULL: fixed length */
     int32_t *counts;    /* [B*H*Nqb] */
     int32_t *indices;   /* [B*H*Nqb*Nkb], ascending, -1 past count */
     /* the transpose, written only by mask_transpose: */
@@ -39,13 +42,18 @@ typedef struct {
 typedef struct {
     sparge_view x;   /* input */
     int block;
-    sparge_view out; /* f32 [B,H,Nb,D] */
+    sparge_view out; /* f32 [B,H,Nb,D]; with seq, x is packed [1,H,T,D] and out [S,H,Nb_max,D], rows past a
+                      * sequence's blocks zero */
+    const int32_t *seq; /* NULL, or S+1 token offsets (device memory) */
+    int64_t n_seq;
 } sparge_pool_args;
 
 typedef struct {
-    sparge_view qbar, kbar; /* f32 */
+    sparge_view qbar, kbar; /* f32; kbar may have fewer heads (H / kbar.H query heads share one) */
     float scale;
     sparge_view map; /* f32 [B,H,Nqb,Nkb] */
+    const sparge_mask_view *layout; /* NULL: every entry; else each row's softmax runs over its allowed blocks
+                                     * (sparge_row_rule), and the other entries are 0 */
 } sparge_map_args;
 
 typedef struct {
@@ -63,11 +71,15 @@ typedef struct {
     sparge_mask_view mask;
 } sparge_predict_args;
 
+/* Attention: q [B,H,Nq,D], k/v [B,Hkv,Nk,D] with Hkv dividing H; with a varlen mask the views are packed
+ * [1,H,T,D] and the mask's seq_q/seq_k cut them; lse [B*H*Nq] ([H*Tq] varlen). causal: the dense call's flag
+ * (a mask carries its own). */
 typedef struct {
     sparge_view q, k, v, o;
-    float *lse;       /* [B*H*Nq] or NULL */
+    float *lse;       /* or NULL */
     float scale;
     int bq, bk;       /* blocking of the mask (or of the dense path) */
+    int causal;
     const sparge_mask_view *mask; /* NULL: dense */
 } sparge_fwd_args;
 
@@ -76,9 +88,36 @@ typedef struct {
     const float *lse;
     float scale;
     int bq, bk;
+    int causal;
     int deterministic;
     const sparge_mask_view *mask; /* NULL: dense; its transpose is current */
 } sparge_bwd_args;
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define SPARGE_HD __host__ __device__
+#else
+#define SPARGE_HD
+#endif
+
+/* The block rule of a query block (docs/DESIGN.md §1.12), the same in every backend: query block i of a sequence
+ * of nq query and nk key tokens may attend key blocks [0, *allowed); with causal, *d0..*d1 are its diagonal
+ * blocks (those holding key t + nk − nq of one of its queries t), which a selection always keeps (d0 > d1: none).
+ * Without causal every block is allowed and none is forced. */
+static inline SPARGE_HD void sparge_row_rule(int64_t i, int64_t nq, int64_t nk, int bq, int bk, int causal,
+                                             int64_t *allowed, int64_t *d0, int64_t *d1)
+{
+    const int64_t nkb = (nk + bk - 1) / bk;
+    if (!causal) {
+        *allowed = nkb;
+        *d0 = 1;
+        *d1 = 0;
+        return;
+    }
+    const int64_t t0 = i * bq, t1 = (t0 + bq < nq ? t0 + bq : nq) - 1, off = nk - nq;
+    *d0 = (t0 + off) / bk;
+    *d1 = (t1 + off) / bk;
+    *allowed = *d1 + 1;
+}
 
 typedef enum { SPARGE_COPY_H2D, SPARGE_COPY_D2H, SPARGE_COPY_D2D } sparge_copy_kind;
 

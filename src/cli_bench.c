@@ -343,7 +343,7 @@ int cli_bench(int argc, char **argv)
         r->mask_ms = r->fwd_ms = r->fwd_mask_ms = r->bwd_ms = r->step_ms = NAN;
         int dense = !strcmp(tok, "dense");
         c.mask = dense ? NULL : mask;
-        c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f};
+        c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f, 0};
         if (!dense && strcmp(tok, "hybrid")) {
             double target = cli_double(tok, "--sparsity", 0.0, 1.0);
             if (target == 1.0) {

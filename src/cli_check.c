@@ -96,7 +96,7 @@ static int check_one(sparge_device *dev, const check_shape *sh, sparge_dtype dt,
         s = pair_alloc(dev, all[n], dt, bnhd, sh->B, sh->H, N[n], sh->D, 100 + (uint64_t)n);
     sparge_mask *m = NULL, *rm = NULL;
     float *lse = NULL, *rlse = malloc((size_t)(sh->B * sh->H * sh->Nq) * 4);
-    sparge_mask_params mp = {sh->bq, sh->bk, 0.1, 0.5, 0.0f};
+    sparge_mask_params mp = {sh->bq, sh->bk, 0.1, 0.5, 0.0f, 0};
     int result = 1;
     *fwd_err = *bwd_err = NAN;
     *mask_rows = -1;

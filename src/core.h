@@ -35,6 +35,10 @@ struct sparge_mask {
     float *pooled_q;      /* [B,H,Nqb,D] f32 workspace, sized at first predict */
     float *pooled_k;
     int64_t pooled_d;     /* D the pooled buffers were sized for (0: none) */
+    int64_t pooled_hkv;   /* K heads pooled_k was sized for */
+    int64_t Tq, Tk;       /* tokens of the tensors: Nq, Nk, or the packed totals of a varlen mask */
+    int32_t *host_seq;    /* varlen: host copy of the token offsets, q's B+1 then k's B+1 (NULL: fixed) */
+    int32_t *dev_seq;     /* the same on the device (seq_q, seq_k of the view point into it) */
     float *map;           /* [B,H,Nqb,Nkb] f32 */
     int predicted;        /* map and row_mass hold a prediction */
     int filled;           /* the mask holds a selection */
@@ -82,6 +86,13 @@ int sparge_mul_overflows(int64_t a, int64_t b, int64_t *out);
 
 /* Ranges of k, p, block sizes and scale. */
 sparge_status sparge_check_mask_params(const sparge_mask_params *p, const char *fn);
+/* Sequence b of a mask: its query tokens [*q0, *q0 + *nq) and key tokens [*k0, *k0 + *nk) in the tensors, and the
+ * tensors' batch index *tb (b, or 0 for packed varlen tensors). */
+void sparge_mask_seq(const sparge_mask *m, int64_t b, int64_t *tb, int64_t *q0, int64_t *nq, int64_t *k0, int64_t *nk);
+
+/* q and k views against the mask's layout (batch, heads, tokens; grouped K heads dividing q's). */
+sparge_status sparge_check_tensors_for_mask(const sparge_mask *mask, const sparge_view *q, const sparge_view *k,
+                                           const char *fn);
 /* Everything sparge_mask_predict checks, and the tier that will run it; writes nothing. */
 sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                    const sparge_mask_params *params, const sparge_mask *mask, const char *fn,

@@ -9,7 +9,7 @@
 
 sparge_mask_params sparge_mask_params_default(void)
 {
-    sparge_mask_params p = {128, 64, 0.03, 0.20, 0.0f};
+    sparge_mask_params p = {128, 64, 0.03, 0.20, 0.0f, 0};
     return p;
 }
 
@@ -18,7 +18,7 @@ static void free_arrays(sparge_mask *m)
 {
     sparge_device *dev = m->dev;
     void *bufs[] = {m->v.counts, m->v.indices, m->v.t_counts, m->v.t_indices, m->v.dense, m->v.row_mass,
-                    m->pooled_q, m->pooled_k, m->map};
+                    m->pooled_q, m->pooled_k, m->map, m->dev_seq};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i])
             dev->be->free(dev->impl, bufs[i]);
@@ -28,6 +28,7 @@ static void release(sparge_mask *m)
 {
     sparge_device *dev = m->dev;
     free_arrays(m);
+    free(m->host_seq);
     mtx_destroy(&m->lock);
     free(m);
     sparge_device_release(dev);
@@ -47,34 +48,84 @@ static sparge_status alloc_array(sparge_mask *m, int64_t count, size_t elem, voi
     return m->dev->be->alloc(m->dev->impl, (size_t)bytes, out);
 }
 
-sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64_t Nq, int64_t Nk, int block_q,
-                                 int block_k, sparge_mask **out)
+/* The layout's sequences: their offsets (checked: from 0, strictly increasing, ending at the totals), the longest
+ * lengths, and causal's Nq ≤ Nk per sequence. */
+static sparge_status check_layout(const sparge_mask_layout *l, int64_t *max_q, int64_t *max_k, const char *fn)
 {
-    if (!dev || !out)
-        return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_create: %s is NULL", dev ? "out" : "device");
-    if (B <= 0 || H <= 0 || Nq <= 0 || Nk <= 0)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_create: B, H, Nq, Nk must be > 0 (got %lld, %lld, %lld, %lld)",
-                           (long long)B, (long long)H, (long long)Nq, (long long)Nk);
-    if (block_q <= 0 || block_k <= 0)
-        return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_create: block sizes must be > 0 (got bq=%d, bk=%d)",
-                           block_q, block_k);
-    if (Nq > INT32_MAX || Nk > INT32_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "sparge_mask_create: Nq and Nk must fit in int32");
-    int64_t Nqb = (Nq + block_q - 1) / block_q, Nkb = (Nk + block_k - 1) / block_k, bh, rows, cells;
+    if (l->B <= 0 || l->H <= 0 || l->Nq <= 0 || l->Nk <= 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: B, H, Nq, Nk must be > 0 (got %lld, %lld, %lld, %lld)", fn,
+                           (long long)l->B, (long long)l->H, (long long)l->Nq, (long long)l->Nk);
+    if (l->block_q <= 0 || l->block_k <= 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: block sizes must be > 0 (got bq=%d, bk=%d)", fn, l->block_q,
+                           l->block_k);
+    if (l->Nq > INT32_MAX || l->Nk > INT32_MAX)
+        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "%s: Nq and Nk must fit in int32", fn);
+    if (!l->cu_seqlens_q != !l->cu_seqlens_k)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: cu_seqlens_%s is NULL but cu_seqlens_%s is not (give both or neither)",
+                           fn, l->cu_seqlens_q ? "k" : "q", l->cu_seqlens_q ? "q" : "k");
+    *max_q = l->Nq;
+    *max_k = l->Nk;
+    if (!l->cu_seqlens_q) {
+        if (l->causal && l->Nq > l->Nk)
+            return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: causal attention needs Nq <= Nk (got Nq=%lld, Nk=%lld)", fn,
+                               (long long)l->Nq, (long long)l->Nk);
+        return SPARGE_OK;
+    }
+    const int32_t *cu[2] = {l->cu_seqlens_q, l->cu_seqlens_k};
+    const int64_t total[2] = {l->Nq, l->Nk};
+    int64_t *longest[2] = {max_q, max_k};
+    for (int t = 0; t < 2; t++) {
+        const char *which = t ? "cu_seqlens_k" : "cu_seqlens_q";
+        if (cu[t][0] != 0)
+            return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: %s[0] = %d must be 0", fn, which, cu[t][0]);
+        *longest[t] = 0;
+        for (int64_t b = 0; b < l->B; b++) {
+            if (cu[t][b + 1] <= cu[t][b])
+                return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: %s must increase strictly (entries %lld and %lld are %d, %d)",
+                                   fn, which, (long long)b, (long long)b + 1, cu[t][b], cu[t][b + 1]);
+            if (cu[t][b + 1] - cu[t][b] > *longest[t])
+                *longest[t] = cu[t][b + 1] - cu[t][b];
+        }
+        if (cu[t][l->B] != total[t])
+            return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: %s[%lld] = %d but the packed tensors hold %lld tokens", fn, which,
+                               (long long)l->B, cu[t][l->B], (long long)total[t]);
+    }
+    for (int64_t b = 0; l->causal && b < l->B; b++) {
+        const int64_t nq = cu[0][b + 1] - cu[0][b], nk = cu[1][b + 1] - cu[1][b];
+        if (nq > nk)
+            return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: causal attention needs Nq <= Nk, sequence %lld has %lld query and "
+                               "%lld key tokens", fn, (long long)b, (long long)nq, (long long)nk);
+    }
+    return SPARGE_OK;
+}
+
+sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout *l, sparge_mask **out)
+{
+    static const char fn[] = "sparge_mask_create";
+    if (!dev || !l || !out)
+        return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s is NULL", fn, !dev ? "device" : !l ? "layout" : "out");
+    int64_t Nq, Nk;
+    sparge_status s = check_layout(l, &Nq, &Nk, fn);
+    if (s)
+        return s;
+    const int64_t B = l->B, H = l->H;
+    int64_t Nqb = (Nq + l->block_q - 1) / l->block_q, Nkb = (Nk + l->block_k - 1) / l->block_k, bh, rows, cells;
     if (sparge_mul_overflows(B, H, &bh) || sparge_mul_overflows(bh, Nqb, &rows) ||
         sparge_mul_overflows(rows, Nkb, &cells) || cells > INT64_MAX / 8)
-        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "sparge_mask_create: B*H*Nqb*Nkb overflows");
+        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "%s: B*H*Nqb*Nkb overflows", fn);
     sparge_mask *m = calloc(1, sizeof *m);
     if (!m)
-        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "sparge_mask_create: out of host memory");
+        return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
     if (mtx_init(&m->lock, mtx_plain) != thrd_success) {
         free(m);
-        return SPARGE_FAIL(SPARGE_ERR_RUNTIME, "sparge_mask_create: cannot create the mask's lock");
+        return SPARGE_FAIL(SPARGE_ERR_RUNTIME, "%s: cannot create the mask's lock", fn);
     }
     m->dev = dev;
     atomic_fetch_add(&dev->refs, 1);
-    m->v = (sparge_mask_view){.B = B, .H = H, .Nq = Nq, .Nk = Nk, .Nqb = Nqb, .Nkb = Nkb, .bq = block_q, .bk = block_k};
-    sparge_status s;
+    m->v = (sparge_mask_view){.B = B, .H = H, .Nq = Nq, .Nk = Nk, .Nqb = Nqb, .Nkb = Nkb, .bq = l->block_q,
+                              .bk = l->block_k, .causal = l->causal != 0};
+    m->Tq = l->Nq;
+    m->Tk = l->Nk;
     if ((s = alloc_array(m, rows, 4, (void **)&m->v.counts)) || (s = alloc_array(m, cells, 4, (void **)&m->v.indices)) ||
         (s = alloc_array(m, bh * Nkb, 4, (void **)&m->v.t_counts)) ||
         (s = alloc_array(m, cells, 4, (void **)&m->v.t_indices)) || (s = alloc_array(m, cells, 1, (void **)&m->v.dense)) ||
@@ -82,8 +133,41 @@ sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64
         release(m);
         return s;
     }
+    if (l->cu_seqlens_q) {
+        const size_t n = (size_t)(B + 1);
+        if (!(m->host_seq = malloc(2 * n * sizeof(int32_t)))) {
+            release(m);
+            return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
+        }
+        memcpy(m->host_seq, l->cu_seqlens_q, n * sizeof(int32_t));
+        memcpy(m->host_seq + n, l->cu_seqlens_k, n * sizeof(int32_t));
+        if ((s = alloc_array(m, (int64_t)(2 * n), 4, (void **)&m->dev_seq)) ||
+            (s = dev->be->copy(dev->impl, m->dev_seq, m->host_seq, 2 * n * sizeof(int32_t), SPARGE_COPY_H2D))) {
+            release(m);
+            return s;
+        }
+        m->v.seq_q = m->dev_seq;
+        m->v.seq_k = m->dev_seq + n;
+    }
     *out = m;
     return SPARGE_OK;
+}
+
+sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64_t Nq, int64_t Nk, int block_q,
+                                 int block_k, sparge_mask **out)
+{
+    const sparge_mask_layout l = {.B = B, .H = H, .Nq = Nq, .Nk = Nk, .block_q = block_q, .block_k = block_k};
+    return sparge_mask_create_ex(dev, &l, out);
+}
+
+void sparge_mask_seq(const sparge_mask *m, int64_t b, int64_t *tb, int64_t *q0, int64_t *nq, int64_t *k0, int64_t *nk)
+{
+    if (!m->host_seq) {
+        *tb = b, *q0 = *k0 = 0, *nq = m->v.Nq, *nk = m->v.Nk;
+        return;
+    }
+    const int32_t *cq = m->host_seq, *ck = m->host_seq + m->v.B + 1;
+    *tb = 0, *q0 = cq[b], *nq = cq[b + 1] - cq[b], *k0 = ck[b], *nk = ck[b + 1] - ck[b];
 }
 
 sparge_status sparge_mask_get_shape(const sparge_mask *mask, sparge_mask_shape *out)
@@ -91,7 +175,7 @@ sparge_status sparge_mask_get_shape(const sparge_mask *mask, sparge_mask_shape *
     if (!mask || !out)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "sparge_mask_get_shape: %s is NULL", mask ? "out" : "mask");
     *out = (sparge_mask_shape){mask->v.B, mask->v.H, mask->v.Nq, mask->v.Nk, mask->v.bq, mask->v.bk, mask->v.Nqb,
-                               mask->v.Nkb};
+                               mask->v.Nkb, mask->v.causal, mask->host_seq != NULL};
     return SPARGE_OK;
 }
 
@@ -135,6 +219,23 @@ static void forget_selection(sparge_mask *m)
     m->predicted = m->filled = m->transposed = 0;
 }
 
+sparge_status sparge_check_tensors_for_mask(const sparge_mask *mask, const sparge_view *q, const sparge_view *k,
+                                           const char *fn)
+{
+    const sparge_mask_view *m = &mask->v;
+    const int64_t tb = mask->host_seq ? 1 : m->B;
+    if (q->B != tb || k->B != tb || q->H != m->H || q->N != mask->Tq || k->N != mask->Tk)
+        return SPARGE_FAIL(SPARGE_ERR_MASK,
+                           "%s: q [%lld,%lld,%lld,*] / k [%lld,*,%lld,*] do not match the mask's %s B=%lld H=%lld "
+                           "Nq=%lld Nk=%lld", fn, (long long)q->B, (long long)q->H, (long long)q->N, (long long)k->B,
+                           (long long)k->N, mask->host_seq ? "packed [1,H,Nq,*] views of" : "", (long long)tb,
+                           (long long)m->H, (long long)mask->Tq, (long long)mask->Tk);
+    if (q->H % k->H)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: k has %lld heads, which must divide q's %lld (grouped K/V heads)", fn,
+                           (long long)k->H, (long long)q->H);
+    return SPARGE_OK;
+}
+
 sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                    const sparge_mask_params *params, const sparge_mask *mask, const char *fn,
                                    sparge_view *qv, sparge_view *kv, const sparge_backend **tier)
@@ -147,11 +248,11 @@ sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, c
     if ((params->block_q && params->block_q != m->bq) || (params->block_k && params->block_k != m->bk))
         return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for blocks %dx%d but the mask was created for %dx%d", fn,
                            params->block_q, params->block_k, m->bq, m->bk);
-    if (qv->B != m->B || qv->H != m->H || qv->N != m->Nq || kv->B != m->B || kv->H != m->H || kv->N != m->Nk)
-        return SPARGE_FAIL(SPARGE_ERR_MASK,
-                           "%s: q [%lld,%lld,%lld,*] / k [%lld,%lld,%lld,*] do not match the mask's B=%lld H=%lld Nq=%lld Nk=%lld",
-                           fn, (long long)qv->B, (long long)qv->H, (long long)qv->N, (long long)kv->B, (long long)kv->H,
-                           (long long)kv->N, (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk);
+    if ((s = sparge_check_tensors_for_mask(mask, qv, kv, fn)))
+        return s;
+    if (params->causal && !m->causal)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for causal attention but the mask was created without it "
+                           "(sparge_mask_create_ex with causal = 1)", fn);
     if (kv->D != qv->D)
         return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: q has D=%lld but k has D=%lld", fn, (long long)qv->D, (long long)kv->D);
     if (kv->dtype != qv->dtype)
@@ -159,7 +260,8 @@ sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, c
                            sparge_dtype_name(kv->dtype));
     sparge_op_desc d = {.op = SPARGE_OP_MASK_PREDICT, .dtype = qv->dtype, .head_dim = qv->D, .block_q = m->bq,
                         .block_k = m->bk, .B = m->B, .H = m->H, .Nq = m->Nq, .Nk = m->Nk,
-                        .rows_aligned = sparge_rows_aligned(qv) && sparge_rows_aligned(kv)};
+                        .rows_aligned = sparge_rows_aligned(qv) && sparge_rows_aligned(kv), .kv_heads = kv->H,
+                        .causal = m->causal, .varlen = mask->host_seq != NULL};
     return sparge_pick_tier(dev, &d, fn, tier);
 }
 
@@ -168,7 +270,8 @@ sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, cons
 {
     sparge_status s;
     const sparge_mask_view *m = &mask->v;
-    if (mask->pooled_d != qv->D) {
+    const int64_t Hkv = kv->H;
+    if (mask->pooled_d != qv->D || mask->pooled_hkv != Hkv) {
         dev->be->free(dev->impl, mask->pooled_q);
         dev->be->free(dev->impl, mask->pooled_k);
         mask->pooled_q = mask->pooled_k = NULL;
@@ -176,16 +279,20 @@ sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, cons
     }
     int64_t bh = m->B * m->H;
     if ((s = ensure(mask, &mask->pooled_q, bh * m->Nqb * qv->D)) ||
-        (s = ensure(mask, &mask->pooled_k, bh * m->Nkb * qv->D)) || (s = ensure(mask, &mask->map, bh * m->Nqb * m->Nkb)))
+        (s = ensure(mask, &mask->pooled_k, m->B * Hkv * m->Nkb * qv->D)) ||
+        (s = ensure(mask, &mask->map, bh * m->Nqb * m->Nkb)))
         return s;
     mask->pooled_d = qv->D;
+    mask->pooled_hkv = Hkv;
     const int64_t D = qv->D;
+    /* K is pooled once per K head; query heads of a group share it. */
     sparge_view pq = {mask->pooled_q, SPARGE_F32, m->B, m->H, m->Nqb, D, m->H * m->Nqb * D, m->Nqb * D, D, 1};
-    sparge_view pk = {mask->pooled_k, SPARGE_F32, m->B, m->H, m->Nkb, D, m->H * m->Nkb * D, m->Nkb * D, D, 1};
+    sparge_view pk = {mask->pooled_k, SPARGE_F32, m->B, Hkv, m->Nkb, D, Hkv * m->Nkb * D, m->Nkb * D, D, 1};
     sparge_view map = {mask->map, SPARGE_F32, m->B, m->H, m->Nqb, m->Nkb, m->H * m->Nqb * m->Nkb, m->Nqb * m->Nkb, m->Nkb, 1};
     float scale = params->scale != 0.0f ? params->scale : 1.0f / sqrtf((float)D);
-    sparge_pool_args pa = {*qv, m->bq, pq}, pb = {*kv, m->bk, pk};
-    sparge_map_args ma = {pq, pk, scale, map};
+    sparge_pool_args pa = {*qv, m->bq, pq, m->seq_q, m->seq_q ? m->B : 0},
+                     pb = {*kv, m->bk, pk, m->seq_k, m->seq_k ? m->B : 0};
+    sparge_map_args ma = {pq, pk, scale, map, m->causal || m->seq_q ? &mask->v : NULL};
     forget_selection(mask);
     sparge_dev_lock(dev);
     if (be->mask_predict) {
@@ -227,7 +334,8 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
         return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: pooled_map [%lld,%lld,%lld,%lld] is not the mask's [B,H,Nqb,Nkb]", fn,
                            (long long)mv.B, (long long)mv.H, (long long)mv.N, (long long)mv.D);
     sparge_op_desc d = {.op = SPARGE_OP_MASK_SELECT, .dtype = SPARGE_F32, .B = mv.B, .H = mv.H, .Nq = mv.N,
-                        .Nk = mv.D, .rows_aligned = sparge_rows_aligned(&mv)};
+                        .Nk = mv.D, .rows_aligned = sparge_rows_aligned(&mv), .causal = mask->v.causal,
+                        .varlen = mask->host_seq != NULL};
     const sparge_backend *be;
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
@@ -250,10 +358,27 @@ sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host
     sparge_device *dev = mask->dev;
     int64_t rows = m->B * m->H * m->Nqb;
     for (int64_t r = 0; r < rows; r++) {
-        int64_t kept = 0;
-        for (int64_t j = 0; j < m->Nkb; j++)
-            kept += dense_host[r * m->Nkb + j] != 0;
-        if (!kept)
+        const int64_t b = r / (m->H * m->Nqb), i = r % m->Nqb;
+        int64_t tb, q0, nq, k0, nk, allowed, d0, d1, kept = 0;
+        sparge_mask_seq(mask, b, &tb, &q0, &nq, &k0, &nk);
+        const int64_t nqb = (nq + m->bq - 1) / m->bq;
+        if (i < nqb)
+            sparge_row_rule(i, nq, nk, m->bq, m->bk, m->causal, &allowed, &d0, &d1);
+        else
+            allowed = 0, d0 = 1, d1 = 0;
+        for (int64_t j = 0; j < m->Nkb; j++) {
+            const int keep = dense_host[r * m->Nkb + j] != 0;
+            if (keep && j >= allowed)
+                return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_set_dense: row %lld keeps block %lld, %s", (long long)r,
+                                   (long long)j, i >= nqb ? "but the row lies past its sequence's query blocks"
+                                   : m->causal ? "which lies above the causal diagonal" : "past its sequence's key blocks");
+            if (!keep && j >= d0 && j <= d1)
+                return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_set_dense: row %lld drops block %lld, one of its "
+                                   "diagonal blocks (causal rows keep %lld..%lld)", (long long)r, (long long)j,
+                                   (long long)d0, (long long)d1);
+            kept += keep;
+        }
+        if (!kept && i < nqb)
             return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_mask_set_dense: row %lld keeps no block (every row needs one)",
                                (long long)r);
     }
@@ -375,31 +500,51 @@ sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *
         free(mass);
         return s;
     }
-    sparge_mask_stats st = {.total_blocks = rows * m->Nkb, .min_row_blocks = INT32_MAX, .max_row_blocks = 0};
-    double pairs = 0.0, mass_sum = 0.0;
-    for (int64_t h = 0; h < bh; h++) {
-        int64_t head_kept = 0;
-        for (int64_t i = 0; i < m->Nqb; i++) {
-            const uint8_t *row = dense + (h * m->Nqb + i) * m->Nkb;
-            int64_t nq = i + 1 < m->Nqb ? m->bq : m->Nq - i * m->bq, kept = 0, tokens = 0;
-            for (int64_t j = 0; j < m->Nkb; j++)
+    /* Over the pairs a query may attend: causal rows stop at their diagonal, varlen rows at their sequence. */
+    sparge_mask_stats st = {.min_row_blocks = INT32_MAX, .max_row_blocks = 0};
+    double pairs = 0.0, allowed_pairs = 0.0, mass_sum = 0.0;
+    int64_t real_rows = 0;
+    for (int64_t bhi = 0; bhi < bh; bhi++) {
+        int64_t tb, q0, nq, k0, nk, head_kept = 0, head_allowed = 0;
+        sparge_mask_seq(mask, bhi / m->H, &tb, &q0, &nq, &k0, &nk);
+        const int64_t nqb = (nq + m->bq - 1) / m->bq, off = nk - nq;
+        for (int64_t i = 0; i < nqb; i++) {
+            const uint8_t *row = dense + (bhi * m->Nqb + i) * m->Nkb;
+            int64_t allowed, d0, d1, kept = 0;
+            sparge_row_rule(i, nq, nk, m->bq, m->bk, m->causal, &allowed, &d0, &d1);
+            const int64_t t0 = i * m->bq, t1 = t0 + m->bq < nq ? t0 + m->bq : nq;
+            for (int64_t j = 0; j < allowed; j++) {
+                const int64_t u0 = j * m->bk, u1 = u0 + m->bk < nk ? u0 + m->bk : nk;
+                /* (t, u) with u in the block, and u ≤ t + off on the diagonal blocks of a causal row */
+                double block_pairs = (double)(t1 - t0) * (double)(u1 - u0);
+                if (m->causal && j >= d0) {
+                    block_pairs = 0.0;
+                    for (int64_t t = t0; t < t1; t++) {
+                        const int64_t last = t + off + 1 < u1 ? t + off + 1 : u1;
+                        block_pairs += last > u0 ? (double)(last - u0) : 0.0;
+                    }
+                }
+                allowed_pairs += block_pairs;
                 if (row[j]) {
                     kept++;
-                    tokens += j + 1 < m->Nkb ? m->bk : m->Nk - j * m->bk;
+                    pairs += block_pairs;
                 }
+            }
             head_kept += kept;
-            pairs += (double)nq * (double)tokens;
-            mass_sum += mass[h * m->Nqb + i];
+            head_allowed += allowed;
+            mass_sum += mass[bhi * m->Nqb + i];
+            real_rows++;
             if (kept < st.min_row_blocks) st.min_row_blocks = (int32_t)kept;
             if (kept > st.max_row_blocks) st.max_row_blocks = (int32_t)kept;
         }
         st.kept_blocks += head_kept;
+        st.total_blocks += head_allowed;
         if (head_sparsity)
-            head_sparsity[h] = 1.0 - (double)head_kept / (double)(m->Nqb * m->Nkb);
+            head_sparsity[bhi] = 1.0 - (double)head_kept / (double)head_allowed;
     }
     st.sparsity = 1.0 - (double)st.kept_blocks / (double)st.total_blocks;
-    st.token_density = pairs / ((double)bh * (double)m->Nq * (double)m->Nk);
-    st.mean_row_mass = mass_sum / (double)rows; /* NaN for imported masks */
+    st.token_density = pairs / allowed_pairs;
+    st.mean_row_mass = mass_sum / (double)real_rows; /* NaN for imported masks */
     if (row_mass)
         memcpy(row_mass, mass, (size_t)rows * sizeof(float));
     *out = st;

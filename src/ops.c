@@ -35,7 +35,7 @@ sparge_status sparge_pool(sparge_device *dev, const sparge_tensor *x, int block,
     const sparge_backend *be;
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
-    sparge_pool_args a = {xv, block, ov};
+    sparge_pool_args a = {xv, block, ov, NULL, 0};
     sparge_dev_lock(dev);
     s = be->pool(dev->impl, &a);
     sparge_dev_unlock(dev);
@@ -54,8 +54,8 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
         return s;
     if (qv.dtype != SPARGE_F32 || kv.dtype != SPARGE_F32 || mv.dtype != SPARGE_F32)
         return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: qbar, kbar and map must be f32", fn);
-    if (kv.B != qv.B || kv.H != qv.H || kv.D != qv.D)
-        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: kbar's B, H, D must equal qbar's", fn);
+    if (kv.B != qv.B || qv.H % kv.H || kv.D != qv.D)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: kbar's B and D must equal qbar's, and its heads divide qbar's", fn);
     if (mv.B != qv.B || mv.H != qv.H || mv.N != qv.N || mv.D != kv.N)
         return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: map must be [B,H,Nqb,Nkb] = [%lld,%lld,%lld,%lld]", fn,
                            (long long)qv.B, (long long)qv.H, (long long)qv.N, (long long)kv.N);
@@ -71,7 +71,7 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
     const sparge_backend *be;
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
-    sparge_map_args a = {qv, kv, resolve_scale(scale, qv.D), mv};
+    sparge_map_args a = {qv, kv, resolve_scale(scale, qv.D), mv, NULL};
     sparge_dev_lock(dev);
     s = be->pooled_map(dev->impl, &a);
     sparge_dev_unlock(dev);
@@ -85,13 +85,7 @@ sparge_status sparge_check_mask_for(sparge_device *dev, const sparge_mask *mask,
         return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: mask lives on %s, not on %s", fn, mask->dev->name, dev->name);
     if (!mask->filled)
         return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: the mask holds no selection yet (predict, select or set it first)", fn);
-    const sparge_mask_view *m = &mask->v;
-    if (m->B != q->B || m->H != q->H || m->Nq != q->N || m->Nk != k->N)
-        return SPARGE_FAIL(SPARGE_ERR_MASK,
-                           "%s: mask was built for B=%lld H=%lld Nq=%lld Nk=%lld, tensors have B=%lld H=%lld Nq=%lld Nk=%lld",
-                           fn, (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk, (long long)q->B,
-                           (long long)q->H, (long long)q->N, (long long)k->N);
-    return SPARGE_OK;
+    return sparge_check_tensors_for_mask(mask, q, k, fn);
 }
 
 /* q [B,H,Nq,D]; every other tensor in list[] is checked against q (like-q) or k (like-k). */
@@ -109,10 +103,13 @@ static sparge_status check_attention_tensors(tensor_role *roles, int n, const ch
         if ((s = sparge_check_tensor(roles[i].t, fn, roles[i].role, roles[i].is_output, roles[i].v)))
             return s;
     const sparge_view *q = roles[0].v, *k = roles[1].v;
-    if (k->B != q->B || k->H != q->H || k->D != q->D)
-        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: k [%lld,%lld,*,%lld] does not match q's B, H, D [%lld,%lld,*,%lld]", fn,
+    if (k->B != q->B || k->D != q->D)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: k [%lld,%lld,*,%lld] does not match q's B and D [%lld,%lld,*,%lld]", fn,
                            (long long)k->B, (long long)k->H, (long long)k->D, (long long)q->B, (long long)q->H,
                            (long long)q->D);
+    if (q->H % k->H)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: k has %lld heads, which must divide q's %lld (grouped K/V heads: each "
+                           "group of H/Hkv query heads reads one K/V head)", fn, (long long)k->H, (long long)q->H);
     for (int i = 1; i < n; i++) {
         const sparge_view *v = roles[i].v, *ref = roles[i].like_k ? k : q;
         if (v->B != ref->B || v->H != ref->H || v->N != ref->N || v->D != ref->D)
@@ -129,14 +126,19 @@ static sparge_status check_attention_tensors(tensor_role *roles, int n, const ch
 
 /* The call's description for the tiers: roles[0] is q, roles[1] k. */
 static sparge_op_desc attention_desc(sparge_op op, const tensor_role *roles, int n, const sparge_mask *mask,
-                                     int deterministic)
+                                     int deterministic, int causal)
 {
     const sparge_view *q = roles[0].v, *k = roles[1].v;
     sparge_op_desc d = {.op = op, .dtype = q->dtype, .head_dim = q->D, .B = q->B, .H = q->H, .Nq = q->N, .Nk = k->N,
-                        .rows_aligned = 1, .deterministic = deterministic};
+                        .rows_aligned = 1, .deterministic = deterministic, .kv_heads = k->H, .causal = causal};
     if (mask) {
         d.block_q = mask->v.bq;
         d.block_k = mask->v.bk;
+        d.B = mask->v.B;
+        d.Nq = mask->v.Nq;
+        d.Nk = mask->v.Nk;
+        d.causal = mask->v.causal;
+        d.varlen = mask->v.seq_q != NULL;
     }
     for (int i = 0; i < n; i++)
         d.rows_aligned &= sparge_rows_aligned(roles[i].v);
@@ -164,10 +166,19 @@ static sparge_status check_forward_disjoint(const tensor_role *roles, const floa
     return sparge_check_disjoint(outs, 2, ins, 3, fn);
 }
 
-static sparge_status check_attn_params(const sparge_attn_params *p, const char *fn)
+/* Also causal: a dense call's needs Nq ≤ Nk; with a mask it may only repeat the mask's. */
+static sparge_status check_attn_params(const sparge_attn_params *p, const sparge_mask *mask, const sparge_view *q,
+                                       const sparge_view *k, const char *fn)
 {
-    if (p && !isfinite(p->scale))
+    if (!p)
+        return SPARGE_OK;
+    if (!isfinite(p->scale))
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: scale is not finite", fn);
+    if (p->causal && mask && !mask->v.causal)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for causal attention but the mask was created without it", fn);
+    if (p->causal && !mask && q->N > k->N)
+        return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: causal attention needs Nq <= Nk (got Nq=%lld, Nk=%lld)", fn,
+                           (long long)q->N, (long long)k->N);
     return SPARGE_OK;
 }
 
@@ -180,16 +191,17 @@ sparge_status sparge_attention_forward(sparge_device *dev, const sparge_tensor *
     sparge_view qv, kv, vv, ov;
     tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
     const sparge_backend *be;
-    if ((s = need_dev(dev, fn)) || (s = check_attn_params(params, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
-        (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
+    if ((s = need_dev(dev, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
+        (s = check_attn_params(params, mask, &qv, &kv, fn)) || (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
         return s;
     if ((s = check_forward_disjoint(roles, lse, fn)))
         return s;
-    sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, mask, 0);
+    const int causal = mask ? mask->v.causal : params && params->causal;
+    sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, mask, 0, causal);
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
     sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
-                         mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, mask ? &mask->v : NULL};
+                         mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, causal, mask ? &mask->v : NULL};
     sparge_dev_lock(dev);
     s = be->forward(dev->impl, &a);
     sparge_dev_unlock(dev);
@@ -208,8 +220,8 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
                            {o, "o", 0, 0, &ov},     {d_o, "d_o", 0, 0, &dov}, {dq, "dq", 0, 1, &dqv},
                            {dk, "dk", 1, 1, &dkv},  {dv, "dv", 1, 1, &dvv}};
     const sparge_backend *be;
-    if ((s = need_dev(dev, fn)) || (s = check_attn_params(params, fn)) || (s = check_attention_tensors(roles, 8, fn)) ||
-        (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
+    if ((s = need_dev(dev, fn)) || (s = check_attention_tensors(roles, 8, fn)) ||
+        (s = check_attn_params(params, mask, &qv, &kv, fn)) || (mask && (s = sparge_check_mask_for(dev, mask, &qv, &kv, fn))))
         return s;
     if (!lse)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: lse is NULL (pass the forward's LSE)", fn);
@@ -223,13 +235,14 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
         outs[i] = sparge_view_region(roles[5 + i].v, roles[5 + i].role);
     if ((s = sparge_check_disjoint(outs, 3, ins, 6, fn)))
         return s;
-    sparge_op_desc d = attention_desc(SPARGE_OP_BACKWARD, roles, 8, mask, params ? params->deterministic : 0);
+    const int causal = mask ? mask->v.causal : params && params->causal;
+    sparge_op_desc d = attention_desc(SPARGE_OP_BACKWARD, roles, 8, mask, params ? params->deterministic : 0, causal);
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
         return s;
     if (mask && (s = sparge_mask_ensure_transpose(mask))) /* queued ahead of the backward on GPUs, no wait */
         return s;
     sparge_bwd_args a = {qv, kv, vv, ov, dov, dqv, dkv, dvv, lse, resolve_scale(params ? params->scale : 0.0f, qv.D),
-                         mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, params ? params->deterministic : 0,
+                         mask ? mask->v.bq : 128, mask ? mask->v.bk : 64, causal, params ? params->deterministic : 0,
                          mask ? &mask->v : NULL};
     sparge_dev_lock(dev);
     s = be->backward(dev->impl, &a);
@@ -252,18 +265,20 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     if (!p.block_q) p.block_q = 128;
     if (!p.block_k) p.block_k = 64;
     sparge_mask *m = mask, *tmp = NULL;
-    if (!m && (s = sparge_mask_create(dev, qv.B, qv.H, qv.N, kv.N, p.block_q, p.block_k, &tmp)))
+    const sparge_mask_layout layout = {.B = qv.B, .H = qv.H, .Nq = qv.N, .Nk = kv.N, .block_q = p.block_q,
+                                       .block_k = p.block_k, .causal = p.causal};
+    if (!m && (s = sparge_mask_create_ex(dev, &layout, &tmp)))
         return s;
     if (!m)
         m = tmp;
     /* The whole call is checked before the mask or any output is written. */
     const sparge_backend *predict_tier, *forward_tier;
     sparge_view pq, pk;
-    sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, m, 0);
+    sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, m, 0, m->v.causal);
     if (!(s = sparge_check_predict(dev, q, k, &p, m, fn, &pq, &pk, &predict_tier)) &&
         !(s = sparge_pick_tier(dev, &d, fn, &forward_tier)) &&
         !(s = sparge_run_predict(dev, &pq, &pk, &p, m, predict_tier))) {
-        sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(p.scale, qv.D), m->v.bq, m->v.bk, &m->v};
+        sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(p.scale, qv.D), m->v.bq, m->v.bk, m->v.causal, &m->v};
         sparge_dev_lock(dev);
         s = forward_tier->forward(dev->impl, &a);
         sparge_dev_unlock(dev);

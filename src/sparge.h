@@ -127,9 +127,12 @@ typedef struct {
     sparge_dtype dtype;     /* of the input tensors (q, k, v, ... or pool's x); the map and selection: f32 */
     int64_t head_dim;       /* D */
     int block_q, block_k;   /* the mask's blocks; 0 for dense attention */
-    int64_t B, H, Nq, Nk;   /* sizes (pool: N in Nq; the map and selection: Nqb, Nkb in Nq, Nk) */
+    int64_t B, H, Nq, Nk;   /* sizes, H the query heads (pool: N in Nq; the map and selection: Nqb, Nkb in Nq, Nk;
+                             * varlen: sequences and the longest one's tokens) */
     int rows_aligned;       /* every row of every tensor is contiguous along D and starts 16-byte aligned */
     int deterministic;      /* backward: bitwise reproducible */
+    int64_t kv_heads;       /* attention, prediction: K's heads (0: H) */
+    int causal, varlen;     /* the mask's layout (or the dense call's causal flag) */
 } sparge_op_desc;
 
 /* SPARGE_OK if dev runs the call described by d; *tier (may be NULL) names the tier that would run it.
@@ -163,6 +166,8 @@ typedef struct {
     double topk;  /* Top-k fraction in [0,1]; 0 disables */
     double topp;  /* Top-p mass in [0,1]; 0 disables; topk = topp = 0 is invalid */
     float scale;  /* softmax scale for the pooled map; 0 → 1/sqrt(D) */
+    int causal;   /* sparge_attention without a mask: the temporary mask is block-causal (with a mask: 0 or the
+                   * mask's) */
 } sparge_mask_params;
 
 /* Paper default: hybrid k = 0.03, p = 0.20, bq = 128, bk = 64. */
@@ -173,17 +178,38 @@ sparge_mask_params sparge_mask_params_default(void);
  * a dense uint8 [B,H,Nqb,Nkb] view, the pooled map and kept pooled mass per row
  * when it was predicted, and the transpose per (b,h,j) (row stride Nqb). The
  * transpose is built on first use, once per selection, by the backward or
- * sparge_mask_get_csr, so forward-only use never pays for it. */
+ * sparge_mask_get_csr, so forward-only use never pays for it.
+ * H counts query heads: with grouped K/V heads (k and v with Hkv heads, Hkv dividing H) each query head has its
+ * own mask rows. A mask may outlive its device handle (docs/RELIABILITY.md). */
 typedef struct sparge_mask sparge_mask;
 
 sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64_t Nq, int64_t Nk,
                                  int block_q, int block_k, sparge_mask **out);
+
+/* The layout of a mask beyond sparge_mask_create's (docs/DESIGN.md §1.12): block-causal attention, and batches of
+ * variable-length sequences packed along N (flash-attn's varlen convention). */
+typedef struct {
+    int64_t B;           /* batch; with cu_seqlens: the number of sequences */
+    int64_t H;           /* query heads */
+    int64_t Nq, Nk;      /* tokens per sequence; with cu_seqlens: the packed totals (cu_seqlens_q[B], _k[B]) */
+    int block_q, block_k;
+    int causal;          /* keys after a query's diagonal (bottom-right aligned: key u ≤ t + Nk − Nq) are never
+                          * attended; Nq ≤ Nk per sequence */
+    const int32_t *cu_seqlens_q, *cu_seqlens_k; /* NULL, or host arrays of B+1 strictly increasing token offsets
+                                                 * from 0: sequence b is tokens [cu[b], cu[b+1]) of the packed
+                                                 * tensors ([1, H, Nq, D] views); copied by the call */
+} sparge_mask_layout;
+sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout *layout, sparge_mask **out);
 void sparge_mask_destroy(sparge_mask *mask);
 
+/* A varlen mask's arrays are laid out as B sequences of the longest one's blocks: Nq, Nk below are the longest
+ * sequence's tokens, Nqb, Nkb its blocks; rows and columns past a shorter sequence's blocks hold nothing (count 0,
+ * dense 0). */
 typedef struct {
     int64_t B, H, Nq, Nk;
     int block_q, block_k;
     int64_t Nqb, Nkb;
+    int causal, varlen;
 } sparge_mask_shape;
 sparge_status sparge_mask_get_shape(const sparge_mask *mask, sparge_mask_shape *out);
 
@@ -198,7 +224,8 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
                                  const sparge_mask_params *params, sparge_mask *mask);
 
 /* Set the mask from a host dense uint8 [B,H,Nqb,Nkb] (nonzero = keep). Every
- * row must keep at least one block. Row masses become NaN. */
+ * row must keep at least one block; a causal mask's rows must keep their diagonal blocks and nothing above them,
+ * a varlen mask's nothing past a sequence's blocks. Row masses become NaN. */
 sparge_status sparge_mask_set_dense(sparge_mask *mask, const uint8_t *dense_host);
 
 /* Copies to host. Any output may be NULL. counts: [B,H,Nqb]; indices: [B,H,Nqb,Nkb]
@@ -216,14 +243,16 @@ sparge_status sparge_mask_get_pooled_map(const sparge_mask *mask, float *map_hos
 sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, int64_t head_dim, sparge_dtype dtype);
 
 typedef struct {
-    int64_t kept_blocks, total_blocks;
+    int64_t kept_blocks, total_blocks; /* total: the block pairs a query may attend (causal: on or below the
+                                        * diagonal; varlen: within each sequence) */
     double sparsity;       /* 1 − kept/total block pairs */
-    double token_density;  /* kept (query token, key token) pairs / all pairs */
+    double token_density;  /* kept (query token, key token) pairs / the pairs a query may attend */
     double mean_row_mass;  /* mean kept pooled mass per row (NaN if not predicted) */
     int32_t min_row_blocks, max_row_blocks;
 } sparge_mask_stats;
 
-/* Overall statistics; head_sparsity [B*H] and row_mass [B*H*Nqb] optional. Synchronizes. */
+/* Overall statistics; head_sparsity [B*H] (per sequence and head for varlen) and row_mass [B*H*Nqb] optional.
+ * Synchronizes. */
 sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *out,
                                     double *head_sparsity, float *row_mass);
 
@@ -240,15 +269,18 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
 typedef struct {
     float scale;       /* 0 → 1/sqrt(D) */
     int deterministic; /* backward: bitwise reproducible (no atomics) */
+    int causal;        /* dense (mask NULL): block-causal attention; with a mask: 0 or the mask's */
 } sparge_attn_params;
 
-/* O, LSE of block-sparse attention (dense if mask is NULL). q [B,H,Nq,D],
- * k/v [B,H,Nk,D], o like q, lse [B*H*Nq] f32 contiguous (may be NULL). */
+/* O, LSE of block-sparse attention (dense if mask is NULL). q [B,H,Nq,D], k/v [B,Hkv,Nk,D] with Hkv dividing H
+ * (query head h reads K/V head h / (H/Hkv)), o like q, lse [B*H*Nq] f32 contiguous (may be NULL). With a varlen
+ * mask q, k, v, o are packed [1,H,Nq,D] / [1,Hkv,Nk,D] views and lse is [H, Nq] (query head, packed token). */
 sparge_status sparge_attention_forward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                        const sparge_tensor *v, const sparge_mask *mask,
                                        const sparge_attn_params *params, sparge_tensor *o, float *lse);
 
-/* dQ, dK, dV of the forward with the mask held fixed. lse must come from the forward.
+/* dQ, dK, dV of the forward with the mask held fixed. lse must come from the forward. dk, dv have K's heads:
+ * with grouped heads each sums its query heads' contributions (in a fixed order when deterministic).
  * The first backward of a selection also builds the mask's transpose (queued
  * on the device's stream like the rest). */
 sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,

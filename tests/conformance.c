@@ -1170,7 +1170,7 @@ static void test_grad_finite_differences(void **state)
                     double l[2];
                     for (int side = 0; side < 2; side++) {
                         x[t][i] = saved + (side ? -h : h);
-                        sparge_ref_head_forward(x[0], x[1], x[2], Nq, Nk, D, scale, bq, bk, keep, oo, ll);
+                        sparge_ref_head_forward(x[0], x[1], x[2], Nq, Nk, D, scale, bq, bk, 0, keep, (Nk + bk - 1) / bk, oo, ll);
                         l[side] = 0.0;
                         for (int64_t e = 0; e < n_q; e++)
                             l[side] += x[3][e] * oo[e];

@@ -167,7 +167,7 @@ static void test_forward_bad_input(void **state)
     sparge_tensor huge = sparge_tensor_bhnd(q, SPARGE_F32, (int64_t)1 << 40, (int64_t)1 << 40, NQ, D);
     EXPECT_FAIL(SPARGE_ERR_OVERFLOW, sparge_attention_forward(dev, &huge, &kt, &vt, NULL, NULL, &ot, lse));
     /* a non-finite scale */
-    sparge_attn_params ap = {NAN, 0};
+    sparge_attn_params ap = {NAN, 0, 0};
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_attention_forward(dev, &qt, &kt, &vt, NULL, &ap, &ot, lse));
 }
 
@@ -186,7 +186,7 @@ static void test_mask_bad_input(void **state)
     assert_int_equal(sparge_mask_create(dev, B, H, NQ, NK, 16, 8, &m), SPARGE_OK);
     /* a mask that holds no selection yet */
     EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention_forward(dev, &qt, &kt, &vt, m, NULL, &ot, lse));
-    sparge_mask_params mp = {16, 8, 0.1, 0.3, 0.0f};
+    sparge_mask_params mp = {16, 8, 0.1, 0.3, 0.0f, 0};
     sparge_mask_params bad = mp;
     bad.topk = 1.5;
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_mask_predict(dev, &qt, &kt, &bad, m));
@@ -237,7 +237,7 @@ static void test_nan_propagates(void **state)
         assert_true(isnan(on[3 * D]));
         assert_false(isnan(on[4 * D]));
         /* through the one-call API: the NaN query block keeps every key block */
-        sparge_mask_params mp = {16, 8, 0.05, 0.2, 0.0f};
+        sparge_mask_params mp = {16, 8, 0.05, 0.2, 0.0f, 0};
         assert_int_equal(sparge_attention(d, &qt, &kt, &vt, &mp, &ot, NULL, NULL), SPARGE_OK);
         assert_true(isnan(on[3 * D]));
         /* +Inf in a key: a query with a positive product sees score +Inf, then Inf − Inf = NaN */

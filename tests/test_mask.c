@@ -17,7 +17,7 @@ static int select_row(sparge_device *dev, const float *row, int n, double k, dou
     sparge_mask *m;
     assert_int_equal(sparge_mask_create(dev, 1, 1, 1, n, 1, 1, &m), SPARGE_OK);
     sparge_tensor map = sparge_tensor_bhnd((void *)row, SPARGE_F32, 1, 1, 1, n);
-    sparge_mask_params mp = {1, 1, k, p, 0.0f};
+    sparge_mask_params mp = {1, 1, k, p, 0.0f, 0};
     sparge_status s = sparge_mask_select(dev, &map, &mp, m);
     int32_t cnt = -(int32_t)s, idx[64];
     if (s == SPARGE_OK) {
@@ -130,7 +130,7 @@ static void test_row_mass(void **state)
     static const float map[2][4] = {{0.7f, 0.1f, 0.1f, 0.1f}, {0.25f, 0.25f, 0.25f, 0.25f}};
     assert_int_equal(sparge_mask_create(dev, 1, 1, 2, 4, 1, 1, &m), SPARGE_OK);
     sparge_tensor t = sparge_tensor_bhnd((void *)map, SPARGE_F32, 1, 1, 2, 4);
-    sparge_mask_params mp = {1, 1, 0.25, 0.5, 0.0f};
+    sparge_mask_params mp = {1, 1, 0.25, 0.5, 0.0f, 0};
     assert_int_equal(sparge_mask_select(dev, &t, &mp, m), SPARGE_OK);
     sparge_mask_stats st;
     float mass[2];

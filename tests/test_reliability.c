@@ -57,14 +57,14 @@ static void test_failed_attention_keeps_mask(void **state)
     sparge_mask *m;
     EXPECT(SPARGE_OK, sparge_mask_create(cpu, B, H, N, N, 128, 64, &m));
     sparge_tensor qs = sparge_tensor_bhnd(q, SPARGE_F32, B, H, N, DS), ks = sparge_tensor_bhnd(k, SPARGE_F32, B, H, N, DS);
-    sparge_mask_params mp = {128, 64, 0.25, 0.0, 0.0f};
+    sparge_mask_params mp = {128, 64, 0.25, 0.0, 0.0f, 0};
     EXPECT(SPARGE_OK, sparge_mask_predict(cpu, &qs, &ks, &mp, m));
     uint8_t before[B * H * 3 * 5], after[B * H * 3 * 5];
     EXPECT(SPARGE_OK, sparge_mask_get_dense(m, before));
     sparge_tensor ql = sparge_tensor_bhnd(q, SPARGE_F32, B, H, N, DL), kl = sparge_tensor_bhnd(k, SPARGE_F32, B, H, N, DL),
                   vl = sparge_tensor_bhnd(v, SPARGE_F32, B, H, N, DL), ol = sparge_tensor_bhnd(o, SPARGE_F32, B, H, N, DL);
     memset(o, 0xff, sizeof(float) * B * H * N * DL);
-    sparge_mask_params full = {128, 64, 1.0, 0.0, 0.0f}; /* would keep every block */
+    sparge_mask_params full = {128, 64, 1.0, 0.0, 0.0f, 0}; /* would keep every block */
     EXPECT(SPARGE_ERR_UNSUPPORTED, sparge_attention(cpu, &ql, &kl, &vl, &full, &ol, NULL, m));
     EXPECT(SPARGE_OK, sparge_mask_get_dense(m, after));
     assert_memory_equal(before, after, sizeof before);
@@ -87,7 +87,7 @@ static void test_huge_blocks(void **state)
                   vt = sparge_tensor_bhnd(v, SPARGE_F32, B, H, NK, D), ot = sparge_tensor_bhnd(o, SPARGE_F32, B, H, NQ, D),
                   rt = sparge_tensor_bhnd(o_ref, SPARGE_F32, B, H, NQ, D);
     for (size_t c = 0; c < sizeof blocks / sizeof blocks[0]; c++) {
-        sparge_mask_params mp = {blocks[c][0], blocks[c][1], 0.5, 0.0, 0.0f};
+        sparge_mask_params mp = {blocks[c][0], blocks[c][1], 0.5, 0.0, 0.0f, 0};
         memset(o, 0xff, sizeof(float) * B * H * NQ * D);
         EXPECT(SPARGE_OK, sparge_attention(cpu, &qt, &kt, &vt, &mp, &ot, NULL, NULL));
         EXPECT(SPARGE_OK, sparge_attention(ref, &qt, &kt, &vt, &mp, &rt, NULL, NULL));

@@ -127,19 +127,19 @@ static inline void prefetch_rows(const sparge_view *x, int64_t b, int64_t h, int
         prefetch_span(row_ptr(x, b, h, n0 + r), bytes);
 }
 
-/* cpu-ref: one (b, h) of x as contiguous doubles [N×D], and back. */
-static inline void ref_gather(const sparge_view *x, int64_t b, int64_t h, double *out)
+/* cpu-ref: rows [n0, n0 + rows) of (b, h) of x as contiguous doubles [rows×D], and back. */
+static inline void ref_gather(const sparge_view *x, int64_t b, int64_t h, int64_t n0, int64_t rows, double *out)
 {
-    for (int64_t n = 0; n < x->N; n++)
+    for (int64_t n = 0; n < rows; n++)
         for (int64_t d = 0; d < x->D; d++)
-            out[n * x->D + d] = view_load_f64(x, view_offset(x, b, h, n, d));
+            out[n * x->D + d] = view_load_f64(x, view_offset(x, b, h, n0 + n, d));
 }
 
-static inline void ref_scatter(const sparge_view *x, int64_t b, int64_t h, const double *src)
+static inline void ref_scatter(const sparge_view *x, int64_t b, int64_t h, int64_t n0, int64_t rows, const double *src)
 {
-    for (int64_t n = 0; n < x->N; n++)
+    for (int64_t n = 0; n < rows; n++)
         for (int64_t d = 0; d < x->D; d++)
-            view_store_f64(x, view_offset(x, b, h, n, d), src[n * x->D + d]);
+            view_store_f64(x, view_offset(x, b, h, n0 + n, d), src[n * x->D + d]);
 }
 
 /* cpu-ref: n buffers of the given element counts, all or none. */
@@ -164,6 +164,40 @@ static inline void ref_free_all(int n, double **bufs)
 static inline const uint8_t *ref_head_keep(const sparge_mask_view *m, int64_t b, int64_t h)
 {
     return m ? m->dense + (b * m->H + h) * m->Nqb * m->Nkb : NULL;
+}
+
+/* The units of an attention call: B·H (sequence, query head) pairs of the mask's layout, or of the views. */
+static inline int64_t attn_batches(const sparge_view *q, const sparge_mask_view *m) { return m ? m->B : q->B; }
+
+/* Index of query t of sequence b, head h in the LSE: [B, H, Nq], or [H, T] for packed varlen views. */
+static inline int64_t lse_index(const sparge_view *q, int64_t tb, int64_t h, int64_t t)
+{
+    return (tb * q->H + h) * q->N + t;
+}
+
+/* Sequence b of a mask's layout: the tensors' batch index (0 for packed varlen views), the first query and key
+ * tokens and their counts. m NULL: the fixed lengths Nq, Nk of batch b. */
+static inline void cpu_seq(const sparge_mask_view *m, int64_t b, int64_t Nq, int64_t Nk, int64_t *tb, int64_t *q0,
+                           int64_t *nq, int64_t *k0, int64_t *nk)
+{
+    if (m && m->seq_q) {
+        *tb = 0, *q0 = m->seq_q[b], *nq = m->seq_q[b + 1] - m->seq_q[b];
+        *k0 = m->seq_k[b], *nk = m->seq_k[b + 1] - m->seq_k[b];
+        return;
+    }
+    *tb = b, *q0 = *k0 = 0, *nq = Nq, *nk = Nk;
+}
+
+/* Row i (query block) of sequence b under the layout m: 0 when it lies past the sequence's query blocks, else 1
+ * with its allowed key blocks [0, *allowed) and always-kept diagonal blocks *d0..*d1 (sparge_row_rule). */
+static inline int cpu_row(const sparge_mask_view *m, int64_t b, int64_t i, int64_t *allowed, int64_t *d0, int64_t *d1)
+{
+    int64_t tb, q0, nq, k0, nk;
+    cpu_seq(m, b, m->Nq, m->Nk, &tb, &q0, &nq, &k0, &nk);
+    if (i * m->bq >= nq)
+        return 0;
+    sparge_row_rule(i, nq, nk, m->bq, m->bk, m->causal, allowed, d0, d1);
+    return 1;
 }
 
 /* Kept key blocks of query block i of head bh: NULL mask = all. Returns the count; idx points at the row's
@@ -194,6 +228,10 @@ int64_t sparge_select_row(const float *row, int64_t n, double topk, double topp,
                           double *mass);
 /* Number of blocks kept by Top-k alone (0 when topk = 0). */
 int64_t sparge_topk_count(double topk, int64_t n);
+
+/* Causal: -inf in Sᵀ [nk keys × nq queries, row stride ldt] where key u0 + r lies past query t0 + c's diagonal
+ * (u0 + r > t0 + c + off, off = Nk − Nq of the sequence). */
+void sparge_cpu_causal_tile(float *st, int64_t ldt, int64_t nk, int64_t nq, int64_t u0, int64_t t0, int64_t off);
 
 /* Per-op entry points: ref_* of "cpu-ref" (impl NULL), cpu_* of "cpu". */
 sparge_status sparge_ref_pool(void *impl, const sparge_pool_args *a);

@@ -102,7 +102,9 @@ static int64_t select_row_few(const float *row, int64_t n, double topk, double t
 
 typedef int64_t (*select_fn)(const float *, int64_t, double, double, cpu_ranked *, uint8_t *, double *);
 
-/* Every row of a->map into a->mask (dense, row_mass, then the CSR), threaded when `threads`. */
+/* Every row of a->map into a->mask (dense, row_mass, then the CSR), threaded when `threads`. A row selects among
+ * its allowed blocks and keeps its diagonal blocks besides (causal: docs/DESIGN.md §1.12); a row past its
+ * sequence's query blocks keeps nothing. */
 static sparge_status select_rows(void *impl, const sparge_select_args *a, select_fn select, int threads)
 {
     const sparge_mask_view *m = &a->mask;
@@ -121,12 +123,23 @@ static sparge_status select_rows(void *impl, const sparge_select_args *a, select
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
-                int64_t bh = r / m->Nqb, i = r % m->Nqb, b = bh / m->H, h = bh % m->H;
+                int64_t bh = r / m->Nqb, i = r % m->Nqb, b = bh / m->H, h = bh % m->H, n, d0, d1;
+                uint8_t *keep = m->dense + r * m->Nkb;
+                memset(keep, 0, (size_t)m->Nkb);
+                if (!cpu_row(m, b, i, &n, &d0, &d1)) {
+                    m->row_mass[r] = 0.0f;
+                    continue;
+                }
                 const float *src = (const float *)map->data + view_offset(map, b, h, i, 0);
-                for (int64_t j = 0; j < m->Nkb; j++)
+                for (int64_t j = 0; j < n; j++)
                     row[j] = src[j * map->sd];
                 double mass;
-                select(row, m->Nkb, a->topk, a->topp, order, m->dense + r * m->Nkb, &mass);
+                select(row, n, a->topk, a->topp, order, keep, &mass);
+                for (int64_t j = d0; j <= d1; j++)
+                    if (!keep[j]) {
+                        keep[j] = 1;
+                        mass += row[j];
+                    }
                 m->row_mass[r] = (float)mass;
             }
         }

@@ -480,12 +480,12 @@ static int attention_forward(tr_model *m, int l, char *err, size_t err_len)
     if (m->mode != TR_ATTN_DENSE) {
         mask = m->masks[l];
         if (!m->frozen || !m->masks_valid) {
-            sparge_mask_params mp = {m->block_q, m->block_k, m->topk, m->topp, 0.0f};
+            sparge_mask_params mp = {m->block_q, m->block_k, m->topk, m->topp, 0.0f, 0};
             if ((s = sparge_mask_predict(m->dev, &q, &k, &mp, mask)))
                 return sparge_failed(s, err, err_len, "attention: mask prediction");
         }
     }
-    sparge_attn_params ap = {0.0f, 1};
+    sparge_attn_params ap = {0.0f, 1, 0};
     if ((s = sparge_attention_forward(m->dev, &q, &k, &v, mask, &ap, &out, lse)))
         return sparge_failed(s, err, err_len, "attention: forward");
     if (m->staged) {
@@ -541,7 +541,7 @@ static int attention_backward(tr_model *m, int l, char *err, size_t err_len)
     qkv_views(m, dqkv, &dq, &dk, &dv);
     sparge_tensor out = sparge_tensor_bnhd(att, dt, d->B, d->nh, d->N, d->hd);
     sparge_tensor d_out = sparge_tensor_bnhd(datt, dt, d->B, d->nh, d->N, d->hd);
-    sparge_attn_params ap = {0.0f, 1};
+    sparge_attn_params ap = {0.0f, 1, 0};
     const sparge_mask *mask = m->mode == TR_ATTN_DENSE ? NULL : m->masks[l];
     if ((s = sparge_attention_backward(m->dev, &q, &k, &v, &out, &d_out, lse, mask, &ap, &dq, &dk, &dv)))
         return sparge_failed(s, err, err_len, "attention: backward");

@@ -1,0 +1,406 @@
+/* The shapes real models use, on every available device against cpu-ref: grouped K/V heads (GQA, MQA),
+ * block-causal masks (bottom-right aligned, Nq = Nk and Nq < Nk), packed variable-length batches, and their
+ * combinations; forward, backward and mask prediction, ragged blocks, both layouts. Then cpu-ref itself against
+ * definitions it does not share code with: grouped heads equal repeated K/V heads, a varlen batch equals its
+ * sequences run one at a time, causal attention equals a naive token-masked softmax. Bad layouts are refused
+ * and write nothing. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+#include "../src/backend.h"
+
+static sparge_device *ref;
+
+typedef struct {
+    const char *name;
+    int64_t H, Hkv, D;
+    int bq, bk, causal;
+    int nseq;               /* 0: fixed length (B = 2, Nq, Nk below); else varlen with these lengths */
+    int64_t Nq, Nk;
+    int32_t lq[4], lk[4];   /* varlen lengths */
+    double topk, topp;
+} shape_case;
+
+static const shape_case cases[] = {
+    {"gqa 8/2", 8, 2, 64, 128, 64, 0, 0, 300, 300, {0}, {0}, 0.2, 0.5},
+    {"mqa 6/1", 6, 1, 32, 64, 32, 0, 0, 200, 150, {0}, {0}, 0.3, 0.0},
+    {"causal", 2, 2, 64, 128, 64, 1, 0, 390, 390, {0}, {0}, 0.1, 0.4},
+    {"causal nq<nk", 2, 2, 64, 128, 64, 1, 0, 200, 333, {0}, {0}, 0.25, 0.3},
+    {"causal gqa", 4, 2, 128, 128, 128, 1, 0, 260, 260, {0}, {0}, 0.2, 0.6},
+    {"varlen", 2, 2, 64, 128, 64, 0, 4, 0, 0, {300, 77, 129, 256}, {300, 77, 129, 256}, 0.2, 0.5},
+    {"varlen nq!=nk", 3, 3, 32, 64, 64, 0, 3, 0, 0, {100, 250, 64}, {140, 90, 64}, 0.25, 0.0},
+    {"varlen causal gqa", 4, 1, 64, 128, 64, 1, 3, 0, 0, {200, 129, 64}, {260, 129, 190}, 0.15, 0.5},
+};
+enum { CASES = sizeof cases / sizeof cases[0] };
+
+static void check_close(const char *what, const shape_case *c, const char *dev, sparge_dtype dt, tu_tensor *got,
+                        tu_tensor *want)
+{
+    double *g = tu_get(got), *w = tu_get(want), e = tu_rel_l2(g, w, tu_numel(got));
+    if (!(e <= sparge_dtype_tolerance(dt)))
+        fail_msg("%s on %s, case %s, %s: rel L2 %.3g > %.3g", what, dev, c->name, sparge_dtype_name(dt), e,
+                 sparge_dtype_tolerance(dt));
+    free(g);
+    free(w);
+}
+
+/* Tensors of a case on a device: q, k, v, o, d_o, dq, dk, dv; packed [1, H, T, D] when varlen. */
+typedef struct {
+    tu_tensor t[8];
+    int64_t B, Tq, Tk;
+} case_tensors;
+
+static void case_alloc(case_tensors *x, sparge_device *dev, const shape_case *c, sparge_dtype dt, tu_layout lay)
+{
+    x->B = c->nseq ? 1 : 2;
+    x->Tq = c->Nq, x->Tk = c->Nk;
+    if (c->nseq)
+        for (int s = 0, tq = 0, tk = 0; s < c->nseq; s++) {
+            x->Tq = tq += c->lq[s];
+            x->Tk = tk += c->lk[s];
+        }
+    const int64_t heads[8] = {c->H, c->Hkv, c->Hkv, c->H, c->H, c->H, c->Hkv, c->Hkv};
+    for (int i = 0; i < 8; i++) {
+        const int64_t n = i == 1 || i == 2 || i == 6 || i == 7 ? x->Tk : x->Tq;
+        x->t[i] = tu_alloc(dev, dt, lay, x->B, heads[i], n, c->D);
+    }
+}
+
+static void case_free(case_tensors *x)
+{
+    for (int i = 0; i < 8; i++)
+        tu_free(&x->t[i]);
+}
+
+static sparge_mask_layout case_layout(const shape_case *c, const case_tensors *x, int32_t *cq, int32_t *ck)
+{
+    sparge_mask_layout l = {.B = c->nseq ? c->nseq : x->B, .H = c->H, .Nq = x->Tq, .Nk = x->Tk, .block_q = c->bq,
+                            .block_k = c->bk, .causal = c->causal};
+    if (c->nseq) {
+        cq[0] = ck[0] = 0;
+        for (int s = 0; s < c->nseq; s++) {
+            cq[s + 1] = cq[s] + c->lq[s];
+            ck[s + 1] = ck[s] + c->lk[s];
+        }
+        l.cu_seqlens_q = cq;
+        l.cu_seqlens_k = ck;
+    }
+    return l;
+}
+
+/* One case on one device: the device's own prediction against cpu-ref's (exact on the CPU tiers, rounding ties
+ * allowed elsewhere), then forward and backward on cpu-ref's selection against cpu-ref. */
+static void run_case(sparge_device *dev, const shape_case *c, sparge_dtype dt, tu_layout lay, uint64_t seed)
+{
+    case_tensors x, r;
+    case_alloc(&x, dev, c, dt, lay);
+    case_alloc(&r, ref, c, dt, lay);
+    tu_rng g1 = {seed}, g2 = {seed};
+    for (int i = 0; i < 5; i++) {
+        tu_fill_normal(&x.t[i], &g1, 1.0);
+        tu_fill_normal(&r.t[i], &g2, 1.0);
+    }
+    for (int i = 3; i < 8; i++)
+        if (i != 4)
+            tu_poison(&x.t[i]);
+    int32_t cq[5], ck[5];
+    const sparge_mask_layout l = case_layout(c, &x, cq, ck);
+    sparge_mask *m, *rm;
+    assert_int_equal(sparge_mask_create_ex(dev, &l, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create_ex(ref, &l, &rm), SPARGE_OK);
+    sparge_mask_params mp = {c->bq, c->bk, c->topk, c->topp, 0.0f, c->causal};
+    assert_int_equal(sparge_mask_predict(ref, &r.t[0].t, &r.t[1].t, &mp, rm), SPARGE_OK);
+    if (sparge_mask_predict(dev, &x.t[0].t, &x.t[1].t, &mp, m) != SPARGE_OK)
+        fail_msg("%s: %s: prediction failed: %s", sparge_device_name(dev), c->name, sparge_last_error());
+    sparge_mask_shape ms;
+    assert_int_equal(sparge_mask_get_shape(rm, &ms), SPARGE_OK);
+    assert_int_equal(ms.causal, c->causal);
+    assert_int_equal(ms.varlen, c->nseq > 0);
+    const int64_t cells = ms.B * ms.H * ms.Nqb * ms.Nkb;
+    uint8_t *dg = malloc((size_t)cells), *dw = malloc((size_t)cells);
+    assert_int_equal(sparge_mask_get_dense(m, dg), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_dense(rm, dw), SPARGE_OK);
+    const int cpu = !strncmp(sparge_device_backend(dev), "cpu", 3);
+    int64_t differ = 0;
+    for (int64_t row = 0; row < cells / ms.Nkb; row++)
+        differ += memcmp(dg + row * ms.Nkb, dw + row * ms.Nkb, (size_t)ms.Nkb) != 0;
+    if (differ && cpu)
+        fail_msg("%s: %s: %lld mask rows differ from cpu-ref", sparge_device_name(dev), c->name, (long long)differ);
+    if (differ)
+        print_message("  %s %s: %lld of %lld rows differ from cpu-ref (rounding of the pooled map)\n",
+                      sparge_device_name(dev), c->name, (long long)differ, (long long)(cells / ms.Nkb));
+    assert_true(differ * 50 <= cells / ms.Nkb);
+    /* Attend with cpu-ref's selection on both. */
+    assert_int_equal(sparge_mask_set_dense(m, dw), SPARGE_OK);
+    float *lse;
+    const int64_t n_lse = x.B * c->H * x.Tq;
+    float *rlse = malloc((size_t)n_lse * sizeof *rlse);
+    assert_int_equal(sparge_malloc(dev, (size_t)n_lse * sizeof *lse, (void **)&lse), SPARGE_OK);
+    sparge_attn_params ap = {0.0f, 1, 0};
+    if (sparge_attention_forward(dev, &x.t[0].t, &x.t[1].t, &x.t[2].t, m, &ap, &x.t[3].t, lse) != SPARGE_OK)
+        fail_msg("%s: %s: forward failed: %s", sparge_device_name(dev), c->name, sparge_last_error());
+    assert_int_equal(sparge_attention_forward(ref, &r.t[0].t, &r.t[1].t, &r.t[2].t, rm, &ap, &r.t[3].t, rlse), SPARGE_OK);
+    check_close("forward O", c, sparge_device_name(dev), dt, &x.t[3], &r.t[3]);
+    /* The backward takes each device's own forward outputs. */
+    if (sparge_attention_backward(dev, &x.t[0].t, &x.t[1].t, &x.t[2].t, &x.t[3].t, &x.t[4].t, lse, m, &ap, &x.t[5].t,
+                                  &x.t[6].t, &x.t[7].t) != SPARGE_OK)
+        fail_msg("%s: %s: backward failed: %s", sparge_device_name(dev), c->name, sparge_last_error());
+    assert_int_equal(sparge_attention_backward(ref, &r.t[0].t, &r.t[1].t, &r.t[2].t, &r.t[3].t, &r.t[4].t, rlse, rm, &ap,
+                                               &r.t[5].t, &r.t[6].t, &r.t[7].t),
+                     SPARGE_OK);
+    check_close("backward dQ", c, sparge_device_name(dev), dt, &x.t[5], &r.t[5]);
+    check_close("backward dK", c, sparge_device_name(dev), dt, &x.t[6], &r.t[6]);
+    check_close("backward dV", c, sparge_device_name(dev), dt, &x.t[7], &r.t[7]);
+    /* Dense (no mask) causal for the fixed-length cases. */
+    if (!c->nseq) {
+        sparge_attn_params dense = {0.0f, 0, c->causal};
+        tu_poison(&x.t[3]);
+        assert_int_equal(sparge_attention_forward(dev, &x.t[0].t, &x.t[1].t, &x.t[2].t, NULL, &dense, &x.t[3].t, NULL),
+                         SPARGE_OK);
+        assert_int_equal(sparge_attention_forward(ref, &r.t[0].t, &r.t[1].t, &r.t[2].t, NULL, &dense, &r.t[3].t, NULL),
+                         SPARGE_OK);
+        check_close("dense forward O", c, sparge_device_name(dev), dt, &x.t[3], &r.t[3]);
+    }
+    sparge_free(dev, lse);
+    free(rlse);
+    free(dg);
+    free(dw);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(rm);
+    case_free(&x);
+    case_free(&r);
+}
+
+/* Every device but cpu-ref, each case, f32 and bf16, both layouts. */
+static void test_devices(void **state)
+{
+    (void)state;
+    int ran = 0;
+    for (int b = 0; b < sparge_backend_count(); b++) {
+        const char *name = sparge_backend_name(b);
+        for (int i = 0; strcmp(name, "cpu-ref") && i < sparge_backend_device_count(name); i++) {
+            char dn[64];
+            snprintf(dn, sizeof dn, strncmp(name, "cpu", 3) ? "%s:%d" : "%s", name, i);
+            sparge_device *dev;
+            assert_int_equal(sparge_device_open(dn, &dev), SPARGE_OK);
+            for (int c = 0; c < CASES; c++)
+                for (int d = 0; d < 2; d++)
+                    for (int lay = 0; lay < 2; lay++, ran++)
+                        run_case(dev, &cases[c], d ? SPARGE_BF16 : SPARGE_F32, (tu_layout)lay,
+                                 1000u * (uint64_t)c + 10u * (uint64_t)d + (uint64_t)lay);
+            print_message("  %s: %d shape cases passed\n", dn, CASES * 4);
+            sparge_device_close(dev);
+        }
+    }
+    assert_true(ran > 0);
+}
+
+/* Naive attention of one head with a token mask: causal keeps key u for query t when u <= t + off. */
+static void naive(const double *q, const double *k, const double *v, int64_t nq, int64_t nk, int64_t D, int causal,
+                  double *o)
+{
+    const double scale = 1.0 / sqrt((double)D);
+    for (int64_t t = 0; t < nq; t++) {
+        double m = -INFINITY, sum = 0.0, *s = malloc((size_t)nk * sizeof *s);
+        for (int64_t u = 0; u < nk; u++) {
+            s[u] = -INFINITY;
+            if (!causal || u <= t + nk - nq) {
+                s[u] = 0.0;
+                for (int64_t d = 0; d < D; d++)
+                    s[u] += q[t * D + d] * k[u * D + d] * scale;
+            }
+            m = fmax(m, s[u]);
+        }
+        for (int64_t d = 0; d < D; d++)
+            o[t * D + d] = 0.0;
+        for (int64_t u = 0; u < nk; u++) {
+            const double p = exp(s[u] - m);
+            sum += p;
+            for (int64_t d = 0; d < D; d++)
+                o[t * D + d] += p * v[u * D + d];
+        }
+        for (int64_t d = 0; d < D; d++)
+            o[t * D + d] /= sum;
+        free(s);
+    }
+}
+
+/* cpu-ref against definitions: dense causal equals the naive token-masked softmax; grouped heads equal the same
+ * call with K/V heads repeated; a varlen batch equals each sequence run alone with its rows of the mask. */
+static void test_reference_definitions(void **state)
+{
+    (void)state;
+    enum { H = 4, HK = 2, D = 16 };
+    const int64_t nq = 70, nk = 90;
+    tu_rng g = {77};
+    /* Causal, dense, Nq < Nk, [1, H, N, D] f32. */
+    tu_tensor q = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, nq, D), k = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, HK, nk, D),
+              v = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, HK, nk, D), o = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, nq, D);
+    tu_fill_normal(&q, &g, 1.0);
+    tu_fill_normal(&k, &g, 1.0);
+    tu_fill_normal(&v, &g, 1.0);
+    sparge_attn_params causal = {0.0f, 0, 1};
+    assert_int_equal(sparge_attention_forward(ref, &q.t, &k.t, &v.t, NULL, &causal, &o.t, NULL), SPARGE_OK);
+    double *qd = tu_get(&q), *kd = tu_get(&k), *vd = tu_get(&v), *od = tu_get(&o), *want = malloc(sizeof(double) * nq * D);
+    for (int h = 0; h < H; h++) {
+        naive(qd + h * nq * D, kd + (h / (H / HK)) * nk * D, vd + (h / (H / HK)) * nk * D, nq, nk, D, 1, want);
+        assert_true(tu_rel_l2(od + h * nq * D, want, nq * D) < 1e-6);
+    }
+    /* Grouped heads against K/V repeated per query head (the same arithmetic: bit for bit). */
+    tu_tensor kr = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, nk, D), vr = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, nk, D),
+              o2 = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, nq, D);
+    double *krd = malloc(sizeof(double) * H * nk * D), *vrd = malloc(sizeof(double) * H * nk * D);
+    for (int h = 0; h < H; h++) {
+        memcpy(krd + h * nk * D, kd + (h / (H / HK)) * nk * D, sizeof(double) * nk * D);
+        memcpy(vrd + h * nk * D, vd + (h / (H / HK)) * nk * D, sizeof(double) * nk * D);
+    }
+    tu_set(&kr, krd);
+    tu_set(&vr, vrd);
+    assert_int_equal(sparge_attention_forward(ref, &q.t, &kr.t, &vr.t, NULL, &causal, &o2.t, NULL), SPARGE_OK);
+    double *o2d = tu_get(&o2);
+    assert_memory_equal(od, o2d, sizeof(double) * H * nq * D);
+    /* Varlen: two sequences packed against each alone, with the rows of a predicted mask. */
+    const int32_t cq[3] = {0, 30, 70}, ck[3] = {0, 50, 90};
+    sparge_mask_layout l = {.B = 2, .H = H, .Nq = nq, .Nk = nk, .block_q = 16, .block_k = 8, .causal = 1,
+                            .cu_seqlens_q = cq, .cu_seqlens_k = ck};
+    sparge_mask *m;
+    assert_int_equal(sparge_mask_create_ex(ref, &l, &m), SPARGE_OK);
+    sparge_mask_params mp = {16, 8, 0.3, 0.3, 0.0f, 1};
+    assert_int_equal(sparge_mask_predict(ref, &q.t, &k.t, &mp, m), SPARGE_OK);
+    sparge_mask_shape ms;
+    assert_int_equal(sparge_mask_get_shape(m, &ms), SPARGE_OK);
+    assert_int_equal(ms.Nq, 40);
+    assert_int_equal(ms.Nk, 50);
+    uint8_t *dense = malloc((size_t)(ms.B * ms.H * ms.Nqb * ms.Nkb));
+    assert_int_equal(sparge_mask_get_dense(m, dense), SPARGE_OK);
+    assert_int_equal(sparge_attention_forward(ref, &q.t, &k.t, &v.t, m, NULL, &o.t, NULL), SPARGE_OK);
+    double *ov = tu_get(&o);
+    for (int s = 0; s < 2; s++) {
+        const int64_t sq = cq[s + 1] - cq[s], sk = ck[s + 1] - ck[s], qb = (sq + 15) / 16, kb = (sk + 7) / 8;
+        tu_tensor qs = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, sq, D), ks = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, HK, sk, D),
+                  vs = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, HK, sk, D), os = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, sq, D);
+        double *buf = malloc(sizeof(double) * H * sq * D);
+        for (int h = 0; h < H; h++)
+            memcpy(buf + h * sq * D, qd + (h * nq + cq[s]) * D, sizeof(double) * sq * D);
+        tu_set(&qs, buf);
+        double *kb_ = malloc(sizeof(double) * HK * sk * D), *vb_ = malloc(sizeof(double) * HK * sk * D);
+        for (int h = 0; h < HK; h++) {
+            memcpy(kb_ + h * sk * D, kd + (h * nk + ck[s]) * D, sizeof(double) * sk * D);
+            memcpy(vb_ + h * sk * D, vd + (h * nk + ck[s]) * D, sizeof(double) * sk * D);
+        }
+        tu_set(&ks, kb_);
+        tu_set(&vs, vb_);
+        sparge_mask_layout ls = {.B = 1, .H = H, .Nq = sq, .Nk = sk, .block_q = 16, .block_k = 8, .causal = 1};
+        sparge_mask *one;
+        assert_int_equal(sparge_mask_create_ex(ref, &ls, &one), SPARGE_OK);
+        /* The same sequence predicted alone selects what the packed prediction selected for it. */
+        assert_int_equal(sparge_mask_predict(ref, &qs.t, &ks.t, &mp, one), SPARGE_OK);
+        uint8_t *alone = malloc((size_t)(H * qb * kb));
+        assert_int_equal(sparge_mask_get_dense(one, alone), SPARGE_OK);
+        for (int h = 0; h < H; h++)
+            for (int64_t i = 0; i < qb; i++)
+                assert_memory_equal(alone + (h * qb + i) * kb, dense + ((s * H + h) * ms.Nqb + i) * ms.Nkb, (size_t)kb);
+        for (int64_t i = 0; i < ms.Nqb; i++) /* past the sequence: nothing */
+            for (int h = 0; h < H; h++)
+                for (int64_t j = 0; j < ms.Nkb; j++)
+                    if (i >= qb || j >= kb)
+                        assert_int_equal(dense[((s * H + h) * ms.Nqb + i) * ms.Nkb + j], 0);
+        assert_int_equal(sparge_attention_forward(ref, &qs.t, &ks.t, &vs.t, one, NULL, &os.t, NULL), SPARGE_OK);
+        double *osd = tu_get(&os);
+        for (int h = 0; h < H; h++)
+            assert_memory_equal(osd + h * sq * D, ov + (h * nq + cq[s]) * D, sizeof(double) * sq * D);
+        free(osd), free(alone), free(buf), free(kb_), free(vb_);
+        sparge_mask_destroy(one);
+        tu_free(&qs), tu_free(&ks), tu_free(&vs), tu_free(&os);
+    }
+    /* Causal rows keep their diagonal blocks and nothing above them; statistics count the allowed pairs only. */
+    for (int64_t row = 0; row < ms.B * ms.H * ms.Nqb; row++) {
+        const int64_t s = row / (ms.H * ms.Nqb), i = row % ms.Nqb, sq = cq[s + 1] - cq[s], sk = ck[s + 1] - ck[s];
+        if (i * 16 >= sq)
+            continue;
+        int64_t allowed, d0, d1;
+        sparge_row_rule(i, sq, sk, 16, 8, 1, &allowed, &d0, &d1);
+        for (int64_t j = 0; j < ms.Nkb; j++) {
+            if (j >= allowed)
+                assert_int_equal(dense[row * ms.Nkb + j], 0);
+            if (j >= d0 && j <= d1)
+                assert_int_equal(dense[row * ms.Nkb + j], 1);
+        }
+    }
+    sparge_mask_stats st;
+    assert_int_equal(sparge_mask_get_stats(m, &st, NULL, NULL), SPARGE_OK);
+    assert_true(st.sparsity >= 0.0 && st.sparsity < 1.0 && st.token_density > 0.0 && st.token_density <= 1.0);
+    free(dense), free(qd), free(kd), free(vd), free(od), free(o2d), free(ov), free(want), free(krd), free(vrd);
+    sparge_mask_destroy(m);
+    tu_free(&q), tu_free(&k), tu_free(&v), tu_free(&o), tu_free(&kr), tu_free(&vr), tu_free(&o2);
+}
+
+/* Refused with a message naming the problem, nothing written. */
+static void test_bad_layouts(void **state)
+{
+    (void)state;
+    sparge_mask *m = NULL;
+    const int32_t up[3] = {0, 40, 30}, ok[3] = {0, 30, 60}, from1[3] = {1, 30, 60};
+    sparge_mask_layout l = {.B = 2, .H = 2, .Nq = 60, .Nk = 60, .block_q = 16, .block_k = 16,
+                            .cu_seqlens_q = up, .cu_seqlens_k = ok};
+#define REFUSED(want, call, word)                                                                                      \
+    do {                                                                                                               \
+        sparge_status s_ = (call);                                                                                     \
+        if (s_ != (want) || !strstr(sparge_last_error(), word))                                                         \
+            fail_msg("%s: %s, \"%s\" (expected %s naming %s)", #call, sparge_status_name(s_), sparge_last_error(),      \
+                     sparge_status_name(want), word);                                                                  \
+    } while (0)
+    REFUSED(SPARGE_ERR_INVALID, sparge_mask_create_ex(ref, &l, &m), "increase");
+    l.cu_seqlens_q = from1;
+    REFUSED(SPARGE_ERR_INVALID, sparge_mask_create_ex(ref, &l, &m), "must be 0");
+    l.cu_seqlens_q = ok;
+    l.Nq = 61;
+    REFUSED(SPARGE_ERR_SHAPE, sparge_mask_create_ex(ref, &l, &m), "61");
+    l.Nq = 60;
+    l.cu_seqlens_k = NULL;
+    REFUSED(SPARGE_ERR_NULL, sparge_mask_create_ex(ref, &l, &m), "cu_seqlens_k");
+    sparge_mask_layout c = {.B = 1, .H = 1, .Nq = 100, .Nk = 50, .block_q = 16, .block_k = 16, .causal = 1};
+    REFUSED(SPARGE_ERR_SHAPE, sparge_mask_create_ex(ref, &c, &m), "Nq <= Nk");
+    assert_null(m);
+    /* Heads: K's must divide q's. */
+    float qb[1 * 6 * 32 * 8] = {0}, kb[1 * 4 * 32 * 8] = {0}, ob[1 * 6 * 32 * 8];
+    sparge_tensor q = sparge_tensor_bhnd(qb, SPARGE_F32, 1, 6, 32, 8), k = sparge_tensor_bhnd(kb, SPARGE_F32, 1, 4, 32, 8),
+                  o = sparge_tensor_bhnd(ob, SPARGE_F32, 1, 6, 32, 8);
+    memset(ob, 0xff, sizeof ob);
+    REFUSED(SPARGE_ERR_SHAPE, sparge_attention_forward(ref, &q, &k, &k, NULL, NULL, &o, NULL), "divide");
+    sparge_attn_params causal = {0.0f, 0, 1};
+    sparge_tensor k16 = sparge_tensor_bhnd(kb, SPARGE_F32, 1, 2, 16, 8);
+    REFUSED(SPARGE_ERR_SHAPE, sparge_attention_forward(ref, &q, &k16, &k16, NULL, &causal, &o, NULL), "Nq <= Nk");
+    for (size_t i = 0; i < sizeof ob / sizeof ob[0]; i++)
+        assert_true(isnan(ob[i]));
+    /* A causal mask refuses an import that drops a diagonal block or keeps one above the diagonal. */
+    sparge_mask_layout cl = {.B = 1, .H = 1, .Nq = 32, .Nk = 32, .block_q = 16, .block_k = 16, .causal = 1};
+    assert_int_equal(sparge_mask_create_ex(ref, &cl, &m), SPARGE_OK);
+    const uint8_t above[4] = {1, 1, 1, 1}, no_diag[4] = {1, 0, 1, 0}, good[4] = {1, 0, 0, 1};
+    REFUSED(SPARGE_ERR_INVALID, sparge_mask_set_dense(m, above), "above the causal diagonal");
+    REFUSED(SPARGE_ERR_INVALID, sparge_mask_set_dense(m, no_diag), "diagonal");
+    assert_int_equal(sparge_mask_set_dense(m, good), SPARGE_OK);
+    /* A plain mask with a causal request, and params that disagree with the mask. */
+    sparge_mask_params mp = {16, 16, 0.5, 0.0, 0.0f, 1};
+    sparge_mask *plain;
+    assert_int_equal(sparge_mask_create(ref, 1, 6, 32, 32, 16, 16, &plain), SPARGE_OK);
+    sparge_tensor k6 = sparge_tensor_bhnd(kb, SPARGE_F32, 1, 2, 32, 8);
+    REFUSED(SPARGE_ERR_MASK, sparge_mask_predict(ref, &q, &k6, &mp, plain), "causal");
+    sparge_mask_destroy(plain);
+    sparge_mask_destroy(m);
+#undef REFUSED
+}
+
+int main(void)
+{
+    if (sparge_device_open("cpu-ref", &ref) != SPARGE_OK)
+        return 1;
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_reference_definitions), cmocka_unit_test(test_bad_layouts),
+                                       cmocka_unit_test(test_devices)};
+    int rc = cmocka_run_group_tests_name("shapes", tests, NULL, NULL);
+    sparge_device_close(ref);
+    return rc;
+}
