@@ -75,7 +75,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const T *base, int64_t s
     }
 }
 
-template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
+template <typename T, int D, int WARPS, int STAGES, bool SPLIT, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
 {
     using K = fwd_kernel_traits<T, D, WARPS, STAGES, SPLIT>;
@@ -84,21 +84,26 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
-    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BLOCK_Q;
+    const int h = w.h, q0 = w.qblock * BLOCK_Q;
+    const fwd_seq sq = fwd_seq_of<VARLEN>(p, w.b);
+    if (VARLEN && q0 >= sq.nq) /* a row past its sequence */
+        return;
+    const int n_tiles = CAUSAL && !p.counts ? fwd_causal_tiles(p, sq, q0, w.n_tiles) : w.n_tiles;
+    const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
 
-    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
-    const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
-    const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+    const T *q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
+    const T *k = (const T *)p.k + sq.tb * p.k_sb + gpu_kv_head(h, p.kv_magic) * p.k_sh + sq.k_off * p.k_sn;
+    const T *v = (const T *)p.v + sq.tb * p.v_sb + gpu_kv_head(h, p.kv_magic) * p.v_sh + sq.k_off * p.v_sn;
 
     const uint32_t q_smem = smem_addr(smem);
     auto k_smem = [&](int stage) { return q_smem + K::Q_BYTES + stage * 2 * K::KV_BYTES; };
     auto v_smem = [&](int stage) { return k_smem(stage) + K::KV_BYTES; };
     auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
-        if (t < w.n_tiles) {
+        if (t < n_tiles) {
             int key0 = w.key0(t);
-            load_rows<T, D, TILE_K, K::THREADS>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
+            load_rows<T, D, TILE_K, K::THREADS>(k_smem(t % STAGES), k, p.k_sn, key0, nk, tid);
             cp_async_commit();
-            load_rows<T, D, TILE_K, K::THREADS>(v_smem(t % STAGES), v, p.v_sn, key0, p.Nk, tid);
+            load_rows<T, D, TILE_K, K::THREADS>(v_smem(t % STAGES), v, p.v_sn, key0, nk, tid);
             cp_async_commit();
         } else {
             cp_async_commit();
@@ -107,7 +112,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     };
 
     /* Groups in commit order: Q, K0, V0, K1, V1, ... */
-    load_rows<T, D, BLOCK_Q, K::THREADS>(q_smem, q, p.q_sn, q0, p.Nq, tid);
+    load_rows<T, D, BLOCK_Q, K::THREADS>(q_smem, q, p.q_sn, q0, nq, tid);
     cp_async_commit();
 #pragma unroll
     for (int t = 0; t < STAGES - 1; t++)
@@ -147,7 +152,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         }
     }
 
-    for (int t = 0; t < w.n_tiles; t++) {
+    for (int t = 0; t < n_tiles; t++) {
         const int stage = t % STAGES;
         const uint32_t k_stage = k_smem(stage) + bt_lane, v_stage = v_smem(stage) + a_lane;
         /* K(t) landed; every warp is done with tile t-1, whose buffers the prefetch reuses. */
@@ -196,15 +201,19 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
                 }
             }
 
-            if (key0 + TILE_K > p.Nk) { /* ragged last block: keys past Nk do not exist */
+            /* Keys past nk do not exist (ragged last block); with causal, keys past a query's diagonal are masked. */
+            if (key0 + TILE_K > nk || (CAUSAL && key0 + TILE_K - 1 > q0 + warp_row0 + diag)) {
 #pragma unroll
                 for (int mi = 0; mi < MG; mi++)
 #pragma unroll
                     for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
-                        for (int e = 0; e < 4; e++)
-                            if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
+                        for (int e = 0; e < 4; e++) {
+                            const int key = key0 + nt * 8 + frag_col(lane) + (e & 1);
+                            const int row = q0 + warp_row0 + (g * MG + mi) * 16 + frag_row(lane) + 8 * (e >> 1);
+                            if (key >= nk || (CAUSAL && key > row + diag))
                                 s[mi][nt][e] = -INFINITY;
+                        }
             }
 
             /* Online softmax: rows g (e = 0,1) and g+8 (e = 2,3) of each m16 tile. */
@@ -273,9 +282,9 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
             const int row_local = mt * 16 + frag_row(lane) + 8 * r;
             const int row = q0 + warp_row0 + row_local;
-            if (p.lse && (lane & 3) == 0 && row < p.Nq)
-                p.lse[(int64_t)bh * p.Nq + row] = l > 0.0f ? (row_max[mt][r] + log2f(l)) * 0.69314718055994531f
-                                                           : -INFINITY;
+            if (p.lse && (lane & 3) == 0 && row < nq)
+                p.lse[fwd_lse_index<VARLEN>(p, w.bh, h, sq, row)] =
+                    l > 0.0f ? (row_max[mt][r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
 #pragma unroll
             for (int dt = 0; dt < D_TILES; dt++)
                 *reinterpret_cast<uint32_t *>(o_stage + swizzle<ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
@@ -283,13 +292,13 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         }
     }
     __syncwarp();
-    T *o = (T *)p.o + b * p.o_sb + h * p.o_sh;
+    T *o = (T *)p.o + sq.tb * p.o_sb + h * p.o_sh + sq.q_off * p.o_sn;
 #pragma unroll
     for (int it = 0; it < K::ROWS_PER_WARP * ROW_CHUNKS / 32; it++) {
         const int c = it * 32 + lane;
         const int row_local = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
         const int row = q0 + warp_row0 + row_local;
-        if (row < p.Nq)
+        if (row < nq)
             *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
                 *reinterpret_cast<const uint4 *>(o_stage + swizzle<ROW_CHUNKS>(row_local, ch));
     }
@@ -359,7 +368,10 @@ sparge_status launch_fwd(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
     using K = fwd_kernel_traits<T, D, WARPS, STAGES, SPLIT>;
     static_assert(K::SMEM_BYTES == BLOCK_Q * D * 2 + STAGES * 2 * TILE_K * D * 2, "sparge_cuda_forward_fits counts it");
     sparge_status s;
-    auto kernel = fwd_kernel<T, D, WARPS, STAGES, SPLIT>;
+    auto kernel = p.seq_q ? (p.causal ? fwd_kernel<T, D, WARPS, STAGES, SPLIT, true, true>
+                                      : fwd_kernel<T, D, WARPS, STAGES, SPLIT, false, true>)
+                          : (p.causal ? fwd_kernel<T, D, WARPS, STAGES, SPLIT, true, false>
+                                      : fwd_kernel<T, D, WARPS, STAGES, SPLIT, false, false>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, K::SMEM_BYTES))))
         return s;
     kernel<<<(unsigned)n_items, K::THREADS, K::SMEM_BYTES, ctx->stream>>>(p);
@@ -428,10 +440,10 @@ sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D)
 sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
 {
     const sparge_dtype dt = a->q.dtype;
-    const int64_t D = a->q.D, B = a->q.B, H = a->q.H, Nq = a->q.N, Nk = a->k.N;
     const sparge_mask_view *m = a->mask;
+    const int64_t D = a->q.D, B = m ? m->B : a->q.B, H = a->q.H, Nq = a->q.N, Nk = a->k.N;
     sparge_status s;
-    const int64_t Nqb = (Nq + BLOCK_Q - 1) / BLOCK_Q;
+    const int64_t Nqb = m ? m->Nqb : (Nq + BLOCK_Q - 1) / BLOCK_Q;
     const int64_t n_items = B * H * Nqb;
     if (n_items == 0)
         return SPARGE_OK;
@@ -443,6 +455,10 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     p.v_sb = a->v.sb, p.v_sh = a->v.sh, p.v_sn = a->v.sn;
     p.o_sb = a->o.sb, p.o_sh = a->o.sh, p.o_sn = a->o.sn;
     p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk, p.Nqb = (int)Nqb;
+    p.kv_magic = gpu_kv_magic(H / a->k.H);
+    p.causal = a->causal;
+    p.seq_q = m ? m->seq_q : nullptr;
+    p.seq_k = m ? m->seq_k : nullptr;
     p.lse = a->lse;
     p.scale_log2 = a->scale * 1.4426950408889634f;
     if (m) {

@@ -15,7 +15,7 @@ struct fwd_params {
     const void *q, *k, *v;
     void *o;
     int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn;
-    int H, Nq, Nk;
+    int H, Nq, Nk; /* Nq, Nk: the tensors' tokens (varlen: the packed totals) */
     int Nqb;       /* query blocks per (b, h) */
     int Nkb;       /* row stride of the CSR indices (mask) or 64-key tiles per row (dense) */
     int sub_shift; /* log2(bk / 64): compute tiles per kept block */
@@ -23,7 +23,38 @@ struct fwd_params {
     const int32_t *order;            /* launch order of (bh, i) work items; NULL: identity */
     float *lse;
     float scale_log2; /* softmax scale · log2(e): scores are exponentiated with exp2 */
+    /* Last, so that the fields above keep the offsets the kernels were tuned with (ptxas spilled more otherwise). */
+    uint32_t kv_magic; /* K/V head of query head h: gpu_kv_head(h, kv_magic) */
+    int causal; /* keys past a query's diagonal (u > t + nk − nq of its sequence) are masked */
+    const int32_t *seq_q, *seq_k; /* varlen: token offsets of the sequences, or NULL */
 };
+
+/* The sequence of batch b (varlen: sequence b of the packed tensors) as a forward kernel sees it: the tensors' batch
+ * index, the first query and key token, their counts, and K/V's head for query head h. */
+struct fwd_seq {
+    int tb, q_off, k_off, nq, nk;
+};
+template <bool VARLEN> __device__ __forceinline__ fwd_seq fwd_seq_of(const fwd_params &p, int b)
+{
+    if (VARLEN)
+        return {0, p.seq_q[b], p.seq_k[b], p.seq_q[b + 1] - p.seq_q[b], p.seq_k[b + 1] - p.seq_k[b]};
+    return {b, 0, 0, p.Nq, p.Nk};
+}
+
+/* The LSE's index of query row `row` of (b, h) = bh: [B, H, Nq], or [H, T] for packed varlen tensors. The fixed-length
+ * form from bh alone: forming it from the sequence's fields cost the mma.sync forward 80 bytes of spills (ptxas). */
+template <bool VARLEN>
+__device__ __forceinline__ int64_t fwd_lse_index(const fwd_params &p, int bh, int h, const fwd_seq &s, int row)
+{
+    return VARLEN ? (int64_t)h * p.Nq + s.q_off + row : (int64_t)bh * p.Nq + row;
+}
+
+/* Dense causal: the 64-key tiles up to the last query's diagonal (of tiles, at most n_tiles). */
+__device__ __forceinline__ int fwd_causal_tiles(const fwd_params &p, const fwd_seq &s, int q0, int n_tiles)
+{
+    const int last = min(q0 + FWD_BLOCK_Q, s.nq) - 1 + s.nk - s.nq;
+    return min(n_tiles, last / FWD_TILE_K + 1);
+}
 
 /* 1 when this build holds the sm_90a wgmma kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */

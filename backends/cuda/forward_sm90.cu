@@ -59,7 +59,7 @@ struct wg_traits {
 
 /* ---------------------------------------------------------------- kernel */
 
-template <typename T, int D>
+template <typename T, int D, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -72,11 +72,16 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     const int tid = threadIdx.x, lane = tid & 31, wg = warp_uniform(tid >> 7), wg_tid = tid & 127;
     gpu_wait_for_previous_kernel();
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
-    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BLOCK_Q, n_tiles = warp_uniform(w.n_tiles);
+    const int h = w.h, q0 = w.qblock * BLOCK_Q;
+    const fwd_seq sq = fwd_seq_of<VARLEN>(p, w.b);
+    if (VARLEN && q0 >= sq.nq) /* a row past its sequence */
+        return;
+    const int n_tiles = warp_uniform(CAUSAL && !p.counts ? fwd_causal_tiles(p, sq, q0, w.n_tiles) : w.n_tiles);
+    const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
 
-    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
-    const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh;
-    const T *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+    const T *q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
+    const T *k = (const T *)p.k + sq.tb * p.k_sb + gpu_kv_head(h, p.kv_magic) * p.k_sh + sq.k_off * p.k_sn;
+    const T *v = (const T *)p.v + sq.tb * p.v_sb + gpu_kv_head(h, p.kv_magic) * p.v_sh + sq.k_off * p.v_sn;
 
     const uint32_t q_smem = smem0;
     auto k_smem = [&](int stage) { return q_smem + W::Q_BYTES + stage * 2 * W::REGION_BYTES; };
@@ -84,14 +89,14 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     auto issue_tile = [&](int t) { /* one group per tile, empty past the last */
         if (t < n_tiles) {
             int key0 = w.key0(t);
-            load_tile<T, D, TILE_K>(k_smem(t % STAGES), k, p.k_sn, key0, p.Nk, tid);
-            load_tile<T, D, TILE_K>(v_smem(t % STAGES), v, p.v_sn, key0, p.Nk, tid);
+            load_tile<T, D, TILE_K>(k_smem(t % STAGES), k, p.k_sn, key0, nk, tid);
+            load_tile<T, D, TILE_K>(v_smem(t % STAGES), v, p.v_sn, key0, nk, tid);
         }
         cp_async_commit();
     };
 
     /* Groups in commit order: Q, tile 0, tile 1, ... */
-    load_tile<T, D, BLOCK_Q>(q_smem, q, p.q_sn, q0, p.Nq, tid);
+    load_tile<T, D, BLOCK_Q>(q_smem, q, p.q_sn, q0, nq, tid);
     cp_async_commit();
 #pragma unroll
     for (int t = 0; t < STAGES - 1; t++)
@@ -128,14 +133,18 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         wgmma_wait<0>();
         fence_operands(s);
 
-        if (w.ragged(t, p.Nk)) { /* keys past Nk do not exist */
+        /* Keys past nk do not exist (ragged last block); with causal, keys past a query's diagonal are masked. */
+        const int row_first = q0 + wg * WG_ROWS; /* this warpgroup's first query */
+        if (w.ragged(t, nk) || (CAUSAL && w.key0(t) + TILE_K - 1 > row_first + diag)) {
             const int key0 = w.key0(t);
 #pragma unroll
             for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (key0 + nt * 8 + frag_col(lane) + (e & 1) >= p.Nk)
+                for (int e = 0; e < 4; e++) {
+                    const int key = key0 + nt * 8 + frag_col(lane) + (e & 1), row = row_first + row0 + 8 * (e >> 1);
+                    if (key >= nk || (CAUSAL && key > row + diag))
                         s[nt][e] = -INFINITY;
+                }
         }
 
         /* Online softmax, rows r0 (e = 0,1) and r0 + 8 (e = 2,3): forward.cu's arithmetic. */
@@ -194,15 +203,17 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         const int row_local = row0 + 8 * r;
         const int row = q0 + wg * WG_ROWS + row_local;
-        if (p.lse && (lane & 3) == 0 && row < p.Nq)
-            p.lse[(int64_t)bh * p.Nq + row] = l > 0.0f ? (row_max[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        if (p.lse && (lane & 3) == 0 && row < nq)
+            p.lse[fwd_lse_index<VARLEN>(p, w.bh, h, sq, row)] =
+                l > 0.0f ? (row_max[r] + log2f(l)) * 0.69314718055994531f : -INFINITY;
 #pragma unroll
         for (int dt = 0; dt < D_TILES; dt++)
             *reinterpret_cast<uint32_t *>(o_stage + swizzle<W::ROW_CHUNKS>(row_local, dt) + (lane & 3) * 4) =
                 pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
     }
     __syncthreads();
-    store_wg_rows<T, D>((T *)p.o + b * p.o_sb + h * p.o_sh, p.o_sn, q0 + wg * WG_ROWS, p.Nq, o_stage, wg_tid);
+    store_wg_rows<T, D>((T *)p.o + sq.tb * p.o_sb + h * p.o_sh + sq.q_off * p.o_sn, p.o_sn, q0 + wg * WG_ROWS, nq,
+                        o_stage, wg_tid);
 #endif
 }
 
@@ -214,7 +225,8 @@ sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward (D=%d) needs %d bytes of shared memory, "
                            "the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = wgmma_fwd_kernel<T, D>;
+    auto kernel = p.seq_q ? (p.causal ? wgmma_fwd_kernel<T, D, true, true> : wgmma_fwd_kernel<T, D, false, true>)
+                          : (p.causal ? wgmma_fwd_kernel<T, D, true, false> : wgmma_fwd_kernel<T, D, false, false>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     /* sm_90a code only: the kernel holds the wait, so its CTAs may be set up while the launch order drains. */
@@ -228,7 +240,7 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
     cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128, false, false>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }

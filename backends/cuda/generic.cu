@@ -36,9 +36,13 @@ struct attn_params {
     tensor q, k, v, o, d_o, dq, dk, dv;
     const float *lse_in; /* backward */
     float *lse_out;      /* forward, may be NULL */
-    float *delta;        /* backward scratch [B*H*Nq] */
-    int64_t BH, H, Nq, Nk, D, Nqb, Nkb;
+    float *delta;        /* backward scratch, indexed like the LSE */
+    int64_t BH, H, Nq, Nk, D, Nqb, Nkb; /* Nq, Nk: the tensors' tokens; Nqb, Nkb: the mask's (or dense) blocks */
+    int64_t group;       /* query heads per K/V head */
+    int64_t q_rows;      /* the tensors' query rows, B·H·Nq (the LSE's and delta's entries) */
     int bq, bk;
+    int causal;
+    const int32_t *seq_q, *seq_k; /* varlen token offsets, or NULL */
     int q_tiles, k_tiles; /* tiles per query / key block */
     float scale, scale_log2;
     const int32_t *counts, *indices, *t_counts, *t_indices; /* NULL: dense */
@@ -46,6 +50,31 @@ struct attn_params {
 };
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Sequence b: the tensors' batch index tb (0 for packed varlen views), its first query and key tokens and counts. */
+struct seq_span {
+    int64_t tb, q0, nq, k0, nk;
+};
+__device__ __forceinline__ seq_span seq_of(const attn_params &p, int64_t b)
+{
+    if (p.seq_q)
+        return {0, p.seq_q[b], p.seq_q[b + 1] - p.seq_q[b], p.seq_k[b], p.seq_k[b + 1] - p.seq_k[b]};
+    return {b, 0, p.Nq, 0, p.Nk};
+}
+
+/* The LSE's (and delta's) index of token t of sequence s, query head h. */
+__device__ __forceinline__ int64_t lse_at(const attn_params &p, const seq_span &s, int64_t h, int64_t t)
+{
+    return (s.tb * p.H + h) * p.Nq + s.q0 + t;
+}
+
+/* Key blocks a query block may attend when dense: all of them, or with causal those up to its diagonal. */
+__device__ __forceinline__ int64_t dense_blocks(const attn_params &p, const seq_span &s, int64_t i)
+{
+    int64_t allowed, d0, d1;
+    sparge_row_rule(i, s.nq, s.nk, p.bq, p.bk, p.causal, &allowed, &d0, &d1);
+    return allowed;
+}
 
 template <typename T> __device__ __forceinline__ const T *head_ptr(const tensor &t, int64_t b, int64_t h)
 {
@@ -166,10 +195,11 @@ __device__ __forceinline__ float group16_sum(float x)
     return x;
 }
 
-/* Decode a query-tile block: (b,h,i) and the tile's first row and row count. */
+/* Decode a query-tile block: (b,h,i), its sequence, and the tile's first row (in the sequence) and row count. */
 struct q_tile {
     int64_t bh, b, h, i, row0;
     int rows;
+    seq_span s;
 };
 __device__ __forceinline__ bool decode_q_tile(const attn_params &p, int BM, q_tile *t)
 {
@@ -180,10 +210,17 @@ __device__ __forceinline__ bool decode_q_tile(const attn_params &p, int BM, q_ti
     t->bh = blk / p.Nqb;
     t->b = t->bh / p.H;
     t->h = t->bh % p.H;
-    const int64_t end = min64((t->i + 1) * p.bq, p.Nq);
+    t->s = seq_of(p, t->b);
+    const int64_t end = min64((t->i + 1) * p.bq, t->s.nq);
     t->row0 = t->i * p.bq + (int64_t)sub * BM;
     t->rows = (int)min64(BM, end - t->row0);
     return t->row0 < end;
+}
+
+/* Scores of keys past a query's causal diagonal are masked: key k0 + tx + 16c against query row0 + ty + 16a. */
+__device__ __forceinline__ bool causal_ok(const attn_params &p, const seq_span &s, int64_t row, int64_t key)
+{
+    return !p.causal || key <= row + s.nk - s.nq;
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -202,8 +239,11 @@ template <typename T, int DT, int BM, int BN> __global__ void __launch_bounds__(
     if (!decode_q_tile(p, BM, &qt))
         return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    load_tile<T, BM, DT>(qs, head_ptr<T>(p.q, qt.b, qt.h), p.q.sn, p.q.sd, qt.row0, qt.rows, p.D, p.vec);
-    const T *kh = head_ptr<T>(p.k, qt.b, qt.h), *vh = head_ptr<T>(p.v, qt.b, qt.h);
+    const seq_span &sq = qt.s;
+    load_tile<T, BM, DT>(qs, head_ptr<T>(p.q, sq.tb, qt.h) + sq.q0 * p.q.sn, p.q.sn, p.q.sd, qt.row0, qt.rows, p.D,
+                         p.vec);
+    const T *kh = head_ptr<T>(p.k, sq.tb, qt.h / p.group) + sq.k0 * p.k.sn,
+            *vh = head_ptr<T>(p.v, sq.tb, qt.h / p.group) + sq.k0 * p.v.sn;
 
     float m[RM], l[RM], o[RM][DPT];
     for (int a = 0; a < RM; a++) {
@@ -213,10 +253,10 @@ template <typename T, int DT, int BM, int BN> __global__ void __launch_bounds__(
             o[a][e] = 0.0f;
     }
     const int64_t row = qt.bh * p.Nqb + qt.i;
-    const int64_t nblocks = p.counts ? p.counts[row] : p.Nkb;
+    const int64_t nblocks = p.counts ? p.counts[row] : dense_blocks(p, sq, qt.i);
     const int32_t *list = p.counts ? p.indices + row * p.Nkb : nullptr;
     for (int64_t t = 0; t < nblocks; t++) {
-        const int64_t j = list ? list[t] : t, kend = min64((j + 1) * p.bk, p.Nk);
+        const int64_t j = list ? list[t] : t, kend = min64((j + 1) * p.bk, sq.nk);
         for (int64_t k0 = j * p.bk; k0 < kend; k0 += BN) {
             const int kr = (int)min64(BN, kend - k0);
             __syncthreads(); /* the previous tile's readers are done */
@@ -228,13 +268,15 @@ template <typename T, int DT, int BM, int BN> __global__ void __launch_bounds__(
             for (int a = 0; a < RM; a++) {
                 float mx = -INFINITY;
                 for (int c = 0; c < RN; c++) {
-                    s[a][c] = tx + 16 * c < kr ? s[a][c] * p.scale_log2 : -INFINITY;
+                    const bool ok = tx + 16 * c < kr && causal_ok(p, sq, qt.row0 + ty + 16 * a, k0 + tx + 16 * c);
+                    s[a][c] = ok ? s[a][c] * p.scale_log2 : -INFINITY;
                     mx = fmaxf(mx, s[a][c]);
                 }
-                const float mnew = fmaxf(m[a], group16_max(mx)), alpha = exp2f(m[a] - mnew);
+                const float mnew = fmaxf(m[a], group16_max(mx)), mref = mnew == -INFINITY ? 0.0f : mnew;
+                const float alpha = exp2f(m[a] - mref);
                 float sum = 0.0f;
                 for (int c = 0; c < RN; c++) {
-                    const float pv = exp2f(s[a][c] - mnew);
+                    const float pv = exp2f(s[a][c] - mref);
                     sum += pv;
                     ps[(ty + 16 * a) * (BN + 4) + tx + 16 * c] = pv;
                 }
@@ -247,7 +289,7 @@ template <typename T, int DT, int BM, int BN> __global__ void __launch_bounds__(
             mul_tile<RM, BN, DT>(o, ps, vs, ty, tx);
         }
     }
-    T *oh = (T *)p.o.data + qt.b * p.o.sb + qt.h * p.o.sh;
+    T *oh = (T *)p.o.data + sq.tb * p.o.sb + qt.h * p.o.sh + sq.q0 * p.o.sn;
     for (int a = 0; a < RM; a++) {
         const int r = ty + 16 * a;
         if (r >= qt.rows)
@@ -259,7 +301,7 @@ template <typename T, int DT, int BM, int BN> __global__ void __launch_bounds__(
                 oh[(qt.row0 + r) * p.o.sn + d * p.o.sd] = from_f32<T>(o[a][e] * inv);
         }
         if (tx == 0 && p.lse_out)
-            p.lse_out[qt.bh * p.Nq + qt.row0 + r] = (m[a] + log2f(l[a])) * LN2;
+            p.lse_out[lse_at(p, sq, qt.h, qt.row0 + r)] = (m[a] + log2f(l[a])) * LN2;
     }
 }
 
@@ -289,12 +331,13 @@ constexpr size_t bwd_smem(int DT, int BQ, int BK)
                             2 * (size_t)BQ);
 }
 
-/* Scores of a (query tile × key tile) pair: P = exp(s·QKᵀ − LSE) and
- * dS = P∘(dO Vᵀ − delta), zero outside the valid rows and columns. */
+/* Scores of a (query tile × key tile) pair: P = exp(s·QKᵀ − LSE) and dS = P∘(dO Vᵀ − delta), zero outside the
+ * valid rows and columns and past the causal diagonal (queries from q_row0, keys from k_row0 of sequence s). */
 template <int RQ, int RK, int DT>
 __device__ __forceinline__ void probs_and_grads(float (&pr)[RQ][RK], float (&ds)[RQ][RK], const float *qs,
                                                 const float *dos, const float *ks, const float *vs, const float *lse_s,
-                                                const float *dl_s, int qr, int kr, float scale_log2, int ty, int tx)
+                                                const float *dl_s, int qr, int kr, const attn_params &p,
+                                                const seq_span &sq, int64_t q_row0, int64_t k_row0, int ty, int tx)
 {
     float s[RQ][RK] = {}, dp[RQ][RK] = {};
     dot_tile<RQ, RK, DT>(s, qs, ks, ty, tx);
@@ -302,24 +345,25 @@ __device__ __forceinline__ void probs_and_grads(float (&pr)[RQ][RK], float (&ds)
     for (int a = 0; a < RQ; a++) {
         const int r = ty + 16 * a;
         for (int c = 0; c < RK; c++) {
-            const bool valid = r < qr && tx + 16 * c < kr;
-            const float pv = valid ? exp2f(s[a][c] * scale_log2 - lse_s[r]) : 0.0f;
+            const bool valid = r < qr && tx + 16 * c < kr && causal_ok(p, sq, q_row0 + r, k_row0 + tx + 16 * c);
+            const float pv = valid ? exp2f(s[a][c] * p.scale_log2 - lse_s[r]) : 0.0f;
             pr[a][c] = pv;
             ds[a][c] = valid ? pv * (dp[a][c] - dl_s[r]) : 0.0f;
         }
     }
 }
 
-/* Q, dO tile rows, their LSE (base 2) and delta into shared memory. */
+/* Q, dO tile rows (from row0 of sequence s, head h), their LSE (base 2) and delta into shared memory. */
 template <typename T, int BQ, int DT>
-__device__ void load_query_side(const attn_params &p, int64_t b, int64_t h, int64_t bh, int64_t row0, int rows,
-                                float *qs, float *dos, float *lse_s, float *dl_s)
+__device__ void load_query_side(const attn_params &p, const seq_span &s, int64_t h, int64_t row0, int rows, float *qs,
+                                float *dos, float *lse_s, float *dl_s)
 {
-    load_tile<T, BQ, DT>(qs, head_ptr<T>(p.q, b, h), p.q.sn, p.q.sd, row0, rows, p.D, p.vec);
-    load_tile<T, BQ, DT>(dos, head_ptr<T>(p.d_o, b, h), p.d_o.sn, p.d_o.sd, row0, rows, p.D, p.vec);
+    load_tile<T, BQ, DT>(qs, head_ptr<T>(p.q, s.tb, h) + s.q0 * p.q.sn, p.q.sn, p.q.sd, row0, rows, p.D, p.vec);
+    load_tile<T, BQ, DT>(dos, head_ptr<T>(p.d_o, s.tb, h) + s.q0 * p.d_o.sn, p.d_o.sn, p.d_o.sd, row0, rows, p.D,
+                         p.vec);
     for (int r = threadIdx.x; r < BQ; r += THREADS) {
-        lse_s[r] = r < rows ? p.lse_in[bh * p.Nq + row0 + r] * LOG2E : 0.0f;
-        dl_s[r] = r < rows ? p.delta[bh * p.Nq + row0 + r] : 0.0f;
+        lse_s[r] = r < rows ? p.lse_in[lse_at(p, s, h, row0 + r)] * LOG2E : 0.0f;
+        dl_s[r] = r < rows ? p.delta[lse_at(p, s, h, row0 + r)] : 0.0f;
     }
 }
 
@@ -330,31 +374,37 @@ template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(
     float *ks = smem, *vs = ks + BK * LD, *qs = vs + BK * LD, *dos = qs + BQ * LD, *pt = dos + BQ * LD;
     float *lse_s = pt + BK * PLD, *dl_s = lse_s + BQ;
 
+    /* A block per key tile of (b, K head hk): the dK, dV of the group's query heads, summed in head order. */
     int64_t blk = blockIdx.x;
     const int sub = (int)(blk % p.k_tiles);
     blk /= p.k_tiles;
-    const int64_t j = blk % p.Nkb, bh = blk / p.Nkb, b = bh / p.H, h = bh % p.H;
-    const int64_t kend = min64((j + 1) * p.bk, p.Nk), k0 = j * p.bk + (int64_t)sub * BK;
+    const int64_t hkv = p.H / p.group, j = blk % p.Nkb, bhk = blk / p.Nkb, b = bhk / hkv, hk = bhk % hkv;
+    const seq_span sq = seq_of(p, b);
+    const int64_t kend = min64((j + 1) * p.bk, sq.nk), k0 = j * p.bk + (int64_t)sub * BK;
     if (k0 >= kend)
         return;
     const int kr = (int)min64(BK, kend - k0);
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    load_tile<T, BK, DT>(ks, head_ptr<T>(p.k, b, h), p.k.sn, p.k.sd, k0, kr, p.D, p.vec);
-    load_tile<T, BK, DT>(vs, head_ptr<T>(p.v, b, h), p.v.sn, p.v.sd, k0, kr, p.D, p.vec);
+    load_tile<T, BK, DT>(ks, head_ptr<T>(p.k, sq.tb, hk) + sq.k0 * p.k.sn, p.k.sn, p.k.sd, k0, kr, p.D, p.vec);
+    load_tile<T, BK, DT>(vs, head_ptr<T>(p.v, sq.tb, hk) + sq.k0 * p.v.sn, p.v.sn, p.v.sd, k0, kr, p.D, p.vec);
 
     float dk[RK][DPT] = {}, dv[RK][DPT] = {};
-    const int64_t col = bh * p.Nkb + j;
-    const int64_t nblocks = p.t_counts ? p.t_counts[col] : p.Nqb;
+    const int64_t nqb = (sq.nq + p.bq - 1) / p.bq;
+    for (int64_t h = hk * p.group; h < (hk + 1) * p.group; h++) {
+    const int64_t col = (b * p.H + h) * p.Nkb + j;
+    const int64_t nblocks = p.t_counts ? p.t_counts[col] : nqb;
     const int32_t *list = p.t_counts ? p.t_indices + col * p.Nqb : nullptr;
     for (int64_t t = 0; t < nblocks; t++) {
-        const int64_t i = list ? list[t] : t, qend = min64((i + 1) * p.bq, p.Nq);
+        const int64_t i = list ? list[t] : t, qend = min64((i + 1) * p.bq, sq.nq);
+        if (!list && j >= dense_blocks(p, sq, i)) /* dense causal: this query block stops before key block j */
+            continue;
         for (int64_t q0 = i * p.bq; q0 < qend; q0 += BQ) {
             const int qr = (int)min64(BQ, qend - q0);
             __syncthreads();
-            load_query_side<T, BQ, DT>(p, b, h, bh, q0, qr, qs, dos, lse_s, dl_s);
+            load_query_side<T, BQ, DT>(p, sq, h, q0, qr, qs, dos, lse_s, dl_s);
             __syncthreads();
             float pr[RQ][RK], ds[RQ][RK];
-            probs_and_grads<RQ, RK, DT>(pr, ds, qs, dos, ks, vs, lse_s, dl_s, qr, kr, p.scale_log2, ty, tx);
+            probs_and_grads<RQ, RK, DT>(pr, ds, qs, dos, ks, vs, lse_s, dl_s, qr, kr, p, sq, q0, k0, ty, tx);
             for (int a = 0; a < RQ; a++)
                 for (int c = 0; c < RK; c++)
                     pt[(tx + 16 * c) * PLD + ty + 16 * a] = pr[a][c];
@@ -368,8 +418,9 @@ template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(
             mul_tile<RK, BQ, DT>(dk, pt, qs, ty, tx); /* dK += dSᵀ Q (scaled at the end) */
         }
     }
-    store_rows<T, RK, DT>(p.dk, b, h, k0, kr, p.D, dk, p.scale, ty, tx);
-    store_rows<T, RK, DT>(p.dv, b, h, k0, kr, p.D, dv, 1.0f, ty, tx);
+    }
+    store_rows<T, RK, DT>(p.dk, sq.tb, hk, sq.k0 + k0, kr, p.D, dk, p.scale, ty, tx);
+    store_rows<T, RK, DT>(p.dv, sq.tb, hk, sq.k0 + k0, kr, p.D, dv, 1.0f, ty, tx);
 }
 
 template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(THREADS) dq_kernel(attn_params p)
@@ -382,15 +433,17 @@ template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(
     if (!decode_q_tile(p, BQ, &qt))
         return;
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-    load_query_side<T, BQ, DT>(p, qt.b, qt.h, qt.bh, qt.row0, qt.rows, qs, dos, lse_s, dl_s);
-    const T *kh = head_ptr<T>(p.k, qt.b, qt.h), *vh = head_ptr<T>(p.v, qt.b, qt.h);
+    const seq_span &sq = qt.s;
+    load_query_side<T, BQ, DT>(p, sq, qt.h, qt.row0, qt.rows, qs, dos, lse_s, dl_s);
+    const T *kh = head_ptr<T>(p.k, sq.tb, qt.h / p.group) + sq.k0 * p.k.sn,
+            *vh = head_ptr<T>(p.v, sq.tb, qt.h / p.group) + sq.k0 * p.v.sn;
 
     float dq[RQ][DPT] = {};
     const int64_t row = qt.bh * p.Nqb + qt.i;
-    const int64_t nblocks = p.counts ? p.counts[row] : p.Nkb;
+    const int64_t nblocks = p.counts ? p.counts[row] : dense_blocks(p, sq, qt.i);
     const int32_t *list = p.counts ? p.indices + row * p.Nkb : nullptr;
     for (int64_t t = 0; t < nblocks; t++) {
-        const int64_t j = list ? list[t] : t, kend = min64((j + 1) * p.bk, p.Nk);
+        const int64_t j = list ? list[t] : t, kend = min64((j + 1) * p.bk, sq.nk);
         for (int64_t k0 = j * p.bk; k0 < kend; k0 += BK) {
             const int kr = (int)min64(BK, kend - k0);
             __syncthreads();
@@ -398,7 +451,7 @@ template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(
             load_tile<T, BK, DT>(vs, vh, p.v.sn, p.v.sd, k0, kr, p.D, p.vec);
             __syncthreads();
             float pr[RQ][RK], ds[RQ][RK];
-            probs_and_grads<RQ, RK, DT>(pr, ds, qs, dos, ks, vs, lse_s, dl_s, qt.rows, kr, p.scale_log2, ty, tx);
+            probs_and_grads<RQ, RK, DT>(pr, ds, qs, dos, ks, vs, lse_s, dl_s, qt.rows, kr, p, sq, qt.row0, k0, ty, tx);
             for (int a = 0; a < RQ; a++)
                 for (int c = 0; c < RK; c++)
                     dss[(ty + 16 * a) * SLD + tx + 16 * c] = ds[a][c];
@@ -406,7 +459,7 @@ template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(
             mul_tile<RQ, BK, DT>(dq, dss, ks, ty, tx); /* dQ += dS K (scaled at the end) */
         }
     }
-    store_rows<T, RQ, DT>(p.dq, qt.b, qt.h, qt.row0, qt.rows, p.D, dq, p.scale, ty, tx);
+    store_rows<T, RQ, DT>(p.dq, sq.tb, qt.h, sq.q0 + qt.row0, qt.rows, p.D, dq, p.scale, ty, tx);
 }
 
 /* ---------------------------------------------------------------- launch */
@@ -436,8 +489,8 @@ template <typename T, int DT, int BM, int BN> sparge_status launch_forward(gpu_c
 template <typename T, int DT, int BQ, int BK> sparge_status launch_dkdv(gpu_ctx *ctx, attn_params p)
 {
     p.k_tiles = (p.bk + BK - 1) / BK;
-    return launch_tiled(ctx, dkdv_kernel<T, DT, BQ, BK>, bwd_smem(DT, BQ, BK), p.BH * p.Nkb * p.k_tiles, p,
-                        "generic backward dK/dV kernel");
+    return launch_tiled(ctx, dkdv_kernel<T, DT, BQ, BK>, bwd_smem(DT, BQ, BK), p.BH / p.group * p.Nkb * p.k_tiles,
+                        p, "generic backward dK/dV kernel");
 }
 
 template <typename T, int DT, int BQ, int BK> sparge_status launch_dq(gpu_ctx *ctx, attn_params p)
@@ -481,21 +534,25 @@ bool can_vectorize(const sparge_view &x)
            x.sn % n == 0;
 }
 
-attn_params common_params(const sparge_view &q, const sparge_view &k, float scale, int bq, int bk,
+/* The blocks and batch follow the mask's layout when there is one (varlen: sequences, the longest one's blocks). */
+attn_params common_params(const sparge_view &q, const sparge_view &k, float scale, int bq, int bk, int causal,
                           const sparge_mask_view *m)
 {
     attn_params p = {};
     p.q = as_tensor(q);
     p.k = as_tensor(k);
-    p.BH = q.B * q.H;
+    p.BH = (m ? m->B : q.B) * q.H;
+    p.q_rows = q.B * q.H * q.N;
     p.H = q.H;
+    p.group = q.H / k.H;
     p.Nq = q.N;
     p.Nk = k.N;
     p.D = q.D;
     p.bq = bq;
     p.bk = bk;
-    p.Nqb = (q.N + bq - 1) / bq;
-    p.Nkb = (k.N + bk - 1) / bk;
+    p.causal = causal;
+    p.Nqb = m ? m->Nqb : (q.N + bq - 1) / bq;
+    p.Nkb = m ? m->Nkb : (k.N + bk - 1) / bk;
     p.scale = scale;
     p.scale_log2 = scale * LOG2E;
     if (m) {
@@ -503,6 +560,8 @@ attn_params common_params(const sparge_view &q, const sparge_view &k, float scal
         p.indices = m->indices;
         p.t_counts = m->t_counts;
         p.t_indices = m->t_indices;
+        p.seq_q = m->seq_q;
+        p.seq_k = m->seq_k;
     }
     return p;
 }
@@ -558,7 +617,7 @@ template <typename T> sparge_status backward_tiles(gpu_ctx *ctx, const attn_para
 
 template <typename T> sparge_status backward_t(gpu_ctx *ctx, const attn_params &p)
 {
-    const int64_t rows = p.BH * p.Nq, per_block = THREADS / 16, blocks = (rows + per_block - 1) / per_block;
+    const int64_t rows = p.q_rows, per_block = THREADS / 16, blocks = (rows + per_block - 1) / per_block;
     if (blocks > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "generic backward: B*H*Nq = %lld exceeds the grid limit",
                            (long long)rows);
@@ -587,7 +646,7 @@ sparge_status SPARGE_GPU_FN(generic_fits)(const gpu_ctx *ctx, int64_t D, bool ba
 
 sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args *a)
 {
-    attn_params p = common_params(a->q, a->k, a->scale, a->bq, a->bk, a->mask);
+    attn_params p = common_params(a->q, a->k, a->scale, a->bq, a->bk, a->causal, a->mask);
     p.v = as_tensor(a->v);
     p.o = as_tensor(a->o);
     p.lse_out = a->lse;
@@ -602,7 +661,7 @@ sparge_status SPARGE_GPU_FN(generic_forward)(gpu_ctx *ctx, const sparge_fwd_args
 sparge_status SPARGE_GPU_FN(generic_backward)(gpu_ctx *ctx, const sparge_bwd_args *a)
 {
     sparge_status s;
-    attn_params p = common_params(a->q, a->k, a->scale, a->bq, a->bk, a->mask);
+    attn_params p = common_params(a->q, a->k, a->scale, a->bq, a->bk, a->causal, a->mask);
     p.v = as_tensor(a->v);
     p.o = as_tensor(a->o);
     p.d_o = as_tensor(a->d_o);
@@ -611,7 +670,7 @@ sparge_status SPARGE_GPU_FN(generic_backward)(gpu_ctx *ctx, const sparge_bwd_arg
     p.dv = as_tensor(a->dv);
     p.lse_in = a->lse;
     p.vec = can_vectorize(a->q) && can_vectorize(a->k) && can_vectorize(a->v) && can_vectorize(a->d_o);
-    const int64_t bytes = p.BH * p.Nq * (int64_t)sizeof(float);
+    const int64_t bytes = p.q_rows * (int64_t)sizeof(float);
     void *delta;
     if ((s = gpu_workspace(ctx, (size_t)bytes, &delta)))
         return s;

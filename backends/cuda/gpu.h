@@ -118,6 +118,57 @@ sparge_status gpu_launch_after(gpu_ctx *ctx, void (*kernel)(Params...), unsigned
 
 constexpr int GPU_MAX_WARPS = 1024 / 32; /* warps of the largest block */
 
+/* A mask's layout on the device (docs/DESIGN.md §1.12): which key blocks a row may keep and which it must. */
+struct gpu_layout {
+    const int32_t *seq_q, *seq_k; /* varlen token offsets, or NULL */
+    int64_t Nq, Nk;               /* fixed lengths (varlen: unused) */
+    int64_t H, Nqb;               /* row r = (b·H + h)·Nqb + i */
+    int bq, bk, causal;
+    int plain;                    /* fixed length and not causal: every row allows all its blocks, forces none */
+};
+
+inline gpu_layout gpu_layout_of(const sparge_mask_view *m)
+{
+    return gpu_layout{m->seq_q, m->seq_k, m->Nq, m->Nk, m->H, m->Nqb, m->bq, m->bk, m->causal,
+                      !m->causal && !m->seq_q};
+}
+
+/* Row r of the layout: false when it lies past its sequence's query blocks; else its allowed key blocks
+ * [0, *allowed) and always-kept blocks *d0..*d1 (sparge_row_rule). */
+__device__ __forceinline__ bool gpu_layout_row(const gpu_layout &L, int64_t r, int64_t *allowed, int64_t *d0,
+                                               int64_t *d1)
+{
+    const int64_t b = r / (L.H * L.Nqb), i = r % L.Nqb;
+    int64_t nq = L.Nq, nk = L.Nk;
+    if (L.seq_q) {
+        nq = L.seq_q[b + 1] - L.seq_q[b];
+        nk = L.seq_k[b + 1] - L.seq_k[b];
+    }
+    if (i * L.bq >= nq)
+        return false;
+    sparge_row_rule(i, nq, nk, L.bq, L.bk, L.causal, allowed, d0, d1);
+    return true;
+}
+
+/* Top-k's count of a row of n blocks, as backends/cpu/select.c computes it: the products and sums rounded as the
+ * host rounds them (no fused multiply-add). */
+__device__ __forceinline__ int64_t gpu_topk_count(double topk, int64_t n)
+{
+    if (topk <= 0.0)
+        return 0;
+    const int64_t c = (int64_t)floor(__dadd_rn(__dmul_rn(topk, (double)n), 1e-6));
+    return c < 1 ? 1 : c > n ? n : c;
+}
+
+/* Grouped K/V heads: query head h reads K/V head h / group. gpu_kv_magic(group) (host) makes the divisor a
+ * multiply-high, exact for h · group < 2^32; a division by a run-time value in the attention kernels' prologue
+ * kept their K/V pointers live through the loop (ptxas: 24 → 100 bytes of spills in the mma.sync forward). */
+inline uint32_t gpu_kv_magic(int64_t group)
+{
+    return group <= 1 ? 0u : (uint32_t)((((uint64_t)1 << 32) + (uint64_t)group - 1) / (uint64_t)group);
+}
+__device__ __forceinline__ int gpu_kv_head(int h, uint32_t magic) { return magic ? (int)__umulhi((unsigned)h, magic) : h; }
+
 /* NaN by the bits: the CUDA build uses fast math. */
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 

@@ -18,6 +18,8 @@ struct map_params {
     int64_t mb, mh, mn, md;
     int64_t H, Nqb, Nkb, D;
     float scale;
+    int64_t group;  /* query heads per pooled K head */
+    gpu_layout L;   /* the softmax of a causal or varlen row runs over its allowed blocks (L.plain: every block) */
 };
 
 /* Logits map = scale · qbar kbarᵀ, a (16·TQ)×64 tile per block. Thread (ty,tx)
@@ -45,7 +47,7 @@ __global__ void __launch_bounds__(MAP_THREADS, TQ > 4 ? 3 : 4) map_logits_kernel
      * is fetched into registers while this one is multiplied. */
     const int dd_mine = threadIdx.x % MAP_DCHUNK, r_mine = threadIdx.x / MAP_DCHUNK;
     const float *q_mine = p.q + b * p.qb + h * p.qh + (i0 + r_mine) * p.qn + dd_mine * p.qd;
-    const float *k_mine = p.k + b * p.kb + h * p.kh + (j0 + r_mine) * p.kn + dd_mine * p.kd;
+    const float *k_mine = p.k + b * p.kb + h / p.group * p.kh + (j0 + r_mine) * p.kn + dd_mine * p.kd;
     const int64_t q_step = ROW_STEP * p.qn, k_step = ROW_STEP * p.kn;
     float q_next[LOADS_Q], k_next[LOADS_K];
     auto fetch = [&](int64_t d0) {
@@ -194,7 +196,7 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
     /* Staging: warp w holds key columns 16w..16w+15, a whole pooled row per load (lane l: d = 4l..4l+3, chunk
      * l/4), so that each load is one contiguous 512-byte row; per-thread columns took 8 times the L1 wavefronts. */
     const int kc = lane / 4, w = threadIdx.x / 32;
-    const float *ksrc = p.k + b * p.kb + h * p.kh + (j0 + 16 * w) * p.kn + 4 * lane;
+    const float *ksrc = p.k + b * p.kb + h / p.group * p.kh + (j0 + 16 * w) * p.kn + 4 * lane;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float4 kv[16], qv[2][NCH];
 #pragma unroll
@@ -285,7 +287,8 @@ template <int NCH> __global__ void __launch_bounds__(TC_THREADS, 3) map_logits_t
 }
 #endif
 
-/* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. */
+/* Row softmax in place, one warp per row; a row holding NaN becomes all NaN. With a layout, over each row's allowed
+ * blocks, and 0 past them (every entry of a row past its sequence). */
 __global__ void map_softmax_kernel(map_params p, int64_t rows)
 {
     gpu_wait_for_previous_kernel();
@@ -295,9 +298,16 @@ __global__ void map_softmax_kernel(map_params p, int64_t rows)
     const int lane = threadIdx.x % SPARGE_WARP_SIZE;
     const int64_t bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H;
     float *m = p.map + b * p.mb + h * p.mh + i * p.mn;
+    int64_t n = p.Nkb, d0, d1;
+    if (!p.L.plain && !gpu_layout_row(p.L, row, &n, &d0, &d1))
+        n = 0;
+    for (int64_t j = n + lane; j < p.Nkb; j += SPARGE_WARP_SIZE)
+        m[j * p.md] = 0.0f;
+    if (n == 0)
+        return;
     float mx = -INFINITY;
     int nan = 0;
-    for (int64_t j = lane; j < p.Nkb; j += SPARGE_WARP_SIZE) {
+    for (int64_t j = lane; j < n; j += SPARGE_WARP_SIZE) {
         const float x = m[j * p.md];
         nan |= is_nan(x);
         mx = fmaxf(mx, x);
@@ -307,12 +317,12 @@ __global__ void map_softmax_kernel(map_params p, int64_t rows)
         nan |= sparge_shfl_xor(nan, o);
     }
     float sum = 0.0f;
-    for (int64_t j = lane; j < p.Nkb; j += SPARGE_WARP_SIZE)
+    for (int64_t j = lane; j < n; j += SPARGE_WARP_SIZE)
         sum += expf(m[j * p.md] - mx);
     for (int o = SPARGE_WARP_SIZE / 2; o > 0; o >>= 1)
         sum += sparge_shfl_xor(sum, o);
     const float inv = 1.0f / sum;
-    for (int64_t j = lane; j < p.Nkb; j += SPARGE_WARP_SIZE)
+    for (int64_t j = lane; j < n; j += SPARGE_WARP_SIZE)
         m[j * p.md] = nan ? NAN : expf(m[j * p.md] - mx) * inv;
     gpu_allow_next_kernel();
 }
@@ -360,8 +370,12 @@ sparge_status check_grid(const sparge_map_args *a)
 map_params make_map_params(const sparge_map_args *a)
 {
     const sparge_view &q = a->qbar, &k = a->kbar, &m = a->map;
+    gpu_layout L = {};
+    L.plain = 1;
+    if (a->layout)
+        L = gpu_layout_of(a->layout);
     return map_params{(const float *)q.data, (const float *)k.data, q.sb, q.sh, q.sn, q.sd, k.sb, k.sh, k.sn, k.sd,
-                      (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale};
+                      (float *)m.data, m.sb, m.sh, m.sn, m.sd, q.H, q.N, k.N, q.D, a->scale, q.H / k.H, L};
 }
 
 /* The logits scale·qbar kbarᵀ into a->map : on the tensor cores where tc_map_ok (at Wan2.1-1.3B

@@ -73,13 +73,42 @@ __device__ __forceinline__ float key_score(uint32_t k) { return __uint_as_float(
 struct select_params {
     float *map; /* probabilities, or logits when the kernel applies the softmax (then overwritten) */
     int64_t mb, mh, mn, md;
-    int64_t H, Nqb, Nkb;
-    int64_t topk_count; /* n_k, computed on the host exactly as the reference */
-    double topp;
+    int64_t H, Nqb, Nkb;   /* Nkb: the rows' stride in dense and indices */
+    int64_t topk_count;    /* n_k of a plain row (Nkb blocks), computed on the host exactly as the reference */
+    double topk, topp;
     uint8_t *dense;
     int32_t *counts, *indices;
     float *row_mass;
+    gpu_layout L;          /* causal or varlen rows select among their allowed blocks and keep their diagonal ones */
 };
+
+/* Row r under p's layout: its allowed blocks *n, n_k *least, and its forced blocks d0..d1; false for a row past its
+ * sequence, which keeps nothing. */
+__device__ __forceinline__ bool select_row_rule(const select_params &p, int64_t r, int64_t *n, int64_t *least,
+                                                int64_t *d0, int64_t *d1)
+{
+    if (p.L.plain) {
+        *n = p.Nkb, *least = p.topk_count, *d0 = 1, *d1 = 0;
+        return true;
+    }
+    if (!gpu_layout_row(p.L, r, n, d0, d1))
+        return false;
+    *least = gpu_topk_count(p.topk, *n);
+    return true;
+}
+
+/* A row that keeps nothing (past its sequence): dense 0, indices -1, count and mass 0. */
+__device__ void empty_row(const select_params &p, int64_t row, int lane, int width)
+{
+    for (int64_t j = lane; j < p.Nkb; j += width) {
+        p.dense[row * p.Nkb + j] = 0;
+        p.indices[row * p.Nkb + j] = -1;
+    }
+    if (lane == 0) {
+        p.counts[row] = 0;
+        p.row_mass[row] = 0.0f;
+    }
+}
 
 /* One thread block per row; thread t holds entries t*IPT .. t*IPT+IPT-1 (the
  * blocked arrangement of the sort). SOFTMAX: the row holds logits; the block
@@ -100,10 +129,18 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
     __shared__ int32_t np_shared;
 
     const int64_t row = blockIdx.x, bh = row / p.Nqb, i = row % p.Nqb, b = bh / p.H, h = bh % p.H;
-    const int64_t n = p.Nkb, s0 = (int64_t)threadIdx.x * IPT;
+    const int64_t stride = p.Nkb, s0 = (int64_t)threadIdx.x * IPT;
+    int64_t n, topk_count, d0, d1;
     float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
-    uint8_t *dense = p.dense + row * n;
-    int32_t *idx = p.indices + row * n;
+    if (!select_row_rule(p, row, &n, &topk_count, &d0, &d1)) {
+        if constexpr (SOFTMAX)
+            for (int64_t j = threadIdx.x; j < stride; j += THREADS)
+                src[j * p.md] = 0.0f;
+        empty_row(p, row, threadIdx.x, THREADS);
+        return;
+    }
+    uint8_t *dense = p.dense + row * stride;
+    int32_t *idx = p.indices + row * stride;
 
     float x[IPT];
     for (int e = 0; e < IPT; e++)
@@ -129,6 +166,8 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
             if (s0 + e < n) {
                 x[e] = logit_nan ? NAN : x[e] * inv;
                 src[(s0 + e) * p.md] = x[e];
+            } else if (s0 + e < stride) {
+                src[(s0 + e) * p.md] = 0.0f; /* past the row's allowed blocks */
             }
     }
 
@@ -146,9 +185,9 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
         }
     }
     if (__syncthreads_or(nan)) {
-        for (int64_t j = threadIdx.x; j < n; j += THREADS) {
-            dense[j] = 1;
-            idx[j] = (int32_t)j;
+        for (int64_t j = threadIdx.x; j < stride; j += THREADS) {
+            dense[j] = j < n;
+            idx[j] = j < n ? (int32_t)j : -1;
         }
         if (threadIdx.x == 0) {
             p.counts[row] = (int32_t)n;
@@ -189,23 +228,30 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
     }
     __syncthreads();
     int64_t kept = p.topp > 0.0 ? np_shared : 0;
-    kept = kept > p.topk_count ? kept : p.topk_count;
+    kept = kept > topk_count ? kept : topk_count;
     kept = kept < 1 ? 1 : kept;
 
-    /* The kept mass is the prefix through sorted position kept-1. */
+    /* The kept mass is the prefix through sorted position kept-1, plus the forced blocks outside it. */
+    double forced_mass = 0.0;
+    for (int e = 0; e < IPT; e++)
+        if (s0 + e < n) {
+            keep[vals[e]] = s0 + e < kept;
+            if (s0 + e >= kept && vals[e] >= d0 && vals[e] <= d1)
+                forced_mass += score(e);
+        }
+    const double extra = d0 <= d1 ? block_reduce(forced_mass, [](double u, double v) { return u + v; }, tmp.dscan) : 0.0;
     if (s0 < kept && kept <= s0 + IPT) {
         double mass = before;
         for (int e = 0; e < IPT; e++)
             mass += s0 + e < kept ? score(e) : 0.0;
-        p.row_mass[row] = (float)mass;
-        p.counts[row] = (int32_t)kept;
+        p.row_mass[row] = (float)(mass + extra);
     }
-    for (int e = 0; e < IPT; e++)
-        if (s0 + e < n)
-            keep[vals[e]] = s0 + e < kept;
     __syncthreads();
-    for (int64_t j = threadIdx.x; j < n; j += THREADS)
-        dense[j] = keep[j];
+    for (int64_t j = d0 + threadIdx.x; j <= d1; j += THREADS)
+        keep[j] = 1;
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < stride; j += THREADS)
+        dense[j] = j < n ? keep[j] : 0;
     /* CSR: thread t owns block indices s0 .. s0+IPT-1; one scan places them. */
     int32_t mine = 0;
     for (int e = 0; e < IPT; e++)
@@ -215,8 +261,10 @@ template <int THREADS, int IPT, bool SOFTMAX> __global__ void __launch_bounds__(
     for (int e = 0; e < IPT; e++)
         if (s0 + e < n && keep[s0 + e])
             idx[at++] = (int32_t)(s0 + e);
-    for (int64_t j = kept + threadIdx.x; j < n; j += THREADS)
+    for (int64_t j = kept_total + threadIdx.x; j < stride; j += THREADS)
         idx[j] = -1;
+    if (threadIdx.x == 0)
+        p.counts[row] = kept_total;
     gpu_allow_next_kernel();
 }
 
@@ -327,16 +375,35 @@ template <int IPT> __device__ __forceinline__ double mass_from(const int32_t (&k
 }
 
 /* list: this warp's SPARGE_WARP_SIZE slots of shared memory. FULL: the row has exactly CAP blocks (Wan2.1-1.3B's
- * 512), so no register slot needs a bounds check. */
-template <int CAP, bool FULL> __device__ void fast_select_row(const select_params &p, int64_t row, int32_t *list)
+ * 512), so no register slot needs a bounds check. LAYOUT: a causal or varlen row, which selects among its allowed
+ * blocks (a prefix of the row), keeps its diagonal blocks besides, and is zero past them. */
+template <int CAP, bool FULL, bool LAYOUT>
+__device__ void fast_select_row(const select_params &p, int64_t row, int32_t *list)
 {
     constexpr int IPT = CAP / SPARGE_WARP_SIZE;
-    const int lane = threadIdx.x % SPARGE_WARP_SIZE, n = FULL ? CAP : (int)p.Nkb; /* n <= FAST_MAX_ROW */
+    const int lane = threadIdx.x % SPARGE_WARP_SIZE, stride = FULL ? CAP : (int)p.Nkb; /* <= FAST_MAX_ROW */
     /* 32-bit decode (check_select: rows <= INT32_MAX): a 64-bit division by a run-time value is a long software
      * sequence. */
     const uint32_t r = (uint32_t)row, bh = r / (uint32_t)p.Nqb, i = r - bh * (uint32_t)p.Nqb, b = bh / (uint32_t)p.H,
                    h = bh - b * (uint32_t)p.H;
     float *src = p.map + b * p.mb + h * p.mh + i * p.mn;
+    int n = stride, d0 = 1, d1 = 0;
+    int64_t least_k = p.topk_count;
+    if constexpr (LAYOUT) {
+        int64_t allowed, f0, f1;
+        if (!select_row_rule(p, row, &allowed, &least_k, &f0, &f1)) {
+            for (int j = lane; j < stride; j += SPARGE_WARP_SIZE)
+                src[j] = 0.0f;
+            empty_row(p, row, lane, SPARGE_WARP_SIZE);
+            return;
+        }
+        n = (int)allowed, d0 = (int)f0, d1 = (int)f1;
+        for (int j = n + lane; j < stride; j += SPARGE_WARP_SIZE) { /* past the allowed blocks: nothing */
+            src[j] = 0.0f;
+            p.dense[row * stride + j] = 0;
+            p.indices[row * stride + j] = -1;
+        }
+    }
     auto in_row = [&](int e) { return FULL || e * SPARGE_WARP_SIZE + lane < n; };
 
     /* Softmax as map_softmax_kernel: a row holding a NaN logit becomes all NaN. So does a row holding +inf or only
@@ -372,8 +439,8 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
             kmax = max(kmax, key[e]);
         }
     }
-    uint8_t *dense = p.dense + row * n;
-    int32_t *idx = p.indices + row * n;
+    uint8_t *dense = p.dense + row * stride;
+    int32_t *idx = p.indices + row * stride;
     if (nan) {
         for (int j = lane; j < n; j += SPARGE_WARP_SIZE) {
             dense[j] = 1;
@@ -386,7 +453,7 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
         return;
     }
 
-    const int least = p.topk_count > 1 ? (int)p.topk_count : 1; /* <= n */
+    const int least = least_k > 1 ? (int)least_k : 1; /* <= n */
     const bool use_p = p.topp > 0.0;
     int32_t lo = warp_min(kmin), hi = warp_max(kmax) + 1; /* T lies in [lo, hi) */
     /* Rounding may leave the total below p: keep the whole row. The total of a softmax row is within n·2^-23 of 1,
@@ -472,6 +539,7 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
     const sparge_lanes below = ((sparge_lanes)1 << lane) - 1;
     int32_t kept = 0, dropped = 0;
     uint32_t ties_seen = 0;
+    double forced_mass = 0.0; /* the diagonal blocks the selection left out */
 #pragma unroll
     for (int e = 0; e < IPT; e++) {
         const int j = e * SPARGE_WARP_SIZE + lane;
@@ -481,6 +549,10 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
             const uint32_t rank = ties_seen + (uint32_t)sparge_popc(tie & below);
             ties_seen += (uint32_t)sparge_popc(tie);
             keep = key[e] > T || (key[e] == T && rank < ties_taken);
+        }
+        if (LAYOUT && !keep && j >= d0 && j <= d1) {
+            keep = true;
+            forced_mass += key_prob(key[e]);
         }
         const sparge_lanes kb = sparge_ballot(keep), db = FULL ? ~kb : sparge_ballot(!keep && in_row(e));
         /* Kept blocks fill the CSR row from the front, the others its -1 tail from the back: each slot is written
@@ -492,6 +564,8 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
         kept += sparge_popc(kb);
         dropped += sparge_popc(db);
     }
+    if (LAYOUT)
+        mass += warp_sum(forced_mass);
     if (lane == 0) {
         p.counts[row] = kept;
         p.row_mass[row] = (float)mass;
@@ -501,7 +575,7 @@ template <int CAP, bool FULL> __device__ void fast_select_row(const select_param
 
 /* Up to 512 key blocks: at most 80 registers, so that 6 CTAs share an SM and Wan2.1-1.3B's 3072 rows run in
  * one wave (93 registers gave 1.16 waves: 20.1 against 24.4 µs on the H200, at an 8-byte spill). */
-template <int CAP, bool FULL>
+template <int CAP, bool FULL, bool LAYOUT>
 __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1) fast_select_kernel(select_params p, int64_t rows)
 {
     constexpr int warps = FAST_THREADS / SPARGE_WARP_SIZE;
@@ -510,7 +584,7 @@ __global__ void __launch_bounds__(FAST_THREADS, CAP <= 512 ? 6 : 1) fast_select_
     for (int r = threadIdx.x / SPARGE_WARP_SIZE; r < FAST_ROWS; r += warps) {
         const int64_t row = (int64_t)blockIdx.x * FAST_ROWS + r;
         if (row < rows)
-            fast_select_row<CAP, FULL>(p, row, lists[threadIdx.x / SPARGE_WARP_SIZE]);
+            fast_select_row<CAP, FULL, LAYOUT>(p, row, lists[threadIdx.x / SPARGE_WARP_SIZE]);
     }
 }
 /* ---------------------------------------------------------------- launch */
@@ -537,7 +611,7 @@ sparge_status launch_select_kernel(gpu_ctx *ctx, const select_params &p, int64_t
 /* Rows wider than this take the softmax as a separate kernel. */
 constexpr int64_t FUSED_SOFTMAX_MAX_ROW = 4096;
 
-/* n_k exactly as backends/cpu/select.c computes it. */
+/* n_k of a plain row exactly as backends/cpu/select.c computes it. */
 select_params make_select_params(const sparge_view &mv, double topk, double topp, const sparge_mask_view *m)
 {
     const int64_t n = m->Nkb;
@@ -546,8 +620,8 @@ select_params make_select_params(const sparge_view &mv, double topk, double topp
         nk = (int64_t)floor(topk * (double)n + 1e-6);
         nk = nk < 1 ? 1 : nk > n ? n : nk;
     }
-    return select_params{(float *)mv.data, mv.sb, mv.sh, mv.sn, mv.sd, m->H, m->Nqb, n, nk, topp,
-                         m->dense, m->counts, m->indices, m->row_mass};
+    return select_params{(float *)mv.data, mv.sb, mv.sh, mv.sn, mv.sd, m->H, m->Nqb, n, nk, topk, topp,
+                         m->dense, m->counts, m->indices, m->row_mass, gpu_layout_of(m)};
 }
 
 /* Selection of every row (after check_select). */
@@ -570,10 +644,13 @@ sparge_status launch_select(gpu_ctx *ctx, const sparge_view &mv, double topk, do
     return launch_select_kernel<512, 16, false>(ctx, p, rows);
 }
 
-/* The selection kernel for rows of n <= CAP key blocks: the copy without bounds checks when n == CAP. */
-template <int CAP> auto fast_select_for(int64_t n) -> void (*)(select_params, int64_t)
+/* The selection kernel for rows of n <= CAP key blocks: the copy without bounds checks when every row has CAP, the
+ * layout-aware one for causal or varlen rows. */
+template <int CAP> auto fast_select_for(int64_t n, bool plain) -> void (*)(select_params, int64_t)
 {
-    return n == CAP ? fast_select_kernel<CAP, true> : fast_select_kernel<CAP, false>;
+    if (!plain)
+        return fast_select_kernel<CAP, false, true>;
+    return n == CAP ? fast_select_kernel<CAP, true, false> : fast_select_kernel<CAP, false, false>;
 }
 
 /* Softmax and selection of predicted rows up to FAST_MAX_ROW wide. */
@@ -586,16 +663,16 @@ sparge_status launch_fast_select(gpu_ctx *ctx, const sparge_predict_args *a)
         return gpu_launch_after(ctx, kernel, (unsigned)blocks, FAST_THREADS, 0, "mask selection kernel", p, rows);
     };
     if (n <= 256)
-        return launch(fast_select_for<256>(n));
+        return launch(fast_select_for<256>(n, p.L.plain));
     if (n <= 512)
-        return launch(fast_select_for<512>(n));
+        return launch(fast_select_for<512>(n, p.L.plain));
     if (n <= 1024)
-        return launch(fast_select_for<1024>(n));
+        return launch(fast_select_for<1024>(n, p.L.plain));
     if (n <= 1280) /* Wan2.1-14B 720p: 1182 */
-        return launch(fast_select_for<1280>(n));
+        return launch(fast_select_for<1280>(n, p.L.plain));
     if (n <= 1536)
-        return launch(fast_select_for<1536>(n));
-    return launch(fast_select_for<2048>(n));
+        return launch(fast_select_for<1536>(n, p.L.plain));
+    return launch(fast_select_for<2048>(n, p.L.plain));
 }
 } // namespace
 
