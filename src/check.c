@@ -282,8 +282,8 @@ static int64_t numel(const sparge_tensor *t) { return t->shape[0] * t->shape[1] 
 /* Storage offset of logical element i of [B,H,N,D]. */
 static int64_t offset_of(const sparge_tensor *t, int64_t i)
 {
-    const int64_t d = i % t->shape[3], n = i / t->shape[3] % t->shape[2], h = i / (t->shape[3] * t->shape[2]) % t->shape[1],
-                  b = i / (t->shape[3] * t->shape[2] * t->shape[1]);
+    const int64_t d = i % t->shape[3], n = i / t->shape[3] % t->shape[2],
+                  h = i / (t->shape[3] * t->shape[2]) % t->shape[1], b = i / (t->shape[3] * t->shape[2] * t->shape[1]);
     return b * t->stride[0] + h * t->stride[1] + n * t->stride[2] + d * t->stride[3];
 }
 
@@ -708,8 +708,10 @@ static void check_untouched(outcome *o, const op_run *r, const char *when)
     if (!sparge_last_error()[0])
         failf(o, "%s refused%s without a message", r->what, when);
     for (int i = 0; i < r->nouts; i++)
-        if (!ct_poisoned(o, r->outs[i]))
+        if (!ct_poisoned(o, r->outs[i])) {
             failf(o, "%s refused%s but wrote an output", r->what, when);
+            break;
+        }
     mask_host h;
     if (r->mask && mask_fetch(o, r->mask, &h, 0)) {
         for (int64_t i = 0; i < h.BH * h.Nqb * h.Nkb; i++)
@@ -829,7 +831,10 @@ static void reference_free(reference *R)
     memset(R, 0, sizeof *R);
 }
 
-static sparge_mask_params mask_params(const check_case *c) { return (sparge_mask_params){c->bq, c->bk, c->topk, c->topp, 0.0f}; }
+static sparge_mask_params mask_params(const check_case *c)
+{
+    return (sparge_mask_params){c->bq, c->bk, c->topk, c->topp, 0.0f};
+}
 
 /* cpu-ref's selection of c's mask on its own pooled map, through sparge_mask_select. */
 static void reference_select(const check_case *c, sparge_device *ref, reference *R)
@@ -987,7 +992,8 @@ static void test_mask(const check_case *c, const reference *R, const target *t, 
         const op_args a = {.dev = t->dev, .q = &x->t, .out = {&out->t}, .block = i ? c->bk : c->bq};
         const op_run r = {"pool", -1,
                           {.op = SPARGE_OP_POOL, .dtype = c->dtype, .head_dim = c->D, .block_q = a.block, .B = c->B,
-                           .H = c->H, .Nq = x->t.shape[2], .rows_aligned = rows_aligned(&x->t) && rows_aligned(&out->t)},
+                           .H = c->H, .Nq = x->t.shape[2],
+                           .rows_aligned = rows_aligned(&x->t) && rows_aligned(&out->t)},
                           call_pool, &a, {out}, 1, NULL};
         if (run_op(o, t, &r))
             compare(o, i ? "pooled K" : "pooled Q", "pool", out, i ? &R->pk : &R->pq, 1e-5);
@@ -1068,7 +1074,8 @@ done:
 static int import_selection(const reference *R, dev_tensors *d, outcome *o)
 {
     mask_host h;
-    if (!ok(o, "sparge_mask_set_dense", sparge_mask_set_dense(d->mask, R->pred.dense)) || !mask_fetch(o, d->mask, &h, 1))
+    if (!ok(o, "sparge_mask_set_dense", sparge_mask_set_dense(d->mask, R->pred.dense)) ||
+        !mask_fetch(o, d->mask, &h, 1))
         return 0;
     int64_t none = 0;
     check_wellformed(o, "imported mask", &h);
@@ -1234,6 +1241,7 @@ static void run_grad(const check_case *c, reference *R, const target *t, outcome
 {
     const int masked = !is_dense(c);
     dev_tensors d;
+    memset(&d, 0, sizeof d);
     fd_ctx f = {c, {R->x[Q], R->x[K], R->x[V], R->x[DO]}, masked ? R->pred.dense : NULL,
                 (double)(1.0f / sqrtf((float)c->D)), malloc((size_t)c->Nk * sizeof(double)),
                 malloc((size_t)c->D * sizeof(double))};
@@ -1271,8 +1279,7 @@ static void run_grad(const check_case *c, reference *R, const target *t, outcome
             }
         }
     }
-    if (f.s && f.acc)
-        dev_tensors_free(&d);
+    dev_tensors_free(&d);
     free(f.s);
     free(f.acc);
 }
@@ -1322,10 +1329,12 @@ static void run_perf(const check_case *c, const reference *R, const target *t, i
     const sparge_op_desc descs[3] = {
         {.op = SPARGE_OP_MASK_PREDICT, .dtype = c->dtype, .head_dim = c->D, .block_q = c->bq, .block_k = c->bk,
          .B = c->B, .H = c->H, .Nq = c->Nq, .Nk = c->Nk, .rows_aligned = rows_aligned(&d.q.t) && rows_aligned(&d.k.t)},
-        attention_desc(SPARGE_OP_FORWARD, c, ts, 4, masked, 0), attention_desc(SPARGE_OP_BACKWARD, c, ts, 8, masked, 0)};
+        attention_desc(SPARGE_OP_FORWARD, c, ts, 4, masked, 0),
+        attention_desc(SPARGE_OP_BACKWARD, c, ts, 8, masked, 0)};
     static const char *const what[3] = {"mask prediction", "forward", "backward"};
     for (int i = 0; i < 3; i++) {
-        const int needed = i == 0 ? masked : i == 1 ? (c->ops & (CHECK_FWD | CHECK_BWD)) != 0 : (c->ops & CHECK_BWD) != 0;
+        const unsigned uses[3] = {0, CHECK_FWD | CHECK_BWD, CHECK_BWD};
+        const int needed = i == 0 ? masked : (c->ops & uses[i]) != 0;
         const char *tier;
         if (!needed)
             continue;
@@ -1604,6 +1613,14 @@ int check_run(const check_config *cfg, check_summary *sum)
     int cases = 0;
     for (int i = 0; i < check_case_count(); i++)
         cases += applies(cfg, check_case_get(i));
+    if (!cases) {
+        fprintf(stderr, "sparge check: no case of the %s grid matches \"%s\"\n", cfg->full ? "full" : "quick",
+                cfg->filter ? cfg->filter : "");
+        for (int i = 0; i < n; i++)
+            sparge_device_close(devs[i]);
+        sparge_device_close(ref);
+        return 2;
+    }
     fprintf(out, "mode %s; %s grid, %d cases%s%s%s\n", modes[cfg->mode], cfg->full ? "full" : "quick", cases,
             cfg->filter ? " matching \"" : "", cfg->filter ? cfg->filter : "", cfg->filter ? "\"" : "");
     for (int i = 0; i < n; i++) {

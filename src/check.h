@@ -65,7 +65,8 @@ typedef struct {
 } check_summary;
 
 /* Runs the table as cfg says. Returns 0 when nothing failed, 1 on any failure (or when a device could not be
- * opened, or a named backend has no device), 2 when cfg->backend names no backend of this build (or cpu-ref).
+ * opened, or a named backend has no device), 2 when cfg->backend names no backend of this build (or cpu-ref) or
+ * no case matches cfg->filter.
  * sum may be NULL. */
 int check_run(const check_config *cfg, check_summary *sum);
 

@@ -25,7 +25,7 @@ static const char help[] =
     "  --reps N       perf: timed runs per op (default 5)\n"
     "\n"
     "Exit status: 0 when nothing failed, 1 on any failure (or when the named backend has no device here),\n"
-    "2 on bad usage (an unknown option or backend).\n";
+    "2 on bad usage (an unknown option or backend, or no case matching --case).\n";
 
 int cli_check(int argc, char **argv)
 {

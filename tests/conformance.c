@@ -194,6 +194,7 @@ static void compare_masks(sparge_mask *got, sparge_mask *want, const float *rmap
         printf("  note: %lld mask row(s) differ within the 1e-5 rounding margin\n", (long long)close);
 }
 
+/* The shared vectors: each row as a 1-row pooled map; rows with margin < 1e-5 may flip. */
 static void mask_vectors(void)
 {
     tu_mask_case *c;
