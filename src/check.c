@@ -1577,8 +1577,10 @@ static void run_case(const check_config *cfg, const check_case *c, sparge_device
         sum->failed += r == CHECK_FAIL;
         sum->unsupported += r == CHECK_UNSUPPORTED;
         sum->skipped += r == CHECK_SKIPPED;
-        if (cfg->on_result)
-            cfg->on_result(cfg->user, c, sparge_device_name(devs[i]), r, tiers);
+        if (cfg->on_result) {
+            const char *const each[3] = {o.tiers[0], o.tiers[1], o.tiers[2]};
+            cfg->on_result(cfg->user, c, sparge_device_name(devs[i]), r, each);
+        }
     }
     reference_free(&R);
     free(ones);

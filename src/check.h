@@ -50,9 +50,9 @@ typedef struct {
     const char *filter;  /* only the cases whose name contains this; NULL: all */
     int reps;            /* perf: timed runs per op; 0 means 5 */
     FILE *out;           /* one line per (case, device), then a summary; NULL means stdout */
-    /* Called after each (case, device) unless NULL. tier: the tiers that ran the case's ops ("cuda",
-     * "mask=cuda fwd=cuda-generic ..."), or "-". */
-    void (*on_result)(void *user, const check_case *c, const char *device, check_result r, const char *tier);
+    /* Called after each (case, device) unless NULL. tiers: the tier that ran the mask prediction, the forward
+     * and the backward ("cuda"; "-" refused; "" not run). */
+    void (*on_result)(void *user, const check_case *c, const char *device, check_result r, const char *const *tiers);
     void *user;
 } check_config;
 
