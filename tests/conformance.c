@@ -7,6 +7,7 @@
  * transpose's life, gradients against finite differences), each run on every device. Kernel variants are chosen
  * with sparge_device_set_option. A combination a device does not support must fail cleanly with
  * SPARGE_ERR_UNSUPPORTED and leave the outputs untouched. */
+#define _POSIX_C_SOURCE 200809L /* setenv, unsetenv, strdup: the environment's initial option values */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,13 +118,14 @@ static void test_grid_grad(void **state)
 }
 
 /* Every option of every device refuses a value it does not accept, with a message naming the option, and keeps
- * its value; an unknown option is refused too. */
+ * its value; an unknown option is refused too. An invalid value in an option's environment variable makes opening
+ * the device fail with a message naming the variable. */
 static void options_refuse_invalid(void)
 {
     for (int i = 0; i < sparge_device_option_count(dev); i++) {
-        const char *name, *value, *again;
+        const char *name, *value, *env, *again;
         char before[64];
-        assert_int_equal(sparge_device_option(dev, i, &name, &value, NULL, NULL, NULL), SPARGE_OK);
+        assert_int_equal(sparge_device_option(dev, i, &name, &value, NULL, &env, NULL), SPARGE_OK);
         snprintf(before, sizeof before, "%s", value);
         assert_int_equal(sparge_device_set_option(dev, name, "bogus"), SPARGE_ERR_INVALID);
         if (!strstr(sparge_last_error(), name))
@@ -131,6 +133,19 @@ static void options_refuse_invalid(void)
                      sparge_last_error());
         assert_int_equal(sparge_device_get_option(dev, name, &again), SPARGE_OK);
         assert_string_equal(again, before);
+        if (!env)
+            continue;
+        char *saved = getenv(env) ? strdup(getenv(env)) : NULL;
+        sparge_device *other = NULL;
+        assert_int_equal(setenv(env, "bogus", 1), 0);
+        const sparge_status s = sparge_device_open(sparge_device_name(dev), &other);
+        assert_int_equal(saved ? setenv(env, saved, 1) : unsetenv(env), 0);
+        free(saved);
+        sparge_device_close(other);
+        assert_int_equal(s, SPARGE_ERR_INVALID);
+        if (!strstr(sparge_last_error(), env))
+            fail_msg("opening %s with %s=bogus: the message does not name the variable: %s", sparge_device_name(dev),
+                     env, sparge_last_error());
     }
     assert_int_equal(sparge_device_set_option(dev, "no_such_option", "on"), SPARGE_ERR_INVALID);
 }
