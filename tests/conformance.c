@@ -1,36 +1,162 @@
-/* Conformance of one backend (BACKEND) against cpu-ref, the fp64 oracle:
- * the shared mask vectors, pooling, the pooled map, mask selection, forward
- * and backward over a grid of shapes (several B·H, ragged N, Nq ≠ Nk, D from
- * 32 to 256, BHND and BNHD views, f32/f16/bf16), fresh random inputs and
- * poisoned outputs; the backend's gradients of a scalar loss against finite differences of the fp64 forward.
- * Exits 77 when the backend is compiled in but has no device.
- * Combinations a backend does not support must fail cleanly with
+/* Conformance of every available device against cpu-ref, the fp64 oracle (docs/DESIGN.md §2, §4.1).
+ *
+ * The devices are found at run time: every device of every compiled-in backend but cpu-ref ("cpu" here; "cuda:0",
+ * "cuda-generic:0" and "hip:0" where present). test_grid and test_grid_grad run the harness's whole table
+ * (src/check.c) in its test and grad modes; the other tests are particular checks (the shared mask vectors,
+ * prediction over wide rows, ties, exact boundaries and non-finite inputs, the pooled map's kernels, the
+ * transpose's life, gradients against finite differences), each run on every device. Kernel variants are chosen
+ * with sparge_device_set_option. A combination a device does not support must fail cleanly with
  * SPARGE_ERR_UNSUPPORTED and leave the outputs untouched. */
-#define _POSIX_C_SOURCE 200809L /* setenv, unsetenv, strdup */
+#define _POSIX_C_SOURCE 200809L /* setenv, unsetenv, strdup: the environment's initial option values */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "testutil.h"
+#include "check.h"
 #include "../backends/cpu/ref.h"
 
-static sparge_device *dev, *ref;
+enum { MAX_DEVICES = 16 };
+static sparge_device *devs[MAX_DEVICES], *dev, *ref;
+static int ndev;
 
 typedef struct {
     int64_t B, H, Nq, Nk, D;
     int bq, bk;
 } shape;
 
-static const shape grid[] = {
-    {1, 1, 128, 128, 64, 128, 64},   {2, 3, 300, 300, 64, 128, 64},  {1, 2, 1000, 700, 128, 128, 64},
-    {2, 1, 77, 200, 128, 128, 128},  {1, 2, 520, 390, 128, 128, 128}, {1, 3, 260, 190, 32, 64, 32},
-    {1, 1, 150, 333, 256, 128, 64},  {3, 2, 129, 65, 64, 128, 64},  {2, 1, 200, 270, 64, 128, 128},
-};
-enum { GRID = sizeof grid / sizeof grid[0] };
 static const sparge_dtype dtypes[] = {SPARGE_F32, SPARGE_F16, SPARGE_BF16};
 
-static int skipped, ran;
+static int has_option(sparge_device *d, const char *name)
+{
+    const char *v;
+    return sparge_device_get_option(d, name, &v) == SPARGE_OK;
+}
+
+/* Runs body with dev set to each device that has the option `needs` (every device if NULL); skips the test when
+ * none has it. */
+static void on_devices(const char *needs, void (*body)(void))
+{
+    int ran = 0;
+    for (int i = 0; i < ndev; i++) {
+        if (needs && !has_option(devs[i], needs))
+            continue;
+        dev = devs[i];
+        printf("  on %s\n", sparge_device_name(dev));
+        body();
+        ran++;
+    }
+    if (!ran)
+        skip();
+}
+
+/* ---------------------------------------------------------------- the harness's table */
+
+/* Results per device: passes of any case, of the cases that set fwd_order=natural, and of the many-rows cases;
+ * the (case, device) pairs where a mask prediction was refused. */
+typedef struct {
+    int passed[MAX_DEVICES], natural[MAX_DEVICES], many_rows[MAX_DEVICES], predict_refused;
+} tally;
+
+static void count_result(void *user, const check_case *c, const char *device, check_result r,
+                         const char *const *tiers)
+{
+    tally *t = user;
+    if (!strcmp(tiers[0], "-")) {
+        printf("  %s on %s: the mask prediction was refused\n", c->name, device);
+        t->predict_refused++;
+    }
+    for (int i = 0; i < ndev; i++)
+        if (r == CHECK_PASS && !strcmp(device, sparge_device_name(devs[i]))) {
+            t->passed[i]++;
+            t->natural[i] += c->options && strstr(c->options, "fwd_order=natural") != NULL;
+            t->many_rows[i] += !strncmp(c->name, "many-rows", 9);
+        }
+}
+
+static void run_table(check_mode mode, tally *t)
+{
+    check_config cfg = {.mode = mode, .full = 1, .on_result = count_result, .user = t};
+    check_summary s;
+    memset(t, 0, sizeof *t);
+    const int rc = check_run(&cfg, &s);
+    assert_int_equal(s.failed, 0);
+    assert_int_equal(rc, 0);
+    assert_int_equal(s.devices, ndev);
+    for (int i = 0; i < ndev; i++)
+        if (!t->passed[i])
+            fail_msg("%s passed no case of the table", sparge_device_name(devs[i]));
+}
+
+/* The whole table against cpu-ref: pooling, pooled map, prediction and selection, forward and backward over
+ * several B·H, ragged N, Nq ≠ Nk, D from 32 to 256, both layouts, every dtype, masked and dense, and the device
+ * options' kernel variants. Every device predicts every mask of the table (a forward or backward may be refused
+ * cleanly). A device with the forward's launch order runs tensor-core cases in the natural order too, and every
+ * many-rows case (360 query blocks in several waves). */
+static void test_grid(void **state)
+{
+    (void)state;
+    tally t;
+    int many_rows = 0;
+    for (int i = 0; i < check_case_count(); i++)
+        many_rows += !strncmp(check_case_get(i)->name, "many-rows", 9);
+    run_table(CHECK_MODE_TEST, &t);
+    assert_int_equal(t.predict_refused, 0);
+    for (int i = 0; i < ndev; i++)
+        if (has_option(devs[i], "fwd_order") && (!t.natural[i] || t.many_rows[i] != many_rows))
+            fail_msg("%s: %d cases passed with fwd_order=natural, %d of the %d many-rows cases",
+                     sparge_device_name(devs[i]), t.natural[i], t.many_rows[i], many_rows);
+}
+
+/* The table's small cases: each device's gradients against finite differences of the fp64 forward. */
+static void test_grid_grad(void **state)
+{
+    (void)state;
+    tally t;
+    run_table(CHECK_MODE_GRAD, &t);
+}
+
+/* Every option of every device refuses a value it does not accept, with a message naming the option, and keeps
+ * its value; an unknown option is refused too. An invalid value in an option's environment variable makes opening
+ * the device fail with a message naming the variable. */
+static void options_refuse_invalid(void)
+{
+    for (int i = 0; i < sparge_device_option_count(dev); i++) {
+        const char *name, *value, *env, *again;
+        char before[64];
+        assert_int_equal(sparge_device_option(dev, i, &name, &value, NULL, &env, NULL), SPARGE_OK);
+        snprintf(before, sizeof before, "%s", value);
+        assert_int_equal(sparge_device_set_option(dev, name, "bogus"), SPARGE_ERR_INVALID);
+        if (!strstr(sparge_last_error(), name))
+            fail_msg("%s: refusing %s=bogus: the message does not name the option: %s", sparge_device_name(dev), name,
+                     sparge_last_error());
+        assert_int_equal(sparge_device_get_option(dev, name, &again), SPARGE_OK);
+        assert_string_equal(again, before);
+        if (!env)
+            continue;
+        char *saved = getenv(env) ? strdup(getenv(env)) : NULL;
+        sparge_device *other = NULL;
+        assert_int_equal(setenv(env, "bogus", 1), 0);
+        const sparge_status s = sparge_device_open(sparge_device_name(dev), &other);
+        assert_int_equal(saved ? setenv(env, saved, 1) : unsetenv(env), 0);
+        free(saved);
+        sparge_device_close(other);
+        assert_int_equal(s, SPARGE_ERR_INVALID);
+        if (!strstr(sparge_last_error(), env))
+            fail_msg("opening %s with %s=bogus: the message does not name the variable: %s", sparge_device_name(dev),
+                     env, sparge_last_error());
+    }
+    assert_int_equal(sparge_device_set_option(dev, "no_such_option", "on"), SPARGE_ERR_INVALID);
+}
+
+static void test_options_refuse_invalid(void **state)
+{
+    (void)state;
+    on_devices(NULL, options_refuse_invalid);
+}
+
+/* ---------------------------------------------------------------- particular checks */
 
 /* Fresh inputs per case: normal with a per-head "sink" key block so masks are not flat. */
 static void fill_inputs(tu_tensor *x, tu_rng *r, int sink_block, int bk, double sd)
@@ -45,7 +171,7 @@ static void fill_inputs(tu_tensor *x, tu_rng *r, int sink_block, int bk, double 
     free(v);
 }
 
-/* A backend may refuse a valid combination; then nothing may be written. */
+/* A device may refuse a valid combination; then nothing may be written. */
 static int unsupported(sparge_status s, tu_tensor **outs, int n, const char *what)
 {
     if (s != SPARGE_ERR_UNSUPPORTED)
@@ -54,7 +180,7 @@ static int unsupported(sparge_status s, tu_tensor **outs, int n, const char *wha
         assert_true(tu_still_poisoned(outs[i]));
     if (!sparge_last_error()[0])
         fail_msg("%s: unsupported without a message", what);
-    skipped++;
+    printf("  %s: %s refused it: %s\n", what, sparge_device_name(dev), sparge_last_error());
     return 1;
 }
 
@@ -63,12 +189,12 @@ static void check_close(const char *what, const shape *s, sparge_dtype dt, tu_la
 {
     double e = tu_rel_l2(got, want, n);
     if (!(e <= tol))
-        fail_msg("%s: B=%lld H=%lld Nq=%lld Nk=%lld D=%lld bq=%d bk=%d %s %s: rel L2 %.3g > %.3g", what,
-                 (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk, (long long)s->D, s->bq, s->bk,
-                 sparge_dtype_name(dt), lay == TU_BHND ? "BHND" : "BNHD", e, tol);
+        fail_msg("%s on %s: B=%lld H=%lld Nq=%lld Nk=%lld D=%lld bq=%d bk=%d %s %s: rel L2 %.3g > %.3g", what,
+                 sparge_device_name(dev), (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk,
+                 (long long)s->D, s->bq, s->bk, sparge_dtype_name(dt), lay == TU_BHND ? "BHND" : "BNHD", e, tol);
 }
 
-/* check_close of a backend tensor against the reference's. */
+/* check_close of a device tensor against the reference's. */
 static void check_tensors(const char *what, const shape *s, sparge_dtype dt, tu_layout lay, tu_tensor *got,
                           tu_tensor *want, double tol)
 {
@@ -78,374 +204,23 @@ static void check_tensors(const char *what, const shape *s, sparge_dtype dt, tu_
     free(w);
 }
 
-/* check_close of the backend's forward LSE (n floats in device memory) against the reference's (host). */
-static void check_lse(const char *what, const shape *s, sparge_dtype dt, tu_layout lay, const float *lse,
-                      const float *want, int64_t n)
+/* The device's selection against cpu-ref's (docs/DESIGN.md §2.2, through the harness's check_mask): well formed,
+ * and equal row by row but for rows within the rounding margin of cpu-ref's pooled map rmap. */
+static void compare_masks(sparge_mask *got, sparge_mask *want, const float *rmap, const sparge_mask_params *mp,
+                          const shape *s)
 {
-    float *host = malloc((size_t)n * sizeof *host);
-    double *g = malloc((size_t)n * sizeof *g), *w = malloc((size_t)n * sizeof *w);
-    assert_int_equal(sparge_memcpy_to_host(dev, host, lse, (size_t)n * sizeof *host), SPARGE_OK);
-    for (int64_t t = 0; t < n; t++) {
-        g[t] = host[t];
-        w[t] = want[t];
-    }
-    check_close(what, s, dt, lay, g, w, n, 1e-5);
-    free(host);
-    free(g);
-    free(w);
-}
-
-/* The decision for row i differs between the backend and the reference: accept
- * only if the reference's decision was within 1e-5 (relative) of flipping. */
-static int close_call(const float *row, int64_t n, double k, double p, int64_t kept_ref)
-{
-    int32_t *order = malloc((size_t)n * sizeof *order);
-    for (int64_t j = 0; j < n; j++)
-        order[j] = (int32_t)j;
-    for (int64_t a = 1; a < n; a++) /* insertion sort: descending, ties by index */
-        for (int64_t b = a; b > 0 && (row[order[b]] > row[order[b - 1]]); b--) {
-            int32_t t = order[b]; order[b] = order[b - 1]; order[b - 1] = t;
-        }
-    int close = 0;
-    if (kept_ref < n) {
-        double x = row[order[kept_ref - 1]], y = row[order[kept_ref]];
-        close |= fabs(x - y) <= 1e-5 * fmax(fabs(x), fabs(y));
-    }
-    if (p > 0.0) {
-        double cum = 0.0;
-        for (int64_t t = 0; t < n; t++) {
-            cum += row[order[t]];
-            close |= fabs(cum - p) <= 1e-5 * fmax(p, 1e-30);
-        }
-    }
-    (void)k;
-    free(order);
-    return close;
-}
-
-/* The transpose lists exactly the kept (i, j) pairs of dense, ascending, -1 past each count. */
-static void check_transpose(const sparge_mask_shape *ms, const uint8_t *dense, const int32_t *tcnt, const int32_t *tidx)
-{
-    for (int64_t bh = 0; bh < ms->B * ms->H; bh++)
-        for (int64_t j = 0; j < ms->Nkb; j++) {
-            const int32_t *list = tidx + (bh * ms->Nkb + j) * ms->Nqb;
-            int64_t c = 0;
-            for (int64_t i = 0; i < ms->Nqb; i++)
-                if (dense[(bh * ms->Nqb + i) * ms->Nkb + j])
-                    assert_int_equal(list[c++], i);
-            assert_int_equal(tcnt[bh * ms->Nkb + j], c);
-            for (; c < ms->Nqb; c++)
-                assert_int_equal(list[c], -1);
-        }
-}
-
-static void compare_masks(sparge_mask *got, sparge_mask *want, const sparge_mask_params *mp, const shape *s)
-{
-    sparge_mask_shape ms;
-    assert_int_equal(sparge_mask_get_shape(want, &ms), SPARGE_OK);
-    int64_t rows = ms.B * ms.H * ms.Nqb, cells = rows * ms.Nkb;
-    uint8_t *dg = malloc((size_t)cells), *dw = malloc((size_t)cells);
-    float *map = malloc((size_t)cells * sizeof *map);
-    int32_t *cnt = malloc((size_t)rows * 4), *idx = malloc((size_t)cells * 4);
-    int32_t *tcnt = malloc((size_t)(ms.B * ms.H * ms.Nkb) * 4), *tidx = malloc((size_t)cells * 4);
-    assert_int_equal(sparge_mask_get_dense(got, dg), SPARGE_OK);
-    assert_int_equal(sparge_mask_get_dense(want, dw), SPARGE_OK);
-    assert_int_equal(sparge_mask_get_pooled_map(want, map), SPARGE_OK);
-    assert_int_equal(sparge_mask_get_csr(got, cnt, idx, tcnt, tidx), SPARGE_OK);
-    int64_t differing = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t kept = 0, c = 0;
-        for (int64_t j = 0; j < ms.Nkb; j++) {
-            kept += dw[r * ms.Nkb + j];
-            if (dg[r * ms.Nkb + j]) /* CSR agrees with the dense view, ascending */
-                assert_int_equal(idx[r * ms.Nkb + c++], j);
-        }
-        assert_int_equal(cnt[r], c);
-        assert_true(c >= 1);
-        for (; c < ms.Nkb; c++) /* the rest of the CSR row is -1 */
-            assert_int_equal(idx[r * ms.Nkb + c], -1);
-        if (memcmp(dg + r * ms.Nkb, dw + r * ms.Nkb, (size_t)ms.Nkb) != 0) {
-            differing++;
-            if (!close_call(map + r * ms.Nkb, ms.Nkb, mp->topk, mp->topp, kept))
-                fail_msg("mask row %lld differs from cpu-ref and the decision was not close (B=%lld H=%lld Nq=%lld)",
-                         (long long)r, (long long)s->B, (long long)s->H, (long long)s->Nq);
-        }
-    }
-    if (differing)
-        printf("  note: %lld mask row(s) differ within the 1e-5 rounding margin\n", (long long)differing);
-    check_transpose(&ms, dg, tcnt, tidx);
-    free(dg);
-    free(dw);
-    free(map);
-    free(cnt);
-    free(idx);
-    free(tcnt);
-    free(tidx);
-}
-
-static void run_case(const shape *s, sparge_dtype dt, tu_layout lay, tu_rng *rng)
-{
-    int64_t B = s->B, H = s->H, Nq = s->Nq, Nk = s->Nk, D = s->D;
-    tu_tensor q = tu_alloc(dev, dt, lay, B, H, Nq, D), k = tu_alloc(dev, dt, lay, B, H, Nk, D),
-              v = tu_alloc(dev, dt, lay, B, H, Nk, D), o = tu_alloc(dev, dt, lay, B, H, Nq, D),
-              d_o = tu_alloc(dev, dt, lay, B, H, Nq, D), dq = tu_alloc(dev, dt, lay, B, H, Nq, D),
-              dk = tu_alloc(dev, dt, lay, B, H, Nk, D), dv = tu_alloc(dev, dt, lay, B, H, Nk, D);
-    tu_tensor rq = tu_alloc(ref, dt, lay, B, H, Nq, D), rk = tu_alloc(ref, dt, lay, B, H, Nk, D),
-              rv = tu_alloc(ref, dt, lay, B, H, Nk, D), ro = tu_alloc(ref, dt, lay, B, H, Nq, D),
-              rdo = tu_alloc(ref, dt, lay, B, H, Nq, D), rdq = tu_alloc(ref, dt, lay, B, H, Nq, D),
-              rdk = tu_alloc(ref, dt, lay, B, H, Nk, D), rdv = tu_alloc(ref, dt, lay, B, H, Nk, D);
-    uint64_t seed = tu_next(rng);
-    tu_rng r1 = {seed}, r2 = {seed};
-    int sink = (int)(tu_next(rng) % (uint64_t)((Nk + s->bk - 1) / s->bk));
-    fill_inputs(&q, &r1, -1, s->bk, 1.0); fill_inputs(&rq, &r2, -1, s->bk, 1.0);
-    fill_inputs(&k, &r1, sink, s->bk, 1.0); fill_inputs(&rk, &r2, sink, s->bk, 1.0);
-    fill_inputs(&v, &r1, -1, s->bk, 1.0); fill_inputs(&rv, &r2, -1, s->bk, 1.0);
-    fill_inputs(&d_o, &r1, -1, s->bk, 1.0); fill_inputs(&rdo, &r2, -1, s->bk, 1.0);
-
-    /* pooling: every element written, matches fp64 means */
-    int64_t nqb = (Nq + s->bq - 1) / s->bq, nkb = (Nk + s->bk - 1) / s->bk;
-    tu_tensor pq = tu_alloc(dev, SPARGE_F32, TU_BHND, B, H, nqb, D), rpq = tu_alloc(ref, SPARGE_F32, TU_BHND, B, H, nqb, D);
-    tu_poison(&pq);
-    sparge_status st = sparge_pool(dev, &q.t, s->bq, &pq.t);
-    if (!unsupported(st, (tu_tensor *[]){&pq}, 1, "pool")) {
-        assert_int_equal(st, SPARGE_OK);
-        assert_int_equal(sparge_pool(ref, &rq.t, s->bq, &rpq.t), SPARGE_OK);
-        check_tensors("pool", s, dt, lay, &pq, &rpq, 1e-5);
-    }
-    tu_free(&pq);
-    tu_free(&rpq);
-
-    /* mask prediction on both; hybrid with values that keep a few blocks */
-    sparge_mask_params mp = {s->bq, s->bk, 0.1, 0.5, 0.0f};
-    sparge_mask *m, *rm;
-    assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, s->bq, s->bk, &m), SPARGE_OK);
-    assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, s->bq, s->bk, &rm), SPARGE_OK);
-    assert_int_equal(sparge_mask_predict(ref, &rq.t, &rk.t, &mp, rm), SPARGE_OK);
-    st = sparge_mask_predict(dev, &q.t, &k.t, &mp, m);
-    assert_int_equal(st, SPARGE_OK);
-    compare_masks(m, rm, &mp, s);
-
-    /* attention with the reference's mask on both sides (identical selections) */
-    uint8_t *dense = malloc((size_t)(B * H * nqb * nkb));
-    assert_int_equal(sparge_mask_get_dense(rm, dense), SPARGE_OK);
-    assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
-    free(dense);
-    compare_masks(m, rm, &mp, s); /* the CSR and transpose rebuilt from the dense view */
-    float *lse, *rlse;
-    assert_int_equal(sparge_malloc(dev, (size_t)(B * H * Nq) * 4, (void **)&lse), SPARGE_OK);
-    rlse = malloc((size_t)(B * H * Nq) * 4);
-    for (int masked = 0; masked < 2; masked++) {
-        const sparge_mask *use = masked ? m : NULL, *ruse = masked ? rm : NULL;
-        tu_poison(&o);
-        assert_int_equal(sparge_memset(dev, lse, 0xff, (size_t)(B * H * Nq) * 4), SPARGE_OK);
-        st = sparge_attention_forward(dev, &q.t, &k.t, &v.t, use, NULL, &o.t, lse);
-        if (unsupported(st, (tu_tensor *[]){&o}, 1, "forward"))
-            continue;
-        assert_int_equal(st, SPARGE_OK);
-        assert_int_equal(sparge_attention_forward(ref, &rq.t, &rk.t, &rv.t, ruse, NULL, &ro.t, rlse), SPARGE_OK);
-        check_tensors(masked ? "forward O (masked)" : "forward O (dense)", s, dt, lay, &o, &ro, tu_tolerance(dt));
-        check_lse("forward LSE", s, dt, lay, lse, rlse, B * H * Nq);
-
-        /* backward from identical O and LSE (the reference's) on both sides */
-        double *ref_o = tu_get(&ro);
-        tu_set(&o, ref_o);
-        free(ref_o);
-        assert_int_equal(sparge_memcpy_to_device(dev, lse, rlse, (size_t)(B * H * Nq) * 4), SPARGE_OK);
-        for (int det = 0; det < 2; det++) {
-            tu_poison(&dq);
-            tu_poison(&dk);
-            tu_poison(&dv);
-            sparge_attn_params ap = {0.0f, det};
-            st = sparge_attention_backward(dev, &q.t, &k.t, &v.t, &o.t, &d_o.t, lse, use, &ap, &dq.t, &dk.t, &dv.t);
-            if (unsupported(st, (tu_tensor *[]){&dq, &dk, &dv}, 3, "backward"))
-                break;
-            assert_int_equal(st, SPARGE_OK);
-            assert_int_equal(sparge_attention_backward(ref, &rq.t, &rk.t, &rv.t, &ro.t, &rdo.t, rlse, ruse, &ap, &rdq.t,
-                                                       &rdk.t, &rdv.t),
-                             SPARGE_OK);
-            tu_tensor *outs[3] = {&dq, &dk, &dv}, *refs[3] = {&rdq, &rdk, &rdv};
-            static const char *names[3] = {"backward dQ", "backward dK", "backward dV"};
-            double *first[3];
-            for (int i = 0; i < 3; i++) {
-                double *gg = tu_get(outs[i]), *ww = tu_get(refs[i]);
-                check_close(names[i], s, dt, lay, gg, ww, tu_numel(outs[i]), tu_tolerance(dt));
-                first[i] = gg;
-                free(ww);
-            }
-            if (det) { /* deterministic: a second run gives bitwise the same gradients */
-                for (int i = 0; i < 3; i++)
-                    tu_poison(outs[i]);
-                assert_int_equal(sparge_attention_backward(dev, &q.t, &k.t, &v.t, &o.t, &d_o.t, lse, use, &ap, &dq.t,
-                                                           &dk.t, &dv.t),
-                                 SPARGE_OK);
-                for (int i = 0; i < 3; i++) {
-                    double *again = tu_get(outs[i]);
-                    if (memcmp(again, first[i], (size_t)tu_numel(outs[i]) * sizeof *again))
-                        fail_msg("%s: deterministic backward not reproducible (B=%lld H=%lld Nq=%lld Nk=%lld D=%lld)",
-                                 names[i], (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk,
-                                 (long long)s->D);
-                    free(again);
-                }
-            }
-            for (int i = 0; i < 3; i++)
-                free(first[i]);
-        }
-        ran++;
-    }
-    free(rlse);
-    sparge_free(dev, lse);
-    sparge_mask_destroy(m);
-    sparge_mask_destroy(rm);
-    tu_tensor *all[] = {&q, &k, &v, &o, &d_o, &dq, &dk, &dv, &rq, &rk, &rv, &ro, &rdo, &rdq, &rdk, &rdv};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-        tu_free(all[i]);
-}
-
-static void test_grid(void **state)
-{
-    (void)state;
-    tu_rng rng = {20260214};
-    for (int g = 0; g < GRID; g++)
-        for (int d = 0; d < 3; d++)
-            for (int lay = 0; lay < 2; lay++)
-                run_case(&grid[g], dtypes[d], (tu_layout)lay, &rng);
-    printf("  %d forward/backward cases ran, %d unsupported combinations refused cleanly\n", ran, skipped);
-    assert_true(ran > 0);
-}
-
-/* Sets (value non-NULL) or removes an environment variable; returns its previous value (to free), or NULL. */
-static char *swap_env(const char *name, const char *value)
-{
-    const char *old = getenv(name);
-    char *saved = old ? strdup(old) : NULL;
-    if (value)
-        assert_int_equal(setenv(name, value, 1), 0);
-    else
-        assert_int_equal(unsetenv(name), 0);
-    return saved;
-}
-
-/* Setup and teardown of a test that sets the environment variable named by its initial state (a string): the
- * variable starts unset and gets its previous value back afterwards. */
-static char *env_saved;
-static int env_setup(void **state)
-{
-    env_saved = swap_env((const char *)*state, NULL);
-    return 0;
-}
-static int env_teardown(void **state)
-{
-    free(swap_env((const char *)*state, env_saved));
-    free(env_saved);
-    env_saved = NULL;
-    return 0;
-}
-
-/* cuda: the tensor-core cases of the grid again without the forward's launch order (SPARGE_CUDA_FWD_ORDER=natural;
- * test_grid ran the default, each head's rows heaviest first). An order has one entry per work item, so one that
- * dropped or repeated an item leaves poisoned output rows. Then an invalid choice is refused with a message
- * naming the variable, and nothing is written. */
-static void test_grid_fwd_orders(void **state)
-{
-    (void)state;
-    if (strcmp(BACKEND, "cuda"))
-        skip();
-    tu_rng rng = {20261202};
-    const int ran0 = ran;
-    free(swap_env("SPARGE_CUDA_FWD_ORDER", "natural"));
-    for (int g = 0; g < GRID; g++)
-        if (grid[g].D == 64 || grid[g].D == 128)
-            for (int d = 1; d < 3; d++) /* f16, bf16 */
-                run_case(&grid[g], dtypes[d], TU_BHND, &rng);
-    printf("  %d cases ran with SPARGE_CUDA_FWD_ORDER=natural\n", ran - ran0);
-    assert_true(ran > ran0);
-
-    free(swap_env("SPARGE_CUDA_FWD_ORDER", "bogus"));
-    tu_tensor x[4];
-    for (int i = 0; i < 4; i++) {
-        x[i] = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, 2, 300, 64);
-        if (i < 3)
-            tu_fill_normal(&x[i], &rng, 1.0);
-        else
-            tu_poison(&x[i]);
-    }
-    sparge_mask *m;
-    assert_int_equal(sparge_mask_create(dev, 1, 2, 300, 300, 128, 64, &m), SPARGE_OK);
-    sparge_mask_params mp = {128, 64, 0.5, 0.0, 0.0f};
-    assert_int_equal(sparge_mask_predict(dev, &x[0].t, &x[1].t, &mp, m), SPARGE_OK);
-    assert_int_equal(sparge_attention_forward(dev, &x[0].t, &x[1].t, &x[2].t, m, NULL, &x[3].t, NULL),
-                     SPARGE_ERR_INVALID);
-    assert_non_null(strstr(sparge_last_error(), "SPARGE_CUDA_FWD_ORDER"));
-    assert_true(tu_still_poisoned(&x[3]));
-    sparge_mask_destroy(m);
-    for (int i = 0; i < 4; i++)
-        tu_free(&x[i]);
-}
-
-/* cuda: 360 query blocks, more than the forward has CTAs resident (2 per SM, 264 on an H200), and 60 rows per head,
- * so the launch order sorts rows of many different lengths (a hybrid mask) in several 32-row rounds per head and
- * the rows run in several waves. Forward O and LSE against the reference, dense and masked, ragged Nq and Nk, both
- * layouts; O starts poisoned, so a row the order dropped fails. */
-static void test_forward_many_rows(void **state)
-{
-    (void)state;
-    if (strcmp(BACKEND, "cuda"))
-        skip();
-    const shape s = {2, 3, 128 * 60 - 5, 64 * 6 + 9, 128, 128, 64};
-    const int64_t B = s.B, H = s.H, Nq = s.Nq, Nk = s.Nk, D = s.D, n_lse = B * H * Nq;
-    tu_rng rng = {20261203};
-    for (int lay = 0; lay < 2; lay++) {
-        tu_tensor x[4], rx[4]; /* q, k, v, o */
-        for (int i = 0; i < 4; i++) {
-            const int64_t N = i == 1 || i == 2 ? Nk : Nq;
-            x[i] = tu_alloc(dev, SPARGE_BF16, (tu_layout)lay, B, H, N, D);
-            rx[i] = tu_alloc(ref, SPARGE_BF16, (tu_layout)lay, B, H, N, D);
-            if (i < 3) {
-                const uint64_t seed = tu_next(&rng);
-                tu_rng r1 = {seed}, r2 = {seed};
-                fill_inputs(&x[i], &r1, i == 1 ? 5 : -1, s.bk, 1.0);
-                fill_inputs(&rx[i], &r2, i == 1 ? 5 : -1, s.bk, 1.0);
-            }
-        }
-        sparge_mask *m, *rm;
-        sparge_mask_params mp = {s.bq, s.bk, 0.1, 0.6, 0.0f};
-        assert_int_equal(sparge_mask_create(dev, B, H, Nq, Nk, s.bq, s.bk, &m), SPARGE_OK);
-        assert_int_equal(sparge_mask_create(ref, B, H, Nq, Nk, s.bq, s.bk, &rm), SPARGE_OK);
-        assert_int_equal(sparge_mask_predict(ref, &rx[0].t, &rx[1].t, &mp, rm), SPARGE_OK);
-        uint8_t *dense = malloc((size_t)(B * H * ((Nq + s.bq - 1) / s.bq) * ((Nk + s.bk - 1) / s.bk)));
-        assert_int_equal(sparge_mask_get_dense(rm, dense), SPARGE_OK);
-        assert_int_equal(sparge_mask_set_dense(m, dense), SPARGE_OK);
-        free(dense);
-        float *lse, *rlse = malloc((size_t)n_lse * 4);
-        assert_int_equal(sparge_malloc(dev, (size_t)n_lse * 4, (void **)&lse), SPARGE_OK);
-        for (int masked = 0; masked < 2; masked++) {
-            tu_poison(&x[3]);
-            assert_int_equal(sparge_memset(dev, lse, 0xff, (size_t)n_lse * 4), SPARGE_OK);
-            assert_int_equal(sparge_attention_forward(dev, &x[0].t, &x[1].t, &x[2].t, masked ? m : NULL, NULL,
-                                                      &x[3].t, lse),
-                             SPARGE_OK);
-            assert_int_equal(sparge_attention_forward(ref, &rx[0].t, &rx[1].t, &rx[2].t, masked ? rm : NULL, NULL,
-                                                      &rx[3].t, rlse),
-                             SPARGE_OK);
-            check_tensors(masked ? "many rows: forward O (masked)" : "many rows: forward O (dense)", &s, SPARGE_BF16,
-                          (tu_layout)lay, &x[3], &rx[3], tu_tolerance(SPARGE_BF16));
-            check_lse("many rows: forward LSE", &s, SPARGE_BF16, (tu_layout)lay, lse, rlse, n_lse);
-        }
-        sparge_free(dev, lse);
-        free(rlse);
-        sparge_mask_destroy(m);
-        sparge_mask_destroy(rm);
-        for (int i = 0; i < 4; i++) {
-            tu_free(&x[i]);
-            tu_free(&rx[i]);
-        }
-    }
+    char msg[512];
+    int64_t close = 0;
+    if (check_mask(got, want, rmap, mp->topp, &close, msg, sizeof msg))
+        fail_msg("%s on %s (B=%lld H=%lld Nq=%lld Nk=%lld bq=%d bk=%d, k=%g p=%g)", msg, sparge_device_name(dev),
+                 (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk, s->bq, s->bk, mp->topk, mp->topp);
+    if (close)
+        printf("  note: %lld mask row(s) differ within the 1e-5 rounding margin\n", (long long)close);
 }
 
 /* The shared vectors: each row as a 1-row pooled map; rows with margin < 1e-5 may flip. */
-static void test_mask_vectors(void **state)
+static void mask_vectors(void)
 {
-    (void)state;
     tu_mask_case *c;
     int n = tu_load_mask_cases(&c), flipped = 0;
     assert_true(n >= 10);
@@ -459,7 +234,7 @@ static void test_mask_vectors(void **state)
             host[j] = (float)c[i].row[j];
         assert_int_equal(sparge_memcpy_to_device(dev, row, host, (size_t)c[i].n * 4), SPARGE_OK);
         sparge_tensor map = sparge_tensor_bhnd(row, SPARGE_F32, 1, 1, 1, c[i].n);
-        sparge_mask_params mp = {1, 1, c[i].k, c[i].p, 0.0f};
+        sparge_mask_params mp = {1, 1, c[i].k, c[i].p, 0.0f, 0};
         assert_int_equal(sparge_mask_select(dev, &map, &mp, m), SPARGE_OK);
         int32_t cnt, *idx = malloc((size_t)c[i].n * 4);
         assert_int_equal(sparge_mask_get_csr(m, &cnt, idx, NULL, NULL), SPARGE_OK);
@@ -481,10 +256,15 @@ static void test_mask_vectors(void **state)
     tu_free_mask_cases(c, n);
 }
 
-/* End-to-end vectors: Q, K → pooled means, pooled map and kept blocks. */
-static void test_pooled_vectors(void **state)
+static void test_mask_vectors(void **state)
 {
     (void)state;
+    on_devices(NULL, mask_vectors);
+}
+
+/* End-to-end vectors: Q, K → pooled means, pooled map and kept blocks. */
+static void pooled_vectors(void)
+{
     tu_pooled_case *c;
     int n = tu_load_pooled_cases(&c);
     assert_true(n >= 1);
@@ -496,7 +276,7 @@ static void test_pooled_vectors(void **state)
         tu_set(&k, pc->K);
         sparge_mask *m;
         assert_int_equal(sparge_mask_create(dev, 1, 1, pc->Nq, pc->Nk, pc->bq, pc->bk, &m), SPARGE_OK);
-        sparge_mask_params mp = {pc->bq, pc->bk, pc->k, pc->p, (float)pc->scale};
+        sparge_mask_params mp = {pc->bq, pc->bk, pc->k, pc->p, (float)pc->scale, 0};
         assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
         float *map = malloc((size_t)(pc->Nqb * pc->Nkb) * 4);
         assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
@@ -522,12 +302,14 @@ static void test_pooled_vectors(void **state)
     tu_free_pooled_cases(c, n);
 }
 
-/* Mask prediction over wide rows (the GPU's warp-per-row selection up to 2048 key blocks, its block sort
- * beyond) with ties: random keys against cpu-ref; flat rows (every key token the same, so every score in a
- * row ties) must keep the lowest indices; with twin key blocks (2m and 2m+1 identical, and pair m alike
- * pair m + 17) every class of equal blocks must keep a prefix of its ascending indices. */
-/* Predicts the mask of (q, k) on the backend and of (rq, rk) on cpu-ref, checks the pooled maps (rel. L2
- * ≤ 1e-5) and the selections, and returns the backend's mask (the caller destroys it). */
+static void test_pooled_vectors(void **state)
+{
+    (void)state;
+    on_devices(NULL, pooled_vectors);
+}
+
+/* Predicts the mask of (q, k) on the device and of (rq, rk) on cpu-ref, checks the pooled maps (rel. L2
+ * ≤ 1e-5) and the selections, and returns the device's mask (the caller destroys it). */
 static sparge_mask *predict_and_compare(const shape *s, sparge_dtype dt, tu_layout lay, tu_tensor *q, tu_tensor *k,
                                         tu_tensor *rq, tu_tensor *rk, const sparge_mask_params *mp)
 {
@@ -550,7 +332,7 @@ static sparge_mask *predict_and_compare(const shape *s, sparge_dtype dt, tu_layo
         rmapd[i] = rmap[i];
     }
     check_close("pooled map", s, dt, lay, mapd, rmapd, cells, 1e-5);
-    compare_masks(m, rm, mp, s);
+    compare_masks(m, rm, rmap, mp, s);
     free(map);
     free(rmap);
     free(mapd);
@@ -576,19 +358,28 @@ static void fill_block_offsets(double *v, int64_t BH, int64_t N, int64_t D, int6
     free(c);
 }
 
-/* cuda: each logits kernel of the pooled map (SPARGE_CUDA_MAP_TILE=128x64|64x64 in fp32 FMAs, f16x3 on the
- * tensor cores, the default where it can run) on ragged tiles with logits of several units, D a multiple of 16
- * and not: the map and the selection match cpu-ref, and the two fp32 tiles give the same bits (each logit one
- * fmaf chain over D in order) and so the same selection. Then an invalid choice is refused with a message
- * naming the variable. */
-static void test_map_tiles(void **state)
+/* Rows 16-byte aligned and contiguous along D (sparge_op_desc.rows_aligned) for tensors of tu_alloc. */
+static int rows_aligned(const tu_tensor *x)
 {
-    (void)state;
-    if (strcmp(BACKEND, "cuda"))
-        skip();
+    const int64_t n = 16 / (int64_t)sparge_dtype_size(x->t.dtype);
+    return x->t.stride[3] == 1 && (uintptr_t)x->t.data % 16 == 0 && x->t.stride[0] % n == 0 &&
+           x->t.stride[1] % n == 0 && x->t.stride[2] % n == 0;
+}
+
+/* Each logits kernel of the pooled map (option map_tile: 128x64 and 64x64 in fp32 FMAs, f16x3 on the tensor cores,
+ * auto where it can run) on ragged tiles with logits of several units, D a multiple of 16 and not: the map and the
+ * selection match cpu-ref, and the two fp32 tiles give the same bits (each logit one fmaf chain over D in order)
+ * and so the same selection. f16x3 runs wherever sparge_device_supports accepts it (the "cuda" tier) and is
+ * refused cleanly elsewhere. */
+static void map_tiles(void)
+{
     tu_rng rng = {20261203};
     static const char *const tiles[3] = {"128x64", "64x64", "f16x3"};
     static const int64_t Ds[2] = {128, 36};
+    const char *value;
+    char saved[32];
+    assert_int_equal(sparge_device_get_option(dev, "map_tile", &value), SPARGE_OK);
+    snprintf(saved, sizeof saved, "%s", value);
     for (int c = 0; c < 2; c++) {
         const int64_t H = 3, N = 9000, D = Ds[c], Nqb = (N + 127) / 128, Nkb = (N + 63) / 64, cells = H * Nqb * Nkb;
         const sparge_dtype dt = c ? SPARGE_F32 : SPARGE_BF16;
@@ -603,13 +394,34 @@ static void test_map_tiles(void **state)
         tu_set(&k, v);
         tu_set(&rk, v);
         free(v);
-        sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
+        sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f, 0};
         const shape s = {1, H, N, N, D, 128, 64};
+        const sparge_op_desc desc = {.op = SPARGE_OP_MASK_PREDICT, .dtype = dt, .head_dim = D, .block_q = 128,
+                                     .block_k = 64, .B = 1, .H = H, .Nq = N, .Nk = N,
+                                     .rows_aligned = rows_aligned(&q) && rows_aligned(&k)};
         float *maps[2];
         int32_t *idx[2];
         for (int t = 0; t < 3; t++) {
-            free(swap_env("SPARGE_CUDA_MAP_TILE", tiles[t]));
-            printf("  logits kernel %s, D=%lld\n", tiles[t], (long long)D);
+            const char *tier;
+            assert_int_equal(sparge_device_set_option(dev, "map_tile", tiles[t]), SPARGE_OK);
+            if (sparge_device_supports(dev, &desc, &tier) != SPARGE_OK) {
+                assert_true(t == 2); /* the fp32 tiles run everywhere */
+                sparge_mask *m;
+                uint8_t *all = malloc((size_t)cells), *after = malloc((size_t)cells);
+                memset(all, 1, (size_t)cells);
+                assert_int_equal(sparge_mask_create(dev, 1, H, N, N, 128, 64, &m), SPARGE_OK);
+                assert_int_equal(sparge_mask_set_dense(m, all), SPARGE_OK);
+                assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_ERR_UNSUPPORTED);
+                assert_true(sparge_last_error()[0] != 0);
+                printf("  logits kernel %s, D=%lld: refused (%s)\n", tiles[t], (long long)D, sparge_last_error());
+                assert_int_equal(sparge_mask_get_dense(m, after), SPARGE_OK);
+                assert_memory_equal(after, all, (size_t)cells);
+                sparge_mask_destroy(m);
+                free(all);
+                free(after);
+                continue;
+            }
+            printf("  logits kernel %s, D=%lld, on tier %s\n", tiles[t], (long long)D, tier);
             sparge_mask *m = predict_and_compare(&s, dt, lay, &q, &k, &rq, &rk, &mp);
             if (t < 2) {
                 maps[t] = malloc((size_t)cells * sizeof(float));
@@ -630,21 +442,19 @@ static void test_map_tiles(void **state)
         tu_free(&rq);
         tu_free(&rk);
     }
-
-    tu_tensor q = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, 1, 300, 64), k = tu_alloc(dev, SPARGE_BF16, TU_BHND, 1, 1, 300, 64);
-    tu_fill_normal(&q, &rng, 1.0);
-    tu_fill_normal(&k, &rng, 1.0);
-    sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
-    free(swap_env("SPARGE_CUDA_MAP_TILE", "bogus"));
-    sparge_mask *m;
-    assert_int_equal(sparge_mask_create(dev, 1, 1, 300, 300, 128, 64, &m), SPARGE_OK);
-    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_ERR_INVALID);
-    assert_non_null(strstr(sparge_last_error(), "SPARGE_CUDA_MAP_TILE"));
-    sparge_mask_destroy(m);
-    tu_free(&q);
-    tu_free(&k);
+    assert_int_equal(sparge_device_set_option(dev, "map_tile", saved), SPARGE_OK);
 }
 
+static void test_map_tiles(void **state)
+{
+    (void)state;
+    on_devices("map_tile", map_tiles);
+}
+
+/* Mask prediction over wide rows (the GPU's warp-per-row selection up to 2048 key blocks, its block sort
+ * beyond) with ties: random keys against cpu-ref; flat rows (every key token the same, so every score in a
+ * row ties) must keep the lowest indices; with twin key blocks (2m and 2m+1 identical, and pair m alike
+ * pair m + 17) every class of equal blocks must keep a prefix of its ascending indices. */
 static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout lay, tu_rng *rng)
 {
     const int64_t B = 1, H = 2, Nq = 200, D = 32, bq = 64, bk = 4;
@@ -672,7 +482,7 @@ static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout 
     tu_set(&rq, qv);
     tu_set(&k, kv);
     tu_set(&rk, kv);
-    sparge_mask_params mp = {(int)bq, (int)bk, kind == 1 ? 0.1 : 0.03, kind == 1 ? 0.0 : 0.2, 0.0f};
+    sparge_mask_params mp = {(int)bq, (int)bk, kind == 1 ? 0.1 : 0.03, kind == 1 ? 0.0 : 0.2, 0.0f, 0};
     const shape s = {B, H, Nq, Nk, D, (int)bq, (int)bk};
     sparge_mask *m = predict_and_compare(&s, dt, lay, &q, &k, &rq, &rk, &mp);
     uint8_t *dg = malloc((size_t)(rows * Nkb));
@@ -703,9 +513,8 @@ static void predict_wide_case(int64_t Nkb, int kind, sparge_dtype dt, tu_layout 
     tu_free(&rk);
 }
 
-static void test_predict_wide_rows(void **state)
+static void predict_wide_rows(void)
 {
-    (void)state;
     tu_rng rng = {20261201};
     static const int64_t widths[] = {300, 1182, 2048, 2100};
     for (int w = 0; w < 4; w++)
@@ -715,11 +524,16 @@ static void test_predict_wide_rows(void **state)
         }
 }
 
-/* A shape with many pooled-map tiles (the GPU's 128×64 logits tiles take over from 1024 of them) and
- * query-block columns longer than one transpose chunk: 16 heads of 1000 × 1000 blocks (ragged tails). */
-static void test_predict_many_tiles(void **state)
+static void test_predict_wide_rows(void **state)
 {
     (void)state;
+    on_devices(NULL, predict_wide_rows);
+}
+
+/* A shape with many pooled-map tiles (the GPU's 128×64 logits tiles take over from 1024 of them) and
+ * query-block columns longer than one transpose chunk: 16 heads of 1000 × 1000 blocks (ragged tails). */
+static void predict_many_tiles(void)
+{
     tu_rng rng = {20261202};
     const int64_t B = 1, H = 16, Nq = 1999, Nk = 1999, D = 32;
     const int bq = 2, bk = 2;
@@ -734,7 +548,7 @@ static void test_predict_many_tiles(void **state)
         v[i] = tu_normal(&rng);
     tu_set(&k, v);
     tu_set(&rk, v);
-    sparge_mask_params mp = {bq, bk, 0.03, 0.2, 0.0f};
+    sparge_mask_params mp = {bq, bk, 0.03, 0.2, 0.0f, 0};
     const shape s = {B, H, Nq, Nk, D, bq, bk};
     sparge_mask_destroy(predict_and_compare(&s, SPARGE_BF16, TU_BHND, &q, &k, &rq, &rk, &mp));
     free(v);
@@ -744,12 +558,17 @@ static void test_predict_many_tiles(void **state)
     tu_free(&rk);
 }
 
+static void test_predict_many_tiles(void **state)
+{
+    (void)state;
+    on_devices(NULL, predict_many_tiles);
+}
+
 /* Mask prediction shapes beyond the grid: a ragged last query block with rows of 513 key blocks (one past a
  * selection width of 512), 2600 query blocks (the transpose walks many row chunks) with D = 8, 24 heads, and an
  * odd D = 36. The pooled map must match cpu-ref too. */
-static void test_predict_shapes(void **state)
+static void predict_shapes(void)
 {
-    (void)state;
     static const shape shapes[] = {
         {2, 5, 33 * 64 - 5, 513 * 4, 64, 64, 4}, {1, 2, 2600, 700, 8, 1, 2}, {1, 24, 500, 1000, 128, 16, 32},
         {1, 2, 300, 300, 36, 16, 8},
@@ -766,13 +585,19 @@ static void test_predict_shapes(void **state)
         int sink = (int)(tu_next(&rng) % (uint64_t)((s->Nk + s->bk - 1) / s->bk));
         fill_inputs(&q, &r1, -1, s->bk, 1.0); fill_inputs(&rq, &r2, -1, s->bk, 1.0);
         fill_inputs(&k, &r1, sink, s->bk, 1.0); fill_inputs(&rk, &r2, sink, s->bk, 1.0);
-        sparge_mask_params mp = {s->bq, s->bk, 0.03, 0.2, 0.0f};
+        sparge_mask_params mp = {s->bq, s->bk, 0.03, 0.2, 0.0f, 0};
         sparge_mask_destroy(predict_and_compare(s, SPARGE_BF16, TU_BNHD, &q, &k, &rq, &rk, &mp));
         tu_free(&q);
         tu_free(&k);
         tu_free(&rq);
         tu_free(&rk);
     }
+}
+
+static void test_predict_shapes(void **state)
+{
+    (void)state;
+    on_devices(NULL, predict_shapes);
 }
 
 /* n standard normal values (the caller frees them), for inputs a test edits before setting them. */
@@ -787,9 +612,8 @@ static double *normal_values(int64_t n, tu_rng *r)
 /* Mask prediction where a key token is NaN in head 0 (so every row of it holds a NaN logit) and +inf in head 2
  * (where every row's largest logit is +inf, and inf - inf leaves NaN): those rows keep every block with a NaN row
  * mass, the rows of head 1 select as usual. Rows of 256 key blocks (a selection width exactly) and of 300. */
-static void test_predict_nonfinite(void **state)
+static void predict_nonfinite(void)
 {
-    (void)state;
     tu_rng rng = {20261204};
     static const int64_t widths[] = {256, 300};
     for (int w = 0; w < 2; w++) {
@@ -807,7 +631,7 @@ static void test_predict_nonfinite(void **state)
         free(kv);
         sparge_mask *m;
         assert_int_equal(sparge_mask_create(dev, 1, H, Nq, Nk, 128, 64, &m), SPARGE_OK);
-        sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f};
+        sparge_mask_params mp = {128, 64, 0.03, 0.2, 0.0f, 0};
         assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
         int32_t cnt[3 * 2];
         float mass[3 * 2];
@@ -830,16 +654,21 @@ static void test_predict_nonfinite(void **state)
     }
 }
 
-/* Top-p at an exact boundary, against cpu-ref's selection on the backend's own pooled map (so the same
+static void test_predict_nonfinite(void **state)
+{
+    (void)state;
+    on_devices(NULL, predict_nonfinite);
+}
+
+/* Top-p at an exact boundary, against cpu-ref's selection on the device's own pooled map (so the same
  * probabilities, and the kept sets must be identical). One query block; 64 key blocks spread over the row hold
  * identical tokens along q̄, so they tie for the largest probability a, and p is set to their exact mass 64·a, then
  * to the next double above it (one block more). The GPU's selection, which decides by fp32 masses only when they are
  * clearly on one side of p, must take its fp64 path here. Then Top-k alone keeps 40 of the 64 ties, the first by
  * index: a selection must rank ties across all of a lane's register slots (and across warps, if a row is split).
  * Rows of 512 key blocks (a selection width) and of 300. */
-static void test_predict_exact_boundary(void **state)
+static void predict_exact_boundary(void)
 {
-    (void)state;
     tu_rng rng = {20261205};
     static const int64_t widths[] = {512, 300};
     for (int w = 0; w < 2; w++) {
@@ -858,7 +687,7 @@ static void test_predict_exact_boundary(void **state)
         float *map = malloc((size_t)Nkb * sizeof *map);
         sparge_mask *m;
         assert_int_equal(sparge_mask_create(dev, 1, 1, Nq, Nk, 128, 64, &m), SPARGE_OK);
-        sparge_mask_params mp = {128, 64, 0.0, 0.2, 0.0f};
+        sparge_mask_params mp = {128, 64, 0.0, 0.2, 0.0f, 0};
         assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
         assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
         float a = map[1];
@@ -905,13 +734,18 @@ static void test_predict_exact_boundary(void **state)
     }
 }
 
-/* Top-k prediction against cpu-ref's selection on the backend's own pooled map, so the kept sets must be identical
+static void test_predict_exact_boundary(void **state)
+{
+    (void)state;
+    on_devices(NULL, predict_exact_boundary);
+}
+
+/* Top-k prediction against cpu-ref's selection on the device's own pooled map, so the kept sets must be identical
  * wherever the GPU's search for the n_k-th largest score ends. Rows near uniform (random tokens) and peaked (block
  * offsets, logits of several units), n_k from 1 to every block, at a full selection width (512), a wide one (1182)
  * and a ragged one (300). */
-static void test_predict_topk_exact(void **state)
+static void predict_topk_exact(void)
 {
-    (void)state;
     tu_rng rng = {20261206};
     static const int64_t widths[] = {512, 1182, 300};
     static const double ks[] = {0.001, 0.03, 0.25, 0.95, 1.0};
@@ -942,7 +776,7 @@ static void test_predict_topk_exact(void **state)
             assert_int_equal(sparge_mask_create(dev, 1, H, Nq, Nk, 128, 64, &m), SPARGE_OK);
             assert_int_equal(sparge_mask_create(ref, 1, H, Nq, Nk, 128, 64, &rm), SPARGE_OK);
             for (size_t c = 0; c < sizeof ks / sizeof ks[0]; c++) {
-                sparge_mask_params mp = {128, 64, ks[c], 0.0, 0.0f};
+                sparge_mask_params mp = {128, 64, ks[c], 0.0, 0.0f, 0};
                 assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &mp, m), SPARGE_OK);
                 assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
                 for (int64_t i = 0; i < cells; i++)
@@ -973,13 +807,18 @@ static void test_predict_topk_exact(void **state)
         }
 }
 
+static void test_predict_topk_exact(void **state)
+{
+    (void)state;
+    on_devices(NULL, predict_topk_exact);
+}
+
 /* Mask prediction under each selection arm (Top-k only, Top-p only, p = 1, hybrid) on rows that mix distinct
  * scores with classes of equal ones (every third key block is a copy of one of 5 shared blocks, so exact ties sit
  * among distinct scores wherever the GPU's descent ends), at widths served by different selection kernels: the
  * kept sets against cpu-ref. */
-static void test_predict_selection_arms(void **state)
+static void predict_selection_arms(void)
 {
-    (void)state;
     static const double arms[][2] = {{0.05, 0.0}, {0.0, 0.4}, {0.0, 1.0}, {0.03, 0.2}, {0.5, 0.9}};
     static const int64_t widths[] = {77, 512, 1182};
     tu_rng rng = {20261204};
@@ -1007,7 +846,7 @@ static void test_predict_selection_arms(void **state)
         tu_set(&rk, kv);
         const shape s = {B, H, Nq, Nk, D, (int)bq, (int)bk};
         for (int a = 0; a < 5; a++) {
-            sparge_mask_params mp = {(int)bq, (int)bk, arms[a][0], arms[a][1], 0.0f};
+            sparge_mask_params mp = {(int)bq, (int)bk, arms[a][0], arms[a][1], 0.0f, 0};
             sparge_mask_destroy(predict_and_compare(&s, dt, lay, &q, &k, &rq, &rk, &mp));
         }
         free(qv);
@@ -1019,26 +858,34 @@ static void test_predict_selection_arms(void **state)
     }
 }
 
-/* get_csr's transpose of m (which builds it if this selection has none yet) against the dense view. */
+static void test_predict_selection_arms(void **state)
+{
+    (void)state;
+    on_devices(NULL, predict_selection_arms);
+}
+
+/* get_csr's transpose of m (which builds it if this selection has none yet) against the dense view: m holds
+ * dense, and its CSR and transpose list exactly its kept blocks. */
 static void expect_transpose(sparge_mask *m, const uint8_t *dense)
 {
     sparge_mask_shape ms;
+    char msg[512];
     assert_int_equal(sparge_mask_get_shape(m, &ms), SPARGE_OK);
-    const int64_t cols = ms.B * ms.H * ms.Nkb;
-    int32_t *tcnt = malloc((size_t)cols * 4), *tidx = malloc((size_t)(cols * ms.Nqb) * 4);
-    assert_int_equal(sparge_mask_get_csr(m, NULL, NULL, tcnt, tidx), SPARGE_OK);
-    check_transpose(&ms, dense, tcnt, tidx);
-    free(tcnt);
-    free(tidx);
+    const size_t cells = (size_t)(ms.B * ms.H * ms.Nqb * ms.Nkb);
+    uint8_t *held = malloc(cells);
+    assert_int_equal(sparge_mask_get_dense(m, held), SPARGE_OK);
+    assert_memory_equal(held, dense, cells);
+    free(held);
+    if (check_mask(m, NULL, NULL, 0.0, NULL, msg, sizeof msg))
+        fail_msg("%s on %s", msg, sparge_device_name(dev));
 }
 
 /* The transpose is built once per selection, by whichever of the backward and get_csr needs it first. One mask
  * object holds in turn a prediction (the backward builds its transpose), the complement set from the host
  * (get_csr builds it) and the prediction again; each time get_csr's transpose and the backward's gradients
  * (against cpu-ref on the same selection) must follow the selection: a transpose left from the last one fails. */
-static void test_transpose_follows_selection(void **state)
+static void transpose_follows_selection(void)
 {
-    (void)state;
     const shape s = {1, 2, 520, 390, 64, 128, 64};
     const sparge_dtype dt = SPARGE_BF16;
     const int64_t nkb = (s.Nk + s.bk - 1) / s.bk, rows = s.B * s.H * ((s.Nq + s.bq - 1) / s.bq);
@@ -1059,7 +906,7 @@ static void test_transpose_follows_selection(void **state)
             fill_inputs(&rx[i], &r2, i == K ? 3 : -1, s.bk, 1.0);
         }
     }
-    const sparge_mask_params mp = {s.bq, s.bk, 0.1, 0.5, 0.0f};
+    const sparge_mask_params mp = {s.bq, s.bk, 0.1, 0.5, 0.0f, 0};
     sparge_mask *m, *rm;
     assert_int_equal(sparge_mask_create(dev, s.B, s.H, s.Nq, s.Nk, s.bq, s.bk, &m), SPARGE_OK);
     assert_int_equal(sparge_mask_create(ref, s.B, s.H, s.Nq, s.Nk, s.bq, s.bk, &rm), SPARGE_OK);
@@ -1104,7 +951,7 @@ static void test_transpose_follows_selection(void **state)
             char what[64];
             snprintf(what, sizeof what, "selection %d (%s): backward %s", sel, from_host ? "set" : "predicted",
                      grad_names[i - DQ]);
-            check_tensors(what, &s, dt, TU_BHND, &x[i], &rx[i], tu_tolerance(dt));
+            check_tensors(what, &s, dt, TU_BHND, &x[i], &rx[i], sparge_dtype_tolerance(dt));
         }
         if (!from_host)
             expect_transpose(m, dense);
@@ -1120,12 +967,17 @@ static void test_transpose_follows_selection(void **state)
     }
 }
 
-/* The backend's gradient of the scalar loss L = Σ w∘O (dO = w) against central finite differences of the fp64
- * reference forward, test_grad's check run on the backend's own forward and backward: one head of a ragged
- * masked shape, per dtype the backend runs, inputs rounded to the dtype so both sides see the same values. */
-static void test_grad_finite_differences(void **state)
+static void test_transpose_follows_selection(void **state)
 {
     (void)state;
+    on_devices(NULL, transpose_follows_selection);
+}
+
+/* The device's gradient of the scalar loss L = Σ w∘O (dO = w) against central finite differences of the fp64
+ * reference forward, test_grad's check run on the device's own forward and backward: one head of a ragged
+ * masked shape, per dtype, inputs rounded to the dtype so both sides see the same values. */
+static void grad_finite_differences(void)
+{
     const int64_t Nq = 200, Nk = 150, D = 64, n_q = Nq * D, n_k = Nk * D;
     const int bq = 128, bk = 64;
     static const uint8_t keep[2 * 3] = {1, 0, 1, 0, 1, 1}; /* rows of 2 and 2 of the 3 key blocks, ragged */
@@ -1139,7 +991,7 @@ static void test_grad_finite_differences(void **state)
                   o = tu_alloc(dev, dt, TU_BHND, 1, 1, Nq, D), dq = tu_alloc(dev, dt, TU_BHND, 1, 1, Nq, D),
                   dk = tu_alloc(dev, dt, TU_BHND, 1, 1, Nk, D), dv = tu_alloc(dev, dt, TU_BHND, 1, 1, Nk, D);
         tu_tensor *inputs[4] = {&q, &k, &v, &w};
-        double *x[4]; /* the rounded values the backend sees */
+        double *x[4]; /* the rounded values the device sees */
         for (int i = 0; i < 4; i++) {
             tu_fill_normal(inputs[i], &r, 1.0);
             x[i] = tu_get(inputs[i]);
@@ -1179,7 +1031,7 @@ static void test_grad_finite_differences(void **state)
                     fd[probe] = (l[0] - l[1]) / (2 * h);
                     got[probe] = g[i];
                 }
-                const double err = tu_rel_l2(got, fd, 16), tol = 2 * tu_tolerance(dt);
+                const double err = tu_rel_l2(got, fd, 16), tol = 2 * sparge_dtype_tolerance(dt);
                 worst = fmax(worst, err);
                 if (!(err <= tol))
                     fail_msg("%s %s: gradient against finite differences rel L2 %.3g > %.3g", sparge_dtype_name(dt),
@@ -1203,21 +1055,39 @@ static void test_grad_finite_differences(void **state)
     assert_true(tested > 0);
 }
 
+static void test_grad_finite_differences(void **state)
+{
+    (void)state;
+    on_devices(NULL, grad_finite_differences);
+}
+
+
 int main(void)
 {
-    if (sparge_backend_device_count(BACKEND) == 0) {
-        fprintf(stderr, "backend '%s' has no device here: SKIP\n", BACKEND);
+    char msg[512];
+    ndev = check_open_devices(NULL, devs, MAX_DEVICES, msg, sizeof msg);
+    if (ndev < 0) {
+        fprintf(stderr, "%s\n", msg);
+        return 1;
+    }
+    if (ndev == 0) {
+        fprintf(stderr, "no device to check: SKIP\n");
         return TU_SKIP;
     }
-    dev = tu_open_or_null(BACKEND);
     ref = tu_open_or_null("cpu-ref");
-    if (!dev || !ref)
+    if (!ref)
         return 1;
-    printf("conformance of %s (%s) against cpu-ref\n", sparge_device_name(dev), sparge_device_description(dev));
+    printf("conformance against cpu-ref on:\n");
+    for (int i = 0; i < ndev; i++)
+        printf("  %s (%s)\n", sparge_device_name(devs[i]), sparge_device_description(devs[i]));
+    if (msg[0])
+        printf("compiled in without a device here: %s\n", msg);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mask_vectors),
         cmocka_unit_test(test_pooled_vectors),
         cmocka_unit_test(test_grid),
+        cmocka_unit_test(test_grid_grad),
+        cmocka_unit_test(test_options_refuse_invalid),
         cmocka_unit_test(test_predict_wide_rows),
         cmocka_unit_test(test_predict_many_tiles),
         cmocka_unit_test(test_predict_shapes),
@@ -1225,16 +1095,13 @@ int main(void)
         cmocka_unit_test(test_predict_nonfinite),
         cmocka_unit_test(test_predict_exact_boundary),
         cmocka_unit_test(test_predict_topk_exact),
-        cmocka_unit_test_prestate_setup_teardown(test_grid_fwd_orders, env_setup, env_teardown,
-                                                 (void *)"SPARGE_CUDA_FWD_ORDER"),
-        cmocka_unit_test(test_forward_many_rows),
-        cmocka_unit_test_prestate_setup_teardown(test_map_tiles, env_setup, env_teardown,
-                                                 (void *)"SPARGE_CUDA_MAP_TILE"),
+        cmocka_unit_test(test_map_tiles),
         cmocka_unit_test(test_grad_finite_differences),
         cmocka_unit_test(test_transpose_follows_selection),
     };
-    int rc = cmocka_run_group_tests_name("conformance_" BACKEND, tests, NULL, NULL);
-    sparge_device_close(dev);
+    const int rc = cmocka_run_group_tests_name("conformance", tests, NULL, NULL);
+    for (int i = 0; i < ndev; i++)
+        sparge_device_close(devs[i]);
     sparge_device_close(ref);
     return rc;
 }

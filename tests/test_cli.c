@@ -1,4 +1,4 @@
-/* Tests of the command-line tool: `sparge bench` options, its table and its CSV. */
+/* Tests of the command-line tool: `sparge bench` options, its table and its CSV; `sparge check`'s usage errors. */
 #define _POSIX_C_SOURCE 200809L /* mkstemp */
 #include <math.h>
 #include <setjmp.h>
@@ -104,12 +104,26 @@ static void test_bench_rejects_bad_options(void **state)
     assert_int_equal(run(BENCH " --settle soon 2>/dev/null"), 2);
 }
 
+/* sparge check: unknown options, modes, backends and case names are usage errors; one quick case passes. */
+static void test_check_usage(void **state)
+{
+    (void)state;
+    assert_int_equal(run(SPARGE_CLI " check --backend foo >/dev/null 2>&1"), 2);
+    assert_int_equal(run(SPARGE_CLI " check --backend cpu-ref >/dev/null 2>&1"), 2);
+    assert_int_equal(run(SPARGE_CLI " check --no-such-option >/dev/null 2>&1"), 2);
+    assert_int_equal(run(SPARGE_CLI " check --mode sometimes >/dev/null 2>&1"), 2);
+    assert_int_equal(run(SPARGE_CLI " check --reps 0 >/dev/null 2>&1"), 2);
+    assert_int_equal(run(SPARGE_CLI " check --case no-such-case >/dev/null 2>&1"), 2);
+    assert_int_equal(run(SPARGE_CLI " check --backend cpu --case ragged/f32/bhnd >/dev/null"), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bench_csv),
         cmocka_unit_test(test_bench_settle),
         cmocka_unit_test(test_bench_rejects_bad_options),
+        cmocka_unit_test(test_check_usage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

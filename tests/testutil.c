@@ -117,8 +117,6 @@ double tu_rel_l2(const double *a, const double *ref, int64_t n)
     return den > 0.0 ? sqrt(num / den) : sqrt(num);
 }
 
-double tu_tolerance(sparge_dtype dt) { return dt == SPARGE_F32 ? 1e-5 : dt == SPARGE_F16 ? 3e-3 : 1e-2; }
-
 sparge_device *tu_open_or_null(const char *name)
 {
     sparge_device *dev = NULL;
