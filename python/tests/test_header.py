@@ -13,8 +13,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 from sparge import _lib  # noqa: E402  (after the path set-up)
 
-C_TYPES = {"void *": ctypes.c_void_p, "sparge_dtype": ctypes.c_int, "sparge_op": ctypes.c_int, "int64_t": ctypes.c_int64,
-           "int": ctypes.c_int, "int32_t": ctypes.c_int32, "double": ctypes.c_double, "float": ctypes.c_float}
+C_TYPES = {"void *": ctypes.c_void_p, "sparge_dtype": ctypes.c_int, "sparge_op": ctypes.c_int,
+           "int64_t": ctypes.c_int64, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "double": ctypes.c_double,
+           "float": ctypes.c_float}
 
 
 def header_text():
