@@ -16,8 +16,8 @@ masks bit for bit, outputs and gradients within the dtype's rounding):
 
 causal=True is causal self-attention over global positions (query t attends keys u <= t). Ulysses attends its
 heads over the whole sequence with sparge's causal mask. Context parallelism predicts the single-device causal
-mask of its query blocks, attends its own shard with the causal rule and the earlier shards as whole blocks, and a
-rank exchanges nothing (no pooled K, no K/V blocks) with the ranks whose key shards lie above its diagonal.
+mask of its query blocks, attends its own shard with the causal rule and the earlier shards as whole blocks, and
+receives nothing (no pooled K, no K/V blocks) from the ranks whose key shards lie above its diagonal.
 
 Tensors are [B,H,N,D] (layout="bhnd", the package's default) or [B,N,H,D] (layout="bnhd"), N being the local
 shard. Every call starts with one small all-gather of each rank's shapes and parameters, so a configuration
