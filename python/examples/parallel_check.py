@@ -15,7 +15,8 @@ each rank sent and received per forward + backward beside a dense ring's. Exits 
 
 Default shape: Wan2.1-1.3B (B=1 H=12 N=32760 D=128, bf16), Top-k 5 % (95 % sparse). --inputs banded adds a
 positional signal to q and k so that blocks keep their neighbourhood, as video attention does; on random
-inputs the key blocks kept by a rank's query blocks together cover nearly every shard.
+inputs the key blocks kept by a rank's query blocks together cover nearly every shard. --kv-heads gives k and v
+fewer heads (grouped K/V heads, dividing --H) and --causal makes the attention causal.
 """
 import argparse
 import datetime
@@ -40,6 +41,8 @@ def parse():
     p.add_argument("--H", type=int, default=12)
     p.add_argument("--N", type=int, default=32760)
     p.add_argument("--D", type=int, default=128)
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (dividing --H; default: --H)")
+    p.add_argument("--causal", action="store_true")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--layout", choices=("bhnd", "bnhd"), default="bhnd")
     p.add_argument("--topk", type=float, default=0.05)
@@ -70,8 +73,8 @@ def init():
 def inputs(args, device, dtype):
     g = torch.Generator(device=device)
     g.manual_seed(args.seed)
-    shape = (args.B, args.H, args.N, args.D)
-    q, k, v, d_out = (torch.randn(shape, generator=g, device=device) for _ in range(4))
+    q, k, v, d_out = (torch.randn((args.B, h, args.N, args.D), generator=g, device=device)
+                      for h in (args.H, args.kv_heads or args.H, args.kv_heads or args.H, args.H))
     if args.inputs == "banded":
         pos = torch.arange(args.N, device=device, dtype=torch.float32)[:, None]
         freq = torch.linspace(2e-4, 5e-3, args.D, device=device)[None, :] * 6.283
@@ -105,20 +108,22 @@ def main():
     dtype = getattr(torch, args.dtype)
     dim = 2 if args.layout == "bhnd" else 1
     kw = dict(topk=args.topk, topp=args.topp, block_q=args.block_q, block_k=args.block_k, layout=args.layout)
+    single = dict(kw, is_causal=args.causal, enable_gqa=True)
     q, k, v, d_out = inputs(args, device, dtype)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref, ref_mask = sparge.sparge_attention(*leaves, return_mask=True, **kw)
+    ref, ref_mask = sparge.sparge_attention(*leaves, return_mask=True, **single)
     ref.backward(d_out)
     ref_grads, ref_dense, sparsity = [t.grad for t in leaves], ref_mask.dense, ref_mask.sparsity
     del leaves
+    kw["causal"] = args.causal
 
     def single_step():
         ls = [t.detach().requires_grad_() for t in (q, k, v)]
-        sparge.sparge_attention(*ls, **kw).backward(d_out)
+        sparge.sparge_attention(*ls, **single).backward(d_out)
 
     with torch.no_grad():
-        single_fwd = cuda_ms(lambda: sparge.sparge_attention(q, k, v, **kw), args.warmup, args.reps)
+        single_fwd = cuda_ms(lambda: sparge.sparge_attention(q, k, v, **single), args.warmup, args.reps)
     single_step_ms = cuda_ms(single_step, args.warmup, args.reps)
 
     rows, failed = [], False
@@ -179,7 +184,8 @@ def main():
 
 
 def report(args, P, sparsity, single_fwd, single_step_ms, everyone):
-    print(f"{torch.cuda.get_device_name()} x {P}, NCCL; B={args.B} H={args.H} N={args.N} D={args.D} {args.dtype} "
+    print(f"{torch.cuda.get_device_name()} x {P}, NCCL; B={args.B} H={args.H} Hkv={args.kv_heads or args.H} "
+          f"N={args.N} D={args.D} {args.dtype}{' causal' if args.causal else ''} "
           f"{args.layout}, blocks {args.block_q}x{args.block_k}, topk={args.topk} topp={args.topp}, {args.inputs} "
           f"inputs: {100 * sparsity:.2f} % sparse; sparge {sparge.library_path}")
     print(f"single device: forward {single_fwd:.3f} ms, forward + backward {single_step_ms:.3f} ms\n")

@@ -3,6 +3,8 @@
     import sparge
     out = sparge.sparge_attention(q, k, v)                  # drop-in for F.scaled_dot_product_attention
     out, mask = sparge.sparge_attention(q, k, v, return_mask=True)
+    out = sparge.sparge_attention(q, k, v, is_causal=True, enable_gqa=True)   # k, v with fewer heads
+    out = sparge.sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)  # flash-attn varlen
     mask.stats().sparsity, mask.dense, mask.counts, mask.indices
     with sparge.patch_sdpa(topk=0.03, topp=0.2):            # any model's SDPA self-attention through sparge
         model(x)
@@ -50,6 +52,7 @@ _TORCH_NAMES = {
     "attention_backward": "attention",
     "SpargeAttentionFunction": "attention",
     "sparge_attention": "attention",
+    "sparge_attention_varlen": "varlen",
     "custom_ops_available": "attention",
     "custom_ops_reason": "attention",
     "patch_sdpa": "sdpa",

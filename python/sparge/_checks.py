@@ -123,8 +123,20 @@ def _length(n, name):
         raise ValueError(f"sparge: {name} = {n} does not fit in int32")
 
 
-def qk(q, k, layout_):
-    """Shapes of q and k for a mask: (B, H, Nq, Nk, D)."""
+def heads(Hq, Hk, grouped):
+    """K's heads against q's: equal, or (grouped) dividing them, as SDPA's enable_gqa takes them."""
+    if Hk == Hq:
+        return
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"sparge: q has {Hq} heads but k has {Hk}, which does not divide them (grouped K/V heads: "
+                         "each K/V head serves H/Hkv query heads)")
+    if not grouped:
+        raise ValueError(f"sparge: q has {Hq} heads but k has {Hk}: grouped K/V heads need enable_gqa=True (as in "
+                         "scaled_dot_product_attention)")
+
+
+def qk(q, k, layout_, grouped=True):
+    """Shapes of q and k for a mask: (B, H, Nq, Nk, D). k may have fewer heads, dividing q's, when grouped."""
     layout(layout_)
     Bq, Hq, Nq, Dq = tensor(q, "q", layout_)
     Bk, Hk, Nk, Dk = tensor(k, "k", layout_)
@@ -132,11 +144,7 @@ def qk(q, k, layout_):
     same_dtype([("q", q), ("k", k)])
     if Bk != Bq:
         raise ValueError(f"sparge: q has batch {Bq} but k has batch {Bk}")
-    if Hk != Hq:
-        grouped = Hk > 0 and Hq % Hk == 0
-        raise ValueError(f"sparge: q has {Hq} heads but k has {Hk}" + (
-            " (grouped KV heads, enable_gqa, are not supported yet: repeat k and v per group)" if grouped else
-            " (q, k and v need the same head count)"))
+    heads(Hq, Hk, grouped)
     if Dk != Dq:
         raise ValueError(f"sparge: q has head dim {Dq} but k has {Dk}")
     _length(Nq, "Nq")
@@ -145,14 +153,44 @@ def qk(q, k, layout_):
     return Bq, Hq, Nq, Nk, Dq
 
 
-def qkv(q, k, v, layout_):
-    """Shapes of q, k, v for attention: (B, H, Nq, Nk, D)."""
-    B, H, Nq, Nk, D = qk(q, k, layout_)
+def causal_lengths(Nq, Nk, where=""):
+    """Causal attention aligns the last query with the last key, so it needs Nq <= Nk."""
+    if Nq > Nk:
+        raise ValueError(f"sparge: causal attention needs Nq <= Nk{where} (query t attends keys u <= t + Nk - Nq, "
+                         f"the diagonal aligned bottom-right), got Nq = {Nq}, Nk = {Nk}")
+
+
+def cu_seqlens(t, name, total, role):
+    """flash-attn's cumulative sequence lengths: a 1-D int32 tensor (any device) of B+1 offsets, from 0, strictly
+    increasing, ending at `total` (the packed tensor `role`'s tokens). Returns the host copy (the one copy made)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"sparge: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"sparge: {name} must be torch.int32 (flash-attn's convention), got {t.dtype}")
+    if t.dim() != 1 or t.numel() < 2:
+        raise ValueError(f"sparge: {name} must be 1-D with B+1 >= 2 entries, got shape {list(t.shape)}")
+    host = t.detach().to("cpu").contiguous()
+    values = host.tolist()
+    if values[0] != 0:
+        raise ValueError(f"sparge: {name}[0] = {values[0]}, must be 0")
+    for b in range(len(values) - 1):
+        if values[b + 1] <= values[b]:
+            raise ValueError(f"sparge: {name} must increase strictly (every sequence holds a token): entries {b} and "
+                             f"{b + 1} are {values[b]}, {values[b + 1]}")
+    if values[-1] != total:
+        raise ValueError(f"sparge: {name}[-1] = {values[-1]} but {role} holds {total} tokens")
+    return host
+
+
+def qkv(q, k, v, layout_, grouped=True):
+    """Shapes of q, k, v for attention: (B, H, Nq, Nk, D); k and v may have fewer heads when grouped."""
+    B, H, Nq, Nk, D = qk(q, k, layout_, grouped)
     Bv, Hv, Nv, Dv = tensor(v, "v", layout_)
     same_device([("q", q), ("v", v)])
     same_dtype([("q", q), ("v", v)])
-    if (Bv, Hv, Nv) != (B, H, Nk):
-        what = "heads" if Hv != H else "batch" if Bv != B else "tokens"
+    Hk = tensor(k, "k", layout_)[1]
+    if (Bv, Hv, Nv) != (B, Hk, Nk):
+        what = "heads" if Hv != Hk else "batch" if Bv != B else "tokens"
         raise ValueError(f"sparge: v is {list(v.shape)} but k is {list(k.shape)} (v's {what} must match k's)")
     if Dv != D:
         raise ValueError(f"sparge: v has head dim {Dv} but q and k have {D} (sparge needs one head dim)")

@@ -64,6 +64,21 @@ class sparge_mask_params(ctypes.Structure):
         ("topk", ctypes.c_double),
         ("topp", ctypes.c_double),
         ("scale", ctypes.c_float),
+        ("causal", ctypes.c_int),
+    ]
+
+
+class sparge_mask_layout(ctypes.Structure):
+    _fields_ = [
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("Nq", ctypes.c_int64),
+        ("Nk", ctypes.c_int64),
+        ("block_q", ctypes.c_int),
+        ("block_k", ctypes.c_int),
+        ("causal", ctypes.c_int),
+        ("cu_seqlens_q", ctypes.c_void_p),  # const int32_t *, host memory
+        ("cu_seqlens_k", ctypes.c_void_p),
     ]
 
 
@@ -77,6 +92,8 @@ class sparge_mask_shape(ctypes.Structure):
         ("block_k", ctypes.c_int),
         ("Nqb", ctypes.c_int64),
         ("Nkb", ctypes.c_int64),
+        ("causal", ctypes.c_int),
+        ("varlen", ctypes.c_int),
     ]
 
 
@@ -96,6 +113,36 @@ class sparge_attn_params(ctypes.Structure):
     _fields_ = [
         ("scale", ctypes.c_float),
         ("deterministic", ctypes.c_int),
+        ("causal", ctypes.c_int),
+    ]
+
+
+# sparge_op
+OP_POOL = 0
+OP_POOLED_MAP = 1
+OP_MASK_SELECT = 2
+OP_MASK_PREDICT = 3
+OP_FORWARD = 4
+OP_BACKWARD = 5
+OP_COUNT = 6
+
+
+class sparge_op_desc(ctypes.Structure):
+    _fields_ = [
+        ("op", ctypes.c_int),
+        ("dtype", ctypes.c_int),
+        ("head_dim", ctypes.c_int64),
+        ("block_q", ctypes.c_int),
+        ("block_k", ctypes.c_int),
+        ("B", ctypes.c_int64),
+        ("H", ctypes.c_int64),
+        ("Nq", ctypes.c_int64),
+        ("Nk", ctypes.c_int64),
+        ("rows_aligned", ctypes.c_int),
+        ("deterministic", ctypes.c_int),
+        ("kv_heads", ctypes.c_int64),
+        ("causal", ctypes.c_int),
+        ("varlen", ctypes.c_int),
     ]
 
 
@@ -194,6 +241,8 @@ _P = ctypes.c_void_p
 _T = ctypes.POINTER(sparge_tensor)
 _I64 = ctypes.c_int64
 _S = ctypes.c_int
+_STR = ctypes.c_char_p
+_OUT_STR = ctypes.POINTER(ctypes.c_char_p)
 _PROTOTYPES = {
     "sparge_status_name": (ctypes.c_char_p, [_S]),
     "sparge_last_error": (ctypes.c_char_p, []),
@@ -214,8 +263,15 @@ _PROTOTYPES = {
     "sparge_timer_start": (_S, [_P]),
     "sparge_timer_stop": (_S, [_P, ctypes.POINTER(ctypes.c_double)]),
     "sparge_set_stream": (_S, [_P, _P]),
+    "sparge_op_name": (_STR, [_S]),
+    "sparge_device_supports": (_S, [_P, ctypes.POINTER(sparge_op_desc), _OUT_STR]),
+    "sparge_device_option_count": (ctypes.c_int, [_P]),
+    "sparge_device_option": (_S, [_P, ctypes.c_int, _OUT_STR, _OUT_STR, _OUT_STR, _OUT_STR, _OUT_STR]),
+    "sparge_device_get_option": (_S, [_P, _STR, _OUT_STR]),
+    "sparge_device_set_option": (_S, [_P, _STR, _STR]),
     "sparge_mask_params_default": (sparge_mask_params, []),
     "sparge_mask_create": (_S, [_P, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_P)]),
+    "sparge_mask_create_ex": (_S, [_P, ctypes.POINTER(sparge_mask_layout), ctypes.POINTER(_P)]),
     "sparge_mask_destroy": (None, [_P]),
     "sparge_mask_get_shape": (_S, [_P, ctypes.POINTER(sparge_mask_shape)]),
     "sparge_mask_predict": (_S, [_P, _T, _T, ctypes.POINTER(sparge_mask_params), _P]),
@@ -225,6 +281,8 @@ _PROTOTYPES = {
     "sparge_mask_get_dense": (_S, [_P, _P]),
     "sparge_mask_get_pooled_map": (_S, [_P, _P]),
     "sparge_mask_get_stats": (_S, [_P, ctypes.POINTER(sparge_mask_stats), _P, _P]),
+    "sparge_pool": (_S, [_P, _T, ctypes.c_int, _T]),
+    "sparge_pooled_map": (_S, [_P, _T, _T, ctypes.c_float, _T]),
     "sparge_attention_forward": (_S, [_P, _T, _T, _T, _P, ctypes.POINTER(sparge_attn_params), _T, _P]),
     "sparge_attention_backward": (_S, [_P, _T, _T, _T, _T, _T, _P, _P, ctypes.POINTER(sparge_attn_params), _T, _T,
                                        _T]),

@@ -66,6 +66,47 @@ class Device:
         with self.bound():
             _lib.call("sparge_synchronize", self.handle)
 
+    # ------------------------------------------------------------ options and limits
+    def options(self):
+        """{name: {"value", "values", "env", "help"}} of the device's tuning switches (kernel variants, the CPU's
+        SIMD tier, "strict"); "values" lists the accepted ones, "auto" first."""
+        out = {}
+        for i in range(_lib.lib.sparge_device_option_count(self.handle)):
+            fields = [ctypes.c_char_p() for _ in range(5)]
+            _lib.call("sparge_device_option", self.handle, i, *[ctypes.byref(f) for f in fields])
+            name, value, values, env, help_ = (f.value.decode() if f.value is not None else None for f in fields)
+            out[name] = {"value": value, "values": values.split("|"), "env": env, "help": help_}
+        return out
+
+    def get_option(self, name):
+        value = ctypes.c_char_p()
+        _lib.call("sparge_device_get_option", self.handle, str(name).encode(), ctypes.byref(value))
+        return value.value.decode()
+
+    def set_option(self, name, value):
+        """Set a tuning switch for later calls; an unknown name or value raises SpargeError and changes nothing."""
+        with self.guard():
+            _lib.call("sparge_device_set_option", self.handle, str(name).encode(), str(value).encode())
+
+    def supports(self, op, *, dtype=torch.float32, head_dim=64, block_q=0, block_k=0, B=1, H=1, Nq=1, Nk=1,
+                 kv_heads=0, causal=False, varlen=False, rows_aligned=True, deterministic=False):
+        """The tier of this device that would run the call described (sparge_op_desc: op one of "pool",
+        "pooled_map", "mask_select", "mask_predict", "forward", "backward"; block sizes 0 for dense attention),
+        or SpargeError (SPARGE_ERR_UNSUPPORTED) saying why each tier refuses it."""
+        codes = {"pool": _lib.OP_POOL, "pooled_map": _lib.OP_POOLED_MAP, "mask_select": _lib.OP_MASK_SELECT,
+                 "mask_predict": _lib.OP_MASK_PREDICT, "forward": _lib.OP_FORWARD, "backward": _lib.OP_BACKWARD}
+        if op not in codes:
+            raise ValueError(f"sparge: op must be one of {', '.join(codes)}, got {op!r}")
+        code = {**_DTYPES, torch.float64: _lib.F64}.get(dtype)
+        if code is None:
+            raise TypeError(f"sparge: no sparge dtype for {dtype}")
+        desc = _lib.sparge_op_desc(codes[op], code, head_dim, block_q, block_k, B, H, Nq, Nk, int(rows_aligned),
+                                   int(deterministic), kv_heads, int(causal), int(varlen))
+        tier = ctypes.c_char_p()
+        with self.guard():
+            _lib.call("sparge_device_supports", self.handle, ctypes.byref(desc), ctypes.byref(tier))
+        return tier.value.decode()
+
 
 _devices = {}
 _devices_lock = threading.Lock()

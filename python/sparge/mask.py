@@ -19,6 +19,9 @@ from . import _checks, _lib, _torch
 # A mask used while a CUDA graph is being captured belongs to that graph from then on: every replay
 # predicts into its arrays again. It is never freed and never handed to eager code, only to later
 # captures on its stream (graphs replayed in stream order refill it before reading it, as eager calls do).
+#
+# Variable-length masks are not kept (outside captures): their key holds the batch's sequence offsets, which
+# change from batch to batch, so kept ones would pile up unused.
 _POOL_PER_KEY = 4
 _pool = {}
 _captured = {}
@@ -34,12 +37,12 @@ def _destroy(device, handle):
         _lib.lib.sparge_mask_destroy(handle)
 
 
-def _release(device, key, handle, streams, state):
+def _release(device, key, handle, streams, state, varlen):
     if state["captured"]:
         with _pool_lock:
             _captured.setdefault(key + (next(iter(streams)),), []).append(handle)
         return
-    if len(streams) <= 1:
+    if len(streams) <= 1 and not varlen:
         pool_key = key + (next(iter(streams), None),)
         with _pool_lock:
             kept = _pool.setdefault(pool_key, [])
@@ -62,8 +65,12 @@ def free_cached_masks():
 
 @dataclasses.dataclass
 class MaskStats:
-    """sparge_mask_stats plus the per-head sparsity [B,H] (float64) and per-row kept pooled mass
-    [B,H,Nqb] (float32, NaN for masks not predicted from Q and K)."""
+    """sparge_mask_stats plus the per-head sparsity [B,H] (float64), the per-row kept pooled mass [B,H,Nqb]
+    (float32, NaN for masks not predicted from Q and K; 0 for a variable-length mask's rows past a sequence's
+    blocks) and the sparsity per batch entry [B] (float64). Block counts and sparsities are over the block pairs
+    a query may attend (causal: on or below the diagonal; variable-length: within each sequence), token_density
+    over the token pairs it may attend. For a variable-length mask B counts sequences, so head_sparsity and
+    sequence_sparsity are per sequence."""
 
     kept_blocks: int
     total_blocks: int
@@ -74,6 +81,7 @@ class MaskStats:
     max_row_blocks: int
     head_sparsity: torch.Tensor
     row_mass: torch.Tensor
+    sequence_sparsity: torch.Tensor
 
 
 def _torch_device(device):
@@ -88,33 +96,64 @@ def _torch_device(device):
 
 class Mask:
     """A block mask for (B, H, Nq, Nk) with blocks block_q × block_k, stored by sparge on `device`
-    (a torch device: "cpu" or "cuda:N"). A new Mask holds no selection: fill it with predict(),
-    set_dense() or set_csr(). The views (counts, indices, t_counts, t_indices, dense, pooled_map) are
-    copies, returned as tensors on `device`."""
+    (a torch device: "cpu" or "cuda:N"). H counts query heads: with grouped K/V heads every query head has its
+    own rows. A new Mask holds no selection: fill it with predict(), set_dense() or set_csr(). The views
+    (counts, indices, t_counts, t_indices, dense, pooled_map) are copies, returned as tensors on `device`.
+
+    causal=True: block-causal, aligned bottom-right (query t may attend key u iff u <= t + Nk − Nq, so Nq <= Nk):
+    a row selects among the blocks on or below its diagonal and always keeps its diagonal blocks (those holding
+    key t + Nk − Nq of one of its queries); attention masks the tokens above the diagonal inside them.
+
+    cu_seqlens_q, cu_seqlens_k (1-D int32 tensors of B+1 offsets, any device; both or neither): a batch of B
+    variable-length sequences packed along N (flash-attn's varlen convention): sequence b is tokens
+    [cu[b], cu[b+1]) of the packed [1, H, Nq, D] / [1, Hkv, Nk, D] tensors, Nq and Nk being the totals. Its views
+    are [B, H, Nqb, Nkb] over the longest sequence's blocks (max_seqlen_q / max_seqlen_k tokens); rows and
+    columns past a shorter sequence's blocks hold nothing."""
 
     def __init__(self, B, H, Nq, Nk, block_q=_checks.DEFAULT_BLOCK_Q, block_k=_checks.DEFAULT_BLOCK_K,
-                 device="cpu", backend=None):
-        self._open(B, H, Nq, Nk, block_q, block_k, device, backend, recycle=False)
+                 device="cpu", backend=None, *, causal=False, cu_seqlens_q=None, cu_seqlens_k=None):
+        self._open(B, H, Nq, Nk, block_q, block_k, device, backend, causal, cu_seqlens_q, cu_seqlens_k,
+                   recycle=False)
 
     @classmethod
-    def _recycled(cls, B, H, Nq, Nk, block_q, block_k, device, backend=None):
+    def _recycled(cls, B, H, Nq, Nk, block_q, block_k, device, backend=None, causal=False, cu_seqlens_q=None,
+                  cu_seqlens_k=None):
         """A Mask that may reuse a kept handle, which still holds an old selection: only for callers that
         fill it before returning it."""
         mask = cls.__new__(cls)
-        mask._open(B, H, Nq, Nk, block_q, block_k, device, backend, recycle=True)
+        mask._open(B, H, Nq, Nk, block_q, block_k, device, backend, causal, cu_seqlens_q, cu_seqlens_k,
+                   recycle=True)
         return mask
 
-    def _open(self, B, H, Nq, Nk, block_q, block_k, device, backend, recycle):
+    def _open(self, B, H, Nq, Nk, block_q, block_k, device, backend, causal, cu_seqlens_q, cu_seqlens_k, recycle):
         B, H, Nq, Nk = _checks.mask_dims(B, H, Nq, Nk)
         block_q, block_k = _checks.block(block_q, "block_q"), _checks.block(block_k, "block_k")
+        causal = _checks.flag(causal, "causal")
+        if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+            raise ValueError("sparge: give both cu_seqlens_q and cu_seqlens_k, or neither")
+        cu = None
+        if cu_seqlens_q is not None:
+            cu = (_checks.cu_seqlens(cu_seqlens_q, "cu_seqlens_q", Nq, "the packed q (Nq)"),
+                  _checks.cu_seqlens(cu_seqlens_k, "cu_seqlens_k", Nk, "the packed k (Nk)"))
+            for name, t in zip(("cu_seqlens_q", "cu_seqlens_k"), cu):
+                if t.numel() != B + 1:
+                    raise ValueError(f"sparge: {name} has {t.numel()} entries; B = {B} sequences need {B + 1}")
+            if causal:
+                lq, lk = cu[0].diff().tolist(), cu[1].diff().tolist()
+                for b, (nq, nk) in enumerate(zip(lq, lk)):
+                    _checks.causal_lengths(nq, nk, f" in every sequence (sequence {b})")
+        elif causal:
+            _checks.causal_lengths(Nq, Nk)
         self.torch_device = _torch_device(device)
         self.device = _torch.open_device(_torch.sparge_device_name(self.torch_device, _checks.backend(backend)),
                                          self.torch_device)
-        key = (self.device, B, H, Nq, Nk, block_q, block_k)
+        key = (self.device, B, H, Nq, Nk, block_q, block_k, causal)
+        if cu is not None:
+            key += (tuple(cu[0].tolist()), tuple(cu[1].tolist()))
         stream = _torch.current_stream(self.torch_device)
         capturing = _capturing(self.torch_device)
         handle = None
-        if recycle:
+        if recycle and (cu is None or capturing):
             with _pool_lock:
                 for pool in (_captured, _pool) if capturing else (_pool,):
                     kept = pool.get(key + (stream,))
@@ -123,22 +162,36 @@ class Mask:
                         break
         if handle is None:
             handle = ctypes.c_void_p()
+            layout = _lib.sparge_mask_layout(B, H, Nq, Nk, block_q, block_k, int(causal),
+                                             cu[0].data_ptr() if cu else None, cu[1].data_ptr() if cu else None)
             with self.device.guard():
-                _lib.call("sparge_mask_create", self.device.handle, *key[1:], ctypes.byref(handle))
+                _lib.call("sparge_mask_create_ex", self.device.handle, ctypes.byref(layout), ctypes.byref(handle))
         self.handle = handle
         self._streams = {stream}  # streams its work was queued on (see _release)
         self._state = {"captured": capturing}
-        self._finalizer = weakref.finalize(self, _release, self.device, key, handle, self._streams, self._state)
+        self._finalizer = weakref.finalize(self, _release, self.device, key, handle, self._streams, self._state,
+                                           cu is not None)
         self._finalizer.atexit = False  # the process is ending: leave the memory to the OS
         shape = _lib.sparge_mask_shape()
         _lib.call("sparge_mask_get_shape", handle, ctypes.byref(shape))
-        self.B, self.H, self.Nq, self.Nk = shape.B, shape.H, shape.Nq, shape.Nk
+        self.B, self.H, self.Nq, self.Nk = B, H, Nq, Nk
+        self.max_seqlen_q, self.max_seqlen_k = shape.Nq, shape.Nk
         self.block_q, self.block_k, self.Nqb, self.Nkb = shape.block_q, shape.block_k, shape.Nqb, shape.Nkb
+        self.causal, self.varlen = bool(shape.causal), bool(shape.varlen)
+        self.cu_seqlens_q, self.cu_seqlens_k = cu if cu is not None else (None, None)
         self.predicted = False
 
     def __repr__(self):
+        extra = (", causal" if self.causal else "") + (
+            f", {self.B} packed sequences (longest {self.max_seqlen_q} x {self.max_seqlen_k})" if self.varlen else "")
         return (f"sparge.Mask(B={self.B}, H={self.H}, Nq={self.Nq}, Nk={self.Nk}, blocks {self.block_q}x"
-                f"{self.block_k}, on {self.device.name})")
+                f"{self.block_k}{extra}, on {self.device.name})")
+
+    def _lengths(self):
+        """[(nq, nk)] per batch entry: the sequences' lengths (varlen) or (Nq, Nk) for each of the B entries."""
+        if not self.varlen:
+            return [(self.Nq, self.Nk)] * self.B
+        return list(zip(self.cu_seqlens_q.diff().tolist(), self.cu_seqlens_k.diff().tolist()))
 
     @contextlib.contextmanager
     def bound(self):
@@ -150,8 +203,14 @@ class Mask:
             yield
 
     def check_attention_shapes(self, B, H, Nq, Nk):
-        """Raise ValueError unless this mask was made for attention of these shapes."""
-        if (B, H, Nq, Nk) != (self.B, self.H, self.Nq, self.Nk):
+        """Raise ValueError unless this mask was made for attention of these shapes (B, H: q's batch and heads;
+        a variable-length mask takes packed tensors, B = 1 and Nq, Nk the totals)."""
+        if self.varlen:
+            if (B, H, Nq, Nk) != (1, self.H, self.Nq, self.Nk):
+                raise ValueError(f"sparge: the mask was made for {self.B} packed sequences of H={self.H}, Nq={self.Nq} "
+                                 f"Nk={self.Nk} tokens in all (tensors of batch 1), the tensors have B={B} H={H} "
+                                 f"Nq={Nq} Nk={Nk}")
+        elif (B, H, Nq, Nk) != (self.B, self.H, self.Nq, self.Nk):
             raise ValueError(f"sparge: the mask was made for B={self.B} H={self.H} Nq={self.Nq} Nk={self.Nk}, "
                              f"the tensors have B={B} H={H} Nq={Nq} Nk={Nk}")
 
@@ -161,7 +220,10 @@ class Mask:
 
     # ------------------------------------------------------------ filling
     def predict(self, q, k, *, topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, scale=None, layout="bhnd"):
-        """Pool Q and K, build the pooled map, keep Top-k ∪ Top-p blocks per row (SpargeAttention2)."""
+        """Pool Q and K, build the pooled map, keep Top-k ∪ Top-p blocks per row (SpargeAttention2). k may have
+        fewer heads than q (grouped K/V heads, dividing q's). A causal mask's rows select among the blocks on or
+        below their diagonal (the map's softmax runs over those) and keep their diagonal blocks besides; a
+        variable-length mask's rows see their own sequence only (q and k packed, batch 1)."""
         B, H, Nq, Nk, _ = _checks.qk(q, k, layout)
         self._check_tensor_device("q", q)
         self.check_attention_shapes(B, H, Nq, Nk)
@@ -169,7 +231,7 @@ class Mask:
         scale = _checks.scale(scale)
         qv = _torch.view(q, layout, "q", self.device.backend)
         kv = _torch.view(k, layout, "k", self.device.backend)
-        params = _lib.sparge_mask_params(self.block_q, self.block_k, topk, topp, _scale_arg(scale))
+        params = _lib.sparge_mask_params(self.block_q, self.block_k, topk, topp, _scale_arg(scale), int(self.causal))
         with self.bound():
             _lib.call("sparge_mask_predict", self.device.handle, ctypes.byref(qv), ctypes.byref(kv),
                       ctypes.byref(params), self.handle)
@@ -177,7 +239,9 @@ class Mask:
         return self
 
     def set_dense(self, dense):
-        """Set the mask from a dense [B,H,Nqb,Nkb] tensor (nonzero = keep; every row keeps a block)."""
+        """Set the mask from a dense [B,H,Nqb,Nkb] tensor (nonzero = keep; every row keeps a block). A causal
+        mask's rows must keep their diagonal blocks and nothing above them, a variable-length mask's nothing past
+        a sequence's blocks (sparge refuses the rest with SpargeError, and the mask keeps what it held)."""
         if not isinstance(dense, torch.Tensor):
             raise TypeError(f"sparge: dense mask must be a torch.Tensor, got {type(dense).__name__}")
         want = (self.B, self.H, self.Nqb, self.Nkb)
@@ -186,7 +250,10 @@ class Mask:
         if dense.is_complex() or dense.is_floating_point() and not torch.isfinite(dense).all():
             raise ValueError("sparge: dense mask must be real and finite (nonzero = keep)")
         host = (dense != 0).to(device="cpu", dtype=torch.uint8).contiguous()
-        empty = (host.sum(-1) == 0).nonzero()
+        real_rows = torch.zeros((self.B, 1, self.Nqb), dtype=torch.bool)
+        for b, (nq, _) in enumerate(self._lengths()):
+            real_rows[b, 0, : -(-nq // self.block_q)] = True
+        empty = ((host.sum(-1) == 0) & real_rows).nonzero()
         if len(empty):
             b, h, i = (int(x) for x in empty[0])
             raise ValueError(f"sparge: dense mask row [b={b}, h={h}, i={i}] keeps no block ({len(empty)} such "
@@ -222,38 +289,67 @@ class Mask:
 
     @classmethod
     def from_dense(cls, dense, Nq, Nk, block_q=_checks.DEFAULT_BLOCK_Q, block_k=_checks.DEFAULT_BLOCK_K,
-                   device=None, backend=None):
-        """A mask for [B,H,Nq,*] × [B,H,Nk,*] from a dense block mask [B,H,Nqb,Nkb]."""
+                   device=None, backend=None, *, causal=False, cu_seqlens_q=None, cu_seqlens_k=None):
+        """A mask for [B,H,Nq,*] × [B,H,Nk,*] from a dense block mask [B,H,Nqb,Nkb] (causal and cu_seqlens as
+        for Mask(); for a variable-length mask B counts sequences and Nq, Nk are the packed totals)."""
         if not isinstance(dense, torch.Tensor) or dense.dim() != 4:
             raise TypeError("sparge: dense must be a 4-D torch.Tensor [B,H,Nqb,Nkb]")
         B, H = dense.shape[0], dense.shape[1]
         return cls._recycled(B, H, Nq, Nk, block_q, block_k, device if device is not None else dense.device,
-                             backend).set_dense(dense)
+                             backend, causal, cu_seqlens_q, cu_seqlens_k).set_dense(dense)
 
     @classmethod
     def from_csr(cls, counts, indices, Nq, Nk, block_q=_checks.DEFAULT_BLOCK_Q, block_k=_checks.DEFAULT_BLOCK_K,
-                 device=None, backend=None):
+                 device=None, backend=None, *, causal=False, cu_seqlens_q=None, cu_seqlens_k=None):
         """A mask from per-row counts [B,H,Nqb] and indices [B,H,Nqb,*] (as `counts` and `indices` give them)."""
         if not isinstance(counts, torch.Tensor) or counts.dim() != 3:
             raise TypeError("sparge: counts must be a 3-D torch.Tensor [B,H,Nqb]")
         B, H = counts.shape[0], counts.shape[1]
         return cls._recycled(B, H, Nq, Nk, block_q, block_k, device if device is not None else counts.device,
-                             backend).set_csr(counts, indices)
+                             backend, causal, cu_seqlens_q, cu_seqlens_k).set_csr(counts, indices)
 
     # ------------------------------------------------------------ FlexAttention (torch >= 2.5)
     def to_flex_block_mask(self):
-        """This mask as a FlexAttention BlockMask: counts → kv_num_blocks, kept blocks → kv_indices (row-
-        ascending, the unkept blocks after them as FlexAttention orders them), BLOCK_SIZE = (block_q, block_k),
-        seq_lengths = (Nq, Nk), no mask_mod. Kept blocks are whole: flex_attention with it computes what
-        sparge computes."""
+        """This mask as a FlexAttention BlockMask (torch >= 2.5) with BLOCK_SIZE = (block_q, block_k) and
+        seq_lengths = (Nq, Nk), so that flex_attention with it computes what sparge computes. Kept blocks are
+        listed row-ascending, the unkept ones after them as FlexAttention orders them.
+
+        Without causal every kept block is whole: kv_num_blocks / kv_indices hold them, with no mask_mod.
+        A causal mask's kept blocks all of whose token pairs may attend (those below the diagonal) are full blocks
+        (full_kv_num_blocks / full_kv_indices, computed without a mask_mod); the others, its diagonal blocks, are
+        partial blocks, inside which the mask_mod kv_idx <= q_idx + Nk − Nq (the bottom-right causal rule) masks
+        tokens. Variable-length masks have no BlockMask form and are refused."""
+        if self.varlen:
+            raise ValueError("sparge: a FlexAttention BlockMask has no packed sequences; to_flex_block_mask takes "
+                             "fixed-length masks")
         try:
             from torch.nn.attention.flex_attention import BlockMask
         except ImportError as e:
             raise RuntimeError(f"sparge: FlexAttention needs torch >= 2.5 (this is {torch.__version__})") from e
-        dense = self.dense.to(torch.int32)
-        counts = dense.sum(-1, dtype=torch.int32)
-        indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32).contiguous()
-        return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(self.block_q, self.block_k),
+
+        def blocks(kept):
+            counts = kept.sum(-1, dtype=torch.int32)
+            order = torch.argsort(kept.to(torch.int32), dim=-1, descending=True, stable=True)
+            return counts, order.to(torch.int32).contiguous()
+
+        dense = self.dense.bool()
+        if not self.causal:
+            counts, indices = blocks(dense)
+            return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(self.block_q, self.block_k),
+                                            seq_lengths=(self.Nq, self.Nk))
+        off = self.Nk - self.Nq
+        first_query = torch.arange(self.Nqb, device=dense.device) * self.block_q
+        last_key = (torch.arange(1, self.Nkb + 1, device=dense.device) * self.block_k).clamp(max=self.Nk) - 1
+        whole = last_key[None, :] <= first_query[:, None] + off  # [Nqb, Nkb]: every pair of the block attends
+        full = dense & whole
+        counts, indices = blocks(dense & ~full)
+        full_counts, full_indices = blocks(full)
+
+        def causal_mask(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + off
+
+        return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices,
+                                        BLOCK_SIZE=(self.block_q, self.block_k), mask_mod=causal_mask,
                                         seq_lengths=(self.Nq, self.Nk))
 
     @classmethod
@@ -345,10 +441,18 @@ class Mask:
         return self._to_host("sparge_mask_get_pooled_map", (self.B, self.H, self.Nqb, self.Nkb), torch.float32, 0, 1)
 
     def token_mask(self):
-        """bool [B,H,Nq,Nk]: the block mask expanded to token pairs (for dense masked references)."""
+        """bool [B,H,Nq,Nk]: the token pairs attention attends (for dense masked references): the kept blocks,
+        and with causal only the keys u <= t + Nk − Nq of query t. A variable-length mask gives [B,H,max_seqlen_q,
+        max_seqlen_k], sequence b's pairs in its top-left corner, false past its tokens."""
+        Nq, Nk = self.max_seqlen_q, self.max_seqlen_k
         dense = self.dense.bool()
-        rows = dense.repeat_interleave(self.block_q, dim=2)[:, :, : self.Nq]
-        return rows.repeat_interleave(self.block_k, dim=3)[:, :, :, : self.Nk]
+        pairs = dense.repeat_interleave(self.block_q, dim=2)[:, :, :Nq].repeat_interleave(self.block_k, dim=3)
+        pairs = pairs[:, :, :, :Nk]
+        t = torch.arange(Nq, device=pairs.device)[:, None]
+        u = torch.arange(Nk, device=pairs.device)[None, :]
+        allowed = torch.stack([(t < nq) & (u < nk) & ((u <= t + nk - nq) if self.causal else True)
+                               for nq, nk in self._lengths()])
+        return pairs & allowed[:, None]
 
     def stats(self):
         st = _lib.sparge_mask_stats()
@@ -357,12 +461,13 @@ class Mask:
         with self.bound():
             _lib.call("sparge_mask_get_stats", self.handle, ctypes.byref(st), ctypes.c_void_p(head.data_ptr()),
                       ctypes.c_void_p(mass.data_ptr()))
+        # Every head of a batch entry has the same attendable blocks, so the mean over heads is the entry's own.
         return MaskStats(st.kept_blocks, st.total_blocks, st.sparsity, st.token_density, st.mean_row_mass,
-                         st.min_row_blocks, st.max_row_blocks, head, mass)
+                         st.min_row_blocks, st.max_row_blocks, head, mass, head.mean(1))
 
     @property
     def sparsity(self):
-        """1 − kept / all block pairs."""
+        """1 − kept / attendable block pairs."""
         return self.stats().sparsity
 
 
@@ -377,45 +482,51 @@ def mask_params(topk, topp, block_q, block_k, scale):
     return topk, topp, _checks.block(block_q, "block_q"), _checks.block(block_k, "block_k"), _checks.scale(scale)
 
 
-def _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend):
+def _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal=False):
     """predict_mask on checked arguments."""
     B, H, Nq, _ = _torch.bhnd_shape(q, layout)
     Nk = _torch.bhnd_shape(k, layout)[2]
-    mask = Mask._recycled(B, H, Nq, Nk, block_q, block_k, q.device, backend)
+    mask = Mask._recycled(B, H, Nq, Nk, block_q, block_k, q.device, backend, causal)
     return mask.predict(q, k, topk=topk, topp=topp, scale=scale, layout=layout)
 
 
-def predict_mask(q, k, *, topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_checks.DEFAULT_BLOCK_Q,
-                 block_k=_checks.DEFAULT_BLOCK_K, scale=None, layout="bhnd", backend=None):
-    """Predict the SpargeAttention2 hybrid Top-k ∪ Top-p block mask of q [B,H,Nq,D] and k [B,H,Nk,D]
-    (or [B,N,H,D] with layout="bnhd") on their device. Asynchronous on GPUs, on the current stream."""
+def _prediction_args(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal):
     B, H, Nq, Nk, D = _checks.qk(q, k, layout)
     topk, topp, block_q, block_k, scale = mask_params(topk, topp, block_q, block_k, scale)
     backend = _checks.backend(backend)
+    if _checks.flag(causal, "causal"):
+        _checks.causal_lengths(Nq, Nk)
     if _checks.is_empty(B, H, Nq, Nk, D):
         raise ValueError(f"sparge: no block mask for empty tensors (B={B} H={H} Nq={Nq} Nk={Nk} D={D})")
-    return _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend)
+    return topk, topp, block_q, block_k, scale, backend
+
+
+def predict_mask(q, k, *, topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_checks.DEFAULT_BLOCK_Q,
+                 block_k=_checks.DEFAULT_BLOCK_K, scale=None, layout="bhnd", backend=None, causal=False):
+    """Predict the SpargeAttention2 hybrid Top-k ∪ Top-p block mask of q [B,H,Nq,D] and k [B,Hkv,Nk,D]
+    (or [B,N,H,D] with layout="bnhd"; Hkv dividing H, one mask row per query head) on their device; causal=True
+    predicts a block-causal mask (bottom-right aligned, Nq <= Nk). Asynchronous on GPUs, on the current stream."""
+    topk, topp, block_q, block_k, scale, backend = _prediction_args(q, k, topk, topp, block_q, block_k, scale,
+                                                                    layout, backend, causal)
+    return _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal)
 
 
 def predict_mask_csr(q, k, *, topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_checks.DEFAULT_BLOCK_Q,
-                     block_k=_checks.DEFAULT_BLOCK_K, scale=None, layout="bhnd", backend=None):
+                     block_k=_checks.DEFAULT_BLOCK_K, scale=None, layout="bhnd", backend=None, causal=False):
     """The predicted mask as tensors on q's device: (counts int32 [B,H,Nqb], indices int32 [B,H,Nqb,Nkb], -1
     past each row's count). On torch >= 2.4 this is the custom op sparge::predict_mask, so it can sit inside
     torch.compile'd code; the library hands masks over through host memory, so it synchronizes."""
-    B, H, Nq, Nk, D = _checks.qk(q, k, layout)
-    topk, topp, block_q, block_k, scale = mask_params(topk, topp, block_q, block_k, scale)
-    backend = _checks.backend(backend)
-    if _checks.is_empty(B, H, Nq, Nk, D):
-        raise ValueError(f"sparge: no block mask for empty tensors (B={B} H={H} Nq={Nq} Nk={Nk} D={D})")
+    topk, topp, block_q, block_k, scale, backend = _prediction_args(q, k, topk, topp, block_q, block_k, scale,
+                                                                    layout, backend, causal)
     from . import attention
 
     if attention.custom_ops_available():
-        return torch.ops.sparge.predict_mask(q, k, topk, topp, block_q, block_k, scale, layout, backend)
-    return predict_csr_impl(q, k, topk, topp, block_q, block_k, scale, layout, backend)
+        return torch.ops.sparge.predict_mask(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal)
+    return predict_csr_impl(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal)
 
 
-def predict_csr_impl(q, k, topk, topp, block_q, block_k, scale, layout, backend):
-    mask = _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend)
+def predict_csr_impl(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal):
+    mask = _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal)
     out = torch.empty((mask.B, mask.H, mask.Nqb), dtype=torch.int32), torch.empty(
         (mask.B, mask.H, mask.Nqb, mask.Nkb), dtype=torch.int32)
     with mask.bound():

@@ -6,11 +6,18 @@ masks bit for bit, outputs and gradients within the dtype's rounding):
 
 - ulysses_attention: an all-to-all turns sequence shards of all heads into the whole sequence for H/P heads,
   sparge predicts the mask and attends locally, and the inverse all-to-all returns the output to sequence
-  shards. Needs equal shards and P dividing H.
-- context_parallel_attention: Q, K and V stay sharded. Ranks exchange the mean-pooled K (B·H·Nkb·D floats),
+  shards. Needs equal shards and P dividing H. Grouped K/V heads travel as K/V heads: Hkv/P per rank when P
+  divides Hkv, else each K/V head is repeated the fewest times that make P divide the count (its gradients summed
+  back over the copies).
+- context_parallel_attention: Q, K and V stay sharded. Ranks exchange the mean-pooled K (B·Hkv·Nkb·D floats),
   so each predicts the single-device mask for its query blocks, then fetch only the K/V blocks their query
   blocks keep, attend per source rank and merge the partials by their log-sum-exp. Shards are whole blocks
   (a multiple of lcm(block_q, block_k)) except the last rank's, which holds any ragged remainder.
+
+causal=True is causal self-attention over global positions (query t attends keys u <= t). Ulysses attends its
+heads over the whole sequence with sparge's causal mask. Context parallelism predicts the single-device causal
+mask of its query blocks, attends its own shard with the causal rule and the earlier shards as whole blocks, and
+receives nothing (no pooled K, no K/V blocks) from the ranks whose key shards lie above its diagonal.
 
 Tensors are [B,H,N,D] (layout="bhnd", the package's default) or [B,N,H,D] (layout="bnhd"), N being the local
 shard. Every call starts with one small all-gather of each rank's shapes and parameters, so a configuration
@@ -34,12 +41,6 @@ from .mask import Mask, predict_mask
 
 __all__ = ["CommStats", "ulysses_attention", "context_parallel_attention", "shard_lengths", "local_shard",
            "dense_ring_bytes"]
-
-# sparge_pool is not in _lib's prototype table; indexing the library gives this module its own function object.
-_sparge_pool = _lib.lib["sparge_pool"]
-_sparge_pool.restype = ctypes.c_int
-_sparge_pool.argtypes = [ctypes.c_void_p, ctypes.POINTER(_lib.sparge_tensor), ctypes.c_int,
-                         ctypes.POINTER(_lib.sparge_tensor)]
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -94,11 +95,13 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def dense_ring_bytes(lengths, B, H, D, dtype, rank):
-    """Bytes a dense ring brings to `rank` in one forward: K and V of every other shard (sequence lengths
-    `lengths`). Its backward returns as many bytes of dK and dV partials."""
+def dense_ring_bytes(lengths, B, H, D, dtype, rank, causal=False):
+    """Bytes a dense ring brings to `rank` in one forward: K and V (H heads: K's) of every other shard (sequence
+    lengths `lengths`), or with causal of every earlier shard only. Its backward returns as many bytes of dK and
+    dV partials."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * B * H * D * elem * (sum(lengths) - lengths[rank])
+    others = sum(lengths[:rank]) if causal else sum(lengths) - lengths[rank]
+    return 2 * B * H * D * elem * others
 
 
 # ---------------------------------------------------------------- shards
@@ -167,10 +170,12 @@ class _Options:
     backend: object
     deterministic: bool
     stats: CommStats
+    causal: bool
 
 
 # Fields every rank must agree on, in the order of the exchanged vector (the local length comes after them).
-_SAME = ("B", "H", "Hkv", "D", "dtype", "layout", "block_q", "block_k", "topk", "topp", "scale", "deterministic")
+_SAME = ("B", "H", "Hkv", "D", "dtype", "layout", "block_q", "block_k", "topk", "topp", "scale", "deterministic",
+         "causal")
 
 
 def _local_fields(q, k, v, opt):
@@ -191,16 +196,19 @@ def _local_fields(q, k, v, opt):
     if (kB, kn, kD) != (B, n, D):
         raise ValueError(f"k and v must hold the same tokens as q (B, local N and D of q: {B}, {n}, {D}; of k: "
                          f"{kB}, {kn}, {kD})")
-    if Hkv != H:
-        raise ValueError(f"k has {Hkv} heads and q {H}: grouped KV heads are not supported yet")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"k has {Hkv} heads, which must divide q's {H} (grouped K/V heads)")
     for name in ("block_q", "block_k"):
         if not isinstance(getattr(opt, name), int) or getattr(opt, name) <= 0:
             raise ValueError(f"{name} must be a positive int, got {getattr(opt, name)!r}")
     if opt.scale is not None and not (math.isfinite(opt.scale) and opt.scale != 0):
         raise ValueError(f"scale must be None or finite and nonzero, got {opt.scale!r}")
+    if not isinstance(opt.causal, bool):
+        raise ValueError(f"causal must be a bool, got {opt.causal!r}")
     fields = dict(B=B, H=H, Hkv=Hkv, D=D, dtype=_DTYPE_CODES[q.dtype], layout=_torch.LAYOUTS.index(opt.layout),
                   block_q=opt.block_q, block_k=opt.block_k, topk=_bits(opt.topk), topp=_bits(opt.topp),
-                  scale=_bits(opt.scale if opt.scale is not None else 0.0), deterministic=int(bool(opt.deterministic)))
+                  scale=_bits(opt.scale if opt.scale is not None else 0.0), deterministic=int(bool(opt.deterministic)),
+                  causal=int(opt.causal))
     return [fields[name] for name in _SAME] + [n]
 
 
@@ -292,6 +300,28 @@ def _all_to_all_equal(send, group, stats, phase):
     return recv
 
 
+def _kv_copies(H, Hkv, P):
+    """How many times Ulysses repeats each K/V head: the fewest copies f (f dividing H/Hkv, so that the copies
+    keep the grouping of query heads) for which P divides Hkv·f. f = H/Hkv always works when P divides H."""
+    group = H // Hkv
+    return next(f for f in range(1, group + 1) if group % f == 0 and Hkv * f % P == 0)
+
+
+def _repeat_heads(x, f, layout):
+    return x if f == 1 else x.repeat_interleave(f, dim=1 if layout == "bhnd" else 2)
+
+
+def _sum_copies(x, f, layout):
+    """The inverse of _repeat_heads for gradients: each head's copies summed."""
+    if f == 1:
+        return x
+    if layout == "bhnd":
+        B, H, n, D = x.shape
+        return x.view(B, H // f, f, n, D).sum(2)
+    B, n, H, D = x.shape
+    return x.view(B, n, H // f, f, D).sum(3)
+
+
 class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opt, holder):
@@ -300,23 +330,26 @@ class _Ulysses(torch.autograd.Function):
         if len(set(lengths)) > 1:
             raise ValueError(f"sparge.parallel: Ulysses needs equal sequence shards, the ranks hold {lengths} tokens "
                              "(use context_parallel_attention for unequal or ragged shards)")
-        if shared["H"] % P or shared["Hkv"] % P:
+        if shared["H"] % P:
             raise ValueError(f"sparge.parallel: Ulysses spreads heads over ranks: P = {P} must divide H = "
-                             f"{shared['H']} (and the KV heads, {shared['Hkv']})")
+                             f"{shared['H']}")
+        copies = _kv_copies(shared["H"], shared["Hkv"], P)
         st, device = opt.stats, q.device
         B, H, n, D = _torch.bhnd_shape(q, opt.layout)
-        st.dense_ring["forward"] = st.dense_ring.get("forward", 0) + dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+        ring = dense_ring_bytes(lengths, B, shared["Hkv"], D, q.dtype, rank, opt.causal)
+        st.dense_ring["forward"] = st.dense_ring.get("forward", 0) + ring
         with st._part("comm", device):
-            qh, kh, vh = _seq_to_heads([q, k, v], opt.layout, P, opt.group, st, "qkv")
+            qh, kh, vh = _seq_to_heads([q, _repeat_heads(k, copies, opt.layout), _repeat_heads(v, copies, opt.layout)],
+                                       opt.layout, P, opt.group, st, "qkv")
         with st._part("mask", device):
             mask = predict_mask(qh, kh, topk=opt.topk, topp=opt.topp, block_q=opt.block_q, block_k=opt.block_k,
-                                scale=opt.scale, layout=opt.layout, backend=opt.backend)
+                                scale=opt.scale, layout=opt.layout, backend=opt.backend, causal=opt.causal)
         with st._part("attention", device):
             oh, lse = attention_forward(qh, kh, vh, mask, scale=opt.scale, layout=opt.layout, backend=opt.backend)
         with st._part("comm", device):
             (o,) = _heads_to_seq([oh], opt.layout, P, opt.group, st, "o")
         ctx.save_for_backward(qh, kh, vh, oh, lse)
-        ctx.mask, ctx.opt, ctx.P, ctx.ring = mask, opt, P, dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+        ctx.mask, ctx.opt, ctx.P, ctx.ring, ctx.copies = mask, opt, P, ring, copies
         holder["mask"] = mask
         return o
 
@@ -333,20 +366,23 @@ class _Ulysses(torch.autograd.Function):
                                             deterministic=opt.deterministic, backend=opt.backend)
         with st._part("comm", device):
             dq, dk, dv = _heads_to_seq([dq, dk, dv], opt.layout, P, opt.group, st, "grad_qkv")
-        return dq, dk, dv, None, None
+        return dq, _sum_copies(dk, ctx.copies, opt.layout), _sum_copies(dv, ctx.copies, opt.layout), None, None
 
 
 def ulysses_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03, topp=0.2, block_q=128, block_k=64,
-                      scale=None, backend=None, deterministic=False, return_mask=False, stats=None):
+                      scale=None, backend=None, deterministic=False, causal=False, return_mask=False, stats=None):
     """Block-sparse attention of a sequence sharded over the ranks of `group`, Ulysses style.
 
     q, k, v: this rank's shard, [B,H,n,D] (layout="bhnd") or [B,N,H,D] with n local tokens ("bnhd"); every
-    rank holds n = N/P consecutive tokens, rank 0 the first. P must divide H. Returns this rank's shard of the
-    output in q's layout (and, with return_mask=True, the mask of this rank's H/P heads over the whole
-    sequence: heads [rank·H/P, (rank+1)·H/P) of the single-device mask). The mask parameters are
-    sparge_attention's; stats (a CommStats) accumulates the bytes moved and, if asked, the time per part."""
+    rank holds n = N/P consecutive tokens, rank 0 the first. P must divide H. k and v may have Hkv heads dividing
+    H (grouped K/V heads): each rank gets Hkv/P of them when P divides Hkv, else the K/V heads are repeated the
+    fewest times that make their count a multiple of P (more bytes moved; dK, dV summed over the copies).
+    causal=True: causal self-attention (query t attends keys u <= t). Returns this rank's shard of the output in
+    q's layout (and, with return_mask=True, the mask of this rank's H/P heads over the whole sequence: heads
+    [rank·H/P, (rank+1)·H/P) of the single-device mask). The mask parameters are sparge_attention's; stats (a
+    CommStats) accumulates the bytes moved and, if asked, the time per part."""
     opt = _Options(group, layout, topk, topp, block_q, block_k, scale, backend, deterministic,
-                   stats if stats is not None else CommStats())
+                   stats if stats is not None else CommStats(), causal)
     holder = {}
     out = _Ulysses.apply(q, k, v, opt, holder)
     return (out, holder["mask"]) if return_mask else out
@@ -362,7 +398,7 @@ def _pool(x, block, dev):
     out = torch.empty((B, H, -(-N // block), D), dtype=torch.float32, device=x.device)
     xv, ov = _torch.view(x, "bhnd", "x"), _torch.view(out, "bhnd", "pooled")
     with dev.bound():
-        _lib.check(_sparge_pool(dev.handle, ctypes.byref(xv), block, ctypes.byref(ov)), "sparge_pool")
+        _lib.call("sparge_pool", dev.handle, ctypes.byref(xv), block, ctypes.byref(ov))
     return out
 
 
@@ -435,24 +471,30 @@ class _ContextParallel(torch.autograd.Function):
         dev = _torch.device_for(q, opt.backend)
         qv, kv, vv = _bhnd(q, opt.layout), _bhnd(k, opt.layout), _bhnd(v, opt.layout)
         B, H, n, D = qv.shape
+        Hkv = kv.shape[1]
         N, nqb = sum(lengths), -(-n // bq)
         Nkb = -(-N // bk)
         k0, k1 = g.key_blocks(rank)
 
         # The single-device mask of this rank's query blocks: pooled Q and K as sparge_mask_predict pools them,
         # then a prediction on the pooled rows themselves (blocks of 1, whose pooling copies them exactly):
-        # the same pooled map over all key blocks, the same row softmax and selection.
+        # the same pooled map over the key blocks, the same row softmax and selection.
         with st._part("mask", device):
             qbar, kbar = _pool(qv, bq, dev), _pool(kv, bk, dev)
         with st._part("comm", device):
-            kbar_all = _all_gather_blocks(kbar, [g.key_blocks(s)[1] - g.key_blocks(s)[0] for s in range(P)],
-                                          opt.group, st)
+            kbar_all = _exchange_pooled_k(kbar, g, opt.causal, opt.group, st)  # [B,Hkv,Nkb or this end's,D]
         with st._part("mask", device):
-            pm = Mask(B, H, nqb, Nkb, 1, 1, device, opt.backend)
-            pm.predict(qbar, kbar_all, topk=opt.topk, topp=opt.topp, scale=opt.scale)
-            dense = pm.dense.bool()  # [B,H,nqb,Nkb]
+            if opt.causal:
+                dense = torch.zeros((B, H, nqb, Nkb), dtype=torch.bool, device=device)
+                dense[..., :kbar_all.shape[2]] = _predict_causal_rows(qbar, kbar_all, g, N, opt, device)
+            else:
+                pm = Mask(B, H, nqb, Nkb, 1, 1, device, opt.backend)
+                pm.predict(qbar, kbar_all, topk=opt.topk, topp=opt.topp, scale=opt.scale)
+                dense = pm.dense.bool()  # [B,H,nqb,Nkb]
         with st._part("comm", device):
-            needs = _all_gather_same(dense.any(2).to(torch.uint8), opt.group, st, "need").bool()  # [P,B,H,Nkb]
+            # Per K/V head, the union over its query heads and the rank's query blocks.
+            mine = dense.view(B, Hkv, H // Hkv, nqb, Nkb).any(3).any(2)
+            needs = _all_gather_same(mine.to(torch.uint8), opt.group, st, "need").bool()  # [P,B,Hkv,Nkb]
 
         # counts[d][s]: key blocks rank d fetches from rank s (nothing from itself).
         per_block = needs.sum((1, 2))
@@ -461,7 +503,8 @@ class _ContextParallel(torch.autograd.Function):
             counts[s][s] = 0
         elem = q.element_size()
         blk = 2 * bk * D  # elements of one K block and one V block
-        st.dense_ring["forward"] = st.dense_ring.get("forward", 0) + dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+        ring = dense_ring_bytes(lengths, B, Hkv, D, q.dtype, rank, opt.causal)
+        st.dense_ring["forward"] = st.dense_ring.get("forward", 0) + ring
 
         # Send the kept blocks of this shard, for every destination in rank order, (b, h, j) ascending.
         with st._part("comm", device):
@@ -480,15 +523,16 @@ class _ContextParallel(torch.autograd.Function):
         # The local partial runs while the blocks travel; then one partial per source that sent any.
         acc, sources = [], []
 
-        def attend(src, sub, dense_c, nc):
+        def attend(src, sub, dense_c, nc, causal=False):
             with st._part("mask", device):
                 rowkeep = sub.any(3)  # [B,H,nqb]
                 if not bool(rowkeep.all()):
                     # A row that keeps nothing from this source still needs a block: it attends to slot 0, and
-                    # its result is dropped (weight 0 here, zero dO in the backward).
+                    # its result is dropped (weight 0 here, zero dO in the backward). Causal rows keep their
+                    # diagonal, in their own shard: never the case there.
                     dense_c[:, :, :, 0] |= ~rowkeep
                     src.keep_tok = rowkeep.repeat_interleave(bq, dim=2)[:, :, :n]
-                src.mask = Mask.from_dense(dense_c, n, nc, bq, bk, device, opt.backend)
+                src.mask = Mask.from_dense(dense_c, n, nc, bq, bk, device, opt.backend, causal=causal)
             with st._part("attention", device):
                 o_s, lse_s = attention_forward(qv, src.k, src.v, src.mask, scale=opt.scale, layout="bhnd",
                                                backend=opt.backend)
@@ -504,9 +548,11 @@ class _ContextParallel(torch.autograd.Function):
                               o_s.float() * _weight(lse_s, lse_new)[..., None], lse_new]
             sources.append(src)
 
+        # The own shard holds the diagonal: its queries and keys start at the same global position, so sparge's
+        # causal rule on the shard (Nq = Nk = n) is the global one. Earlier shards lie wholly below it.
         local = dense[:, :, :, k0:k1]
         if local.any():
-            attend(_Source(rank, kv, vv, None), local, local.clone(), n)
+            attend(_Source(rank, kv, vv, None), local, local.clone(), n, opt.causal)
         with st._part("comm", device):
             work.wait()
         offset = 0
@@ -514,7 +560,7 @@ class _ContextParallel(torch.autograd.Function):
             if s != rank and recv_counts[s]:
                 a, b = g.key_blocks(s)
                 sub = dense[:, :, :, a:b]
-                src, dense_c, nc = _unpack(s, sub, recv[offset:offset + recv_counts[s]], g, B, H, D)
+                src, dense_c, nc = _unpack(s, sub, recv[offset:offset + recv_counts[s]], g, B, H, Hkv, D)
                 attend(src, sub, dense_c, nc)
             offset += recv_counts[s]
         o_acc, lse_acc = acc
@@ -524,7 +570,7 @@ class _ContextParallel(torch.autograd.Function):
         ctx.opt, ctx.geometry, ctx.sources = opt, g, sources
         ctx.send_index = (b_idx, h_idx, j_idx, send_counts, recv_counts)
         ctx.moves = any(map(any, counts))
-        ctx.ring = dense_ring_bytes(lengths, B, H, D, q.dtype, rank)
+        ctx.ring = ring
         holder["mask"] = dense, n, N
         return o
 
@@ -536,11 +582,12 @@ class _ContextParallel(torch.autograd.Function):
         bk, device = g.block_k, grad.device
         qv, ov, gv = _bhnd(q, opt.layout), _bhnd(o, opt.layout), _bhnd(grad, opt.layout)
         B, H, n, D = qv.shape
+        Hkv = ctx.sources[0].k.shape[1]
         nkb = -(-n // bk)
         b_idx, h_idx, j_idx, send_counts, recv_counts = ctx.send_index
         st.dense_ring["backward"] = st.dense_ring.get("backward", 0) + ctx.ring
         dq = torch.zeros((B, H, n, D), dtype=torch.float32, device=device)
-        dk = torch.zeros((B, H, nkb * bk, D), dtype=torch.float32, device=device)
+        dk = torch.zeros((B, Hkv, nkb * bk, D), dtype=torch.float32, device=device)
         dv = torch.zeros_like(dk)
         back = {}
         for src in ctx.sources:
@@ -568,7 +615,7 @@ class _ContextParallel(torch.autograd.Function):
             _all_to_all_blocks(recv, send, send_counts, recv_counts, blk, opt.group, ctx.moves).wait()
             st._moved("grad_kv", sum(recv_counts) * blk * q.element_size(), sum(send_counts) * blk * q.element_size())
         with st._part("attention", device):
-            dkb, dvb = dk.view(B, H, nkb, bk, D), dv.view(B, H, nkb, bk, D)
+            dkb, dvb = dk.view(B, Hkv, nkb, bk, D), dv.view(B, Hkv, nkb, bk, D)
             start = 0
             for c in send_counts:  # one destination at a time: its blocks are distinct, the sum order fixed
                 sl = slice(start, start + c)
@@ -577,6 +624,62 @@ class _ContextParallel(torch.autograd.Function):
                 start += c
         return (_in_layout(dq, opt.layout, q.dtype), _in_layout(dk[:, :, :n], opt.layout, q.dtype),
                 _in_layout(dv[:, :, :n], opt.layout, q.dtype), None, None)
+
+
+def _exchange_pooled_k(kbar, g, causal, group, stats):
+    """Every rank's pooled K [B,Hkv,nkb_s,D], concatenated along the key blocks. With causal a rank receives only
+    the shards up to its own (the later ones lie above its diagonal) and sends its own only to the ranks from it
+    on, so the result ends at the rank's last key block."""
+    B, Hkv, c, D = kbar.shape
+    sources = range(g.rank + 1) if causal else range(g.P)
+    blocks = [g.key_blocks(s)[1] - g.key_blocks(s)[0] for s in range(g.P)]
+    row = B * Hkv * D
+    if g.P == 1:
+        return kbar
+    send_counts = [c * row if not causal or d >= g.rank else 0 for d in range(g.P)]
+    recv_counts = [blocks[s] * row if s in sources else 0 for s in range(g.P)]
+    send = kbar.contiguous().view(-1).repeat(sum(1 for x in send_counts if x))
+    recv = torch.empty(sum(recv_counts), dtype=kbar.dtype, device=kbar.device)
+    dist.all_to_all_single(recv, send, recv_counts, send_counts, group=group)
+    stats._moved("pooled_k", 4 * (sum(send_counts) - send_counts[g.rank]), 4 * (sum(recv_counts) - recv_counts[g.rank]))
+    parts = recv.split(recv_counts)
+    return torch.cat([parts[s].view(B, Hkv, blocks[s], D) for s in sources], dim=2)
+
+
+def _predict_causal_rows(qbar, kbar_all, g, N, opt, device):
+    """Rows of the single-device causal mask (self-attention over N tokens) for this rank's query blocks, from
+    their pooled Q [B,H,nqb,D] and the pooled K of the key blocks up to this rank's end: bool [B,H,nqb,K].
+
+    Query block I may attend key blocks [0, a_I), a_I = d1 + 1 for its diagonal blocks d0..d1 (sparge_row_rule);
+    its map row is the softmax over those, selected, with the diagonal blocks kept besides. A causal prediction on
+    pooled rows (blocks of 1) gives row p of an (nq', K) problem exactly that rule with a = p + K − nq' + 1 and d1
+    = a − 1, so each pooled Q row is placed at the row whose a is its own (other rows hold zeros and are
+    discarded) and d0..d1−1 are added afterwards. Rows of equal a (blocks narrower than key blocks, or a ragged last
+    one) go to separate rounds."""
+    B, H, nqb, D = qbar.shape
+    bq, bk = g.block_q, g.block_k
+    first = g.starts[g.rank] // bq
+    t0 = [(first + i) * bq for i in range(nqb)]
+    d0 = [t // bk for t in t0]
+    d1 = [(min(t + bq, N) - 1) // bk for t in t0]
+    rounds, seen = {}, {}
+    for i, d in enumerate(d1):
+        r = seen[d] = seen.get(d, -1) + 1
+        rounds.setdefault(r, []).append(i)
+    K = kbar_all.shape[2]
+    dense = torch.zeros((B, H, nqb, K), dtype=torch.bool, device=device)
+    for rows in rounds.values():
+        a = torch.tensor([d1[i] + 1 for i in rows], device=device)
+        lo, hi = int(a.min()), int(a.max())
+        place = a - lo
+        fake = torch.zeros((B, H, hi - lo + 1, D), dtype=qbar.dtype, device=device)
+        fake[:, :, place] = qbar[:, :, rows]
+        pm = Mask(B, H, hi - lo + 1, hi, 1, 1, device, opt.backend, causal=True)
+        pm.predict(fake, kbar_all[:, :, :hi], topk=opt.topk, topp=opt.topp, scale=opt.scale)
+        dense[:, :, rows, :hi] = pm.dense.bool()[:, :, place]
+    for i in range(nqb):
+        dense[:, :, i, d0[i]:d1[i] + 1] = True
+    return dense
 
 
 class _Done:
@@ -603,21 +706,14 @@ def _all_gather_same(t, group, stats, phase):
     return torch.stack(parts)
 
 
-def _all_gather_blocks(x, counts, group, stats):
-    """Concatenate every rank's [B,H,counts[s],D] along dim 2 (padded to the largest count for the exchange)."""
-    B, H, c, D = x.shape
-    padded = torch.zeros((B, H, max(counts), D), dtype=x.dtype, device=x.device)
-    padded[:, :, :c] = x
-    parts = _all_gather_same(padded, group, stats, "pooled_k")
-    return torch.cat([parts[s, :, :, :counts[s]] for s in range(len(counts))], dim=2).contiguous()
-
-
-def _unpack(s, sub, blocks, g, B, H, D):
-    """The blocks fetched from rank s ([count, 2, bk, D], (b, h, j) ascending) packed per head into K and V of
-    [B,H,Nc,D]: block j of head (b,h) in slot (its rank among that head's blocks), a ragged last block of the
-    sequence in the last slot, so that it ends the tensor. Returns the source, the mask over the slots and Nc."""
+def _unpack(s, sub, blocks, g, B, H, Hkv, D):
+    """The blocks fetched from rank s ([count, 2, bk, D], (b, K/V head, j) ascending) packed per K/V head into K
+    and V of [B,Hkv,Nc,D]: block j of head (b,h) in slot (its rank among that head's blocks), a ragged last block
+    of the sequence in the last slot, so that it ends the tensor. Returns the source, the mask over the slots (each
+    query head's rows over its K/V head's slots) and Nc."""
     bk = g.block_k
-    need = sub.any(2)  # [B,H,nkb_s]: what was fetched, in the order it was sent
+    group = H // Hkv
+    need = sub.view(B, Hkv, group, *sub.shape[2:]).any(3).any(2)  # [B,Hkv,nkb_s]: what was fetched, in send order
     rem = g.lengths[s] % bk
     whole = need.clone()
     if rem:
@@ -630,13 +726,13 @@ def _unpack(s, sub, blocks, g, B, H, D):
     nslots = width + ragged
     nc = width * bk + (rem if ragged else 0)
     b, h, j = need.nonzero(as_tuple=True)
-    packed = torch.zeros((2, B, H, nslots, bk, D), dtype=blocks.dtype, device=blocks.device)
+    packed = torch.zeros((2, B, Hkv, nslots, bk, D), dtype=blocks.dtype, device=blocks.device)
     packed[:, b, h, slot[b, h, j]] = blocks.transpose(0, 1)
-    k = packed[0].view(B, H, nslots * bk, D)[:, :, :nc]
-    v = packed[1].view(B, H, nslots * bk, D)[:, :, :nc]
+    k = packed[0].view(B, Hkv, nslots * bk, D)[:, :, :nc]
+    v = packed[1].view(B, Hkv, nslots * bk, D)[:, :, :nc]
     dense_c = torch.zeros(sub.shape[:3] + (nslots,), dtype=torch.bool, device=sub.device)
     bb, hh, ii, jj = sub.nonzero(as_tuple=True)
-    dense_c[bb, hh, ii, slot[bb, hh, jj]] = True
+    dense_c[bb, hh, ii, slot[bb, hh // group, jj]] = True
     return _Source(s, k, v, None, slots=(b, h, slot[b, h, j])), dense_c, nc
 
 
@@ -651,20 +747,24 @@ def _blocks_of(x, slots, bk):
 
 
 def context_parallel_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03, topp=0.2, block_q=128,
-                               block_k=64, scale=None, backend=None, deterministic=False, return_mask=False,
-                               stats=None):
+                               block_k=64, scale=None, backend=None, deterministic=False, causal=False,
+                               return_mask=False, stats=None):
     """Block-sparse attention of a sequence sharded over the ranks of `group`, with the exact global mask.
 
     q, k, v: this rank's shard ([B,H,n,D] or [B,n,H,D] with layout="bnhd"); rank 0 holds the first tokens.
     Every shard but the last must be a multiple of lcm(block_q, block_k) tokens (shard_lengths(N, P) gives such
-    lengths); the shards may differ in length. Each rank predicts the single-device mask of its query blocks
-    from its pooled Q and every rank's pooled K, fetches the K/V blocks it keeps from their owners, and merges
-    per-source partial attentions by their LSE; the backward returns the dK/dV partials to the owners.
+    lengths); the shards may differ in length. k and v may have Hkv heads dividing H (grouped K/V heads: the
+    blocks fetched are K/V heads' blocks, the union over their query heads). Each rank predicts the
+    single-device mask of its query blocks from its pooled Q and every rank's pooled K, fetches the K/V blocks it
+    keeps from their owners, and merges per-source partial attentions by their LSE; the backward returns the
+    dK/dV partials to the owners. causal=True: causal self-attention over global positions (query t attends keys
+    u <= t); a rank then receives pooled K and K/V blocks only from the ranks up to itself.
     Returns this rank's output shard in q's layout (and, with return_mask=True, the Mask of this rank's query
-    blocks over the whole sequence: rows [first, last] of the single-device mask, set from its dense form).
-    stats (a CommStats) accumulates the bytes moved, with the dense ring's for comparison."""
+    blocks over the whole sequence: rows [first, last] of the single-device mask, set from its dense form as a
+    mask without causal, whose statistics count every block). stats (a CommStats) accumulates the bytes moved,
+    with the dense ring's for comparison (with causal, a ring that brings only the earlier shards)."""
     opt = _Options(group, layout, topk, topp, block_q, block_k, scale, backend, deterministic,
-                   stats if stats is not None else CommStats())
+                   stats if stats is not None else CommStats(), causal)
     holder = {}
     out = _ContextParallel.apply(q, k, v, opt, holder)
     if not return_mask:

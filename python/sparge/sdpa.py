@@ -24,8 +24,9 @@ class SdpaRouting:
 
 def _math_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA's semantics spelled out, for torch without F.scaled_dot_product_attention (before 2.0)."""
-    if enable_gqa:
-        raise NotImplementedError("enable_gqa needs torch's own scaled_dot_product_attention")
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     s = (query @ key.transpose(-1, -2)) * scale
     if is_causal:
@@ -44,10 +45,12 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
                block_k=_checks.DEFAULT_BLOCK_K, *, min_tokens=0, backend=None, deterministic=False):
     """Within the block, torch.nn.functional.scaled_dot_product_attention sends every call that sparge
     computes exactly as asked — 4-D [B,H,N,D] query/key/value of one dtype sparge takes (float32, float16,
-    bfloat16) on a device it has a backend for, one head dim, the same head count, no attn_mask, dropout_p 0,
-    is_causal False, no enable_gqa, scale None or nonzero — to sparge_attention with these mask parameters,
-    self- and cross-attention alike, when both Nq and Nk are >= min_tokens (min_tokens=1024 keeps a 512-token
-    text cross-attention dense). Every other call goes to the function that was there before, unchanged.
+    bfloat16) on a device it has a backend for, one head dim, the same head count (or, with enable_gqa=True, a
+    K/V head count dividing query's), no attn_mask, dropout_p 0, scale None or nonzero, is_causal False or, with
+    Nq = Nk, True (where SDPA's top-left causal diagonal is sparge's bottom-right one) — to sparge_attention with
+    these mask parameters, self- and cross-attention alike, when both Nq and Nk are >= min_tokens
+    (min_tokens=1024 keeps a 512-token text cross-attention dense). Every other call goes to the function that was
+    there before, unchanged.
     The previous function is restored on exit. Yields an SdpaRouting that counts routed and passed calls.
 
     The patch replaces the attribute of torch.nn.functional, so it reaches code that calls
@@ -73,7 +76,9 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
     fallback = _math_sdpa if previous is sentinel else previous
 
     def routable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        if attn_mask is not None or dropout_p != 0.0 or is_causal or enable_gqa or scale == 0.0:
+        if attn_mask is not None or dropout_p != 0.0 or scale == 0.0:
+            return False
+        if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
             return False
         tensors = (query, key, value)
         if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors):
@@ -84,7 +89,12 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
         if query.device.type not in device_types:
             return False
         B, H, Nq, D = query.shape
-        if key.shape[:2] != (B, H) or key.shape[3] != D or value.shape != key.shape:
+        Hk = key.shape[1]
+        if key.shape[0] != B or key.shape[3] != D or value.shape != key.shape:
+            return False
+        if Hk != H and not (enable_gqa and Hk > 0 and H % Hk == 0):
+            return False
+        if is_causal and Nq != key.shape[2]:
             return False
         return min(Nq, key.shape[2]) >= max(min_tokens, 1) and B > 0 and H > 0 and D > 0
 
@@ -92,8 +102,9 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
                                      scale=None, enable_gqa=False):
         if routable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
             routing.routed += 1
-            return sparge_attention(query, key, value, scale=scale, topk=topk, topp=topp, block_q=block_q,
-                                    block_k=block_k, backend=backend, deterministic=deterministic)
+            return sparge_attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                    topk=topk, topp=topp, block_q=block_q, block_k=block_k, backend=backend,
+                                    deterministic=deterministic)
         routing.passed += 1
         kwargs = {}
         if scale is not None:

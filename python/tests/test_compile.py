@@ -64,21 +64,26 @@ class CustomOps(unittest.TestCase):
     def test_registered_with_schemas(self):
         for name in ("attention", "attention_backward", "predict_mask"):
             self.assertTrue(hasattr(torch.ops.sparge, name), name)
+            self.assertIn("bool causal)", str(getattr(torch.ops.sparge, name).default._schema), name)
         schema = str(torch.ops.sparge.attention.default._schema)
         self.assertIn("sparge::attention(Tensor q, Tensor k, Tensor v, float topk", schema)
 
     def test_opcheck(self):
         g = torch.Generator().manual_seed(3)
-        q, k, v = (torch.randn(1, 2, n, 32, generator=g) for n in (150, 130, 130))
-        params = (0.3, 0.1, 64, 32, None, "bhnd", None)
-        for t in (q, k, v):
-            t.requires_grad_()
-        torch.library.opcheck(torch.ops.sparge.attention.default, (q, k, v, *params, False))
-        torch.library.opcheck(torch.ops.sparge.predict_mask.default, (q.detach(), k.detach(), *params))
-        out, lse = torch.ops.sparge.attention(q, k, v, *params, False)
-        grad = torch.randn(out.shape, generator=g)
-        torch.library.opcheck(torch.ops.sparge.attention_backward.default,
-                              (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse, *params, False))
+        # Plain, and causal with grouped K/V heads (Nq <= Nk).
+        for Hkv, Nq, causal in ((2, 150, False), (1, 110, True)):
+            q = torch.randn(1, 2, Nq, 32, generator=g)
+            k, v = (torch.randn(1, Hkv, 130, 32, generator=g) for _ in range(2))
+            params = (0.3, 0.1, 64, 32, None, "bhnd", None)
+            for t in (q, k, v):
+                t.requires_grad_()
+            torch.library.opcheck(torch.ops.sparge.attention.default, (q, k, v, *params, False, causal))
+            torch.library.opcheck(torch.ops.sparge.predict_mask.default, (q.detach(), k.detach(), *params, causal))
+            out, lse = torch.ops.sparge.attention(q, k, v, *params, False, causal)
+            grad = torch.randn(out.shape, generator=g)
+            torch.library.opcheck(torch.ops.sparge.attention_backward.default,
+                                  (grad, q.detach(), k.detach(), v.detach(), out.detach(), lse, *params, False,
+                                   causal))
 
     def test_eager_op_matches_the_function_path(self):
         g = torch.Generator().manual_seed(4)
@@ -92,6 +97,13 @@ class CustomOps(unittest.TestCase):
         counts, indices = sparge.predict_mask_csr(q.detach(), k.detach(), topk=0.2)
         self.assertTrue(torch.equal(counts, mask.counts))
         self.assertTrue(torch.equal(indices, mask.indices))
+        kv = [t[:, :1].detach().requires_grad_() for t in (k, v)]
+        out = sparge.sparge_attention(q[:, :, :200], *kv, is_causal=True, enable_gqa=True, topk=0.2)  # the op
+        ref = sparge.sparge_attention(q[:, :, :200], *kv, is_causal=True, enable_gqa=True, topk=0.2,
+                                      return_mask=True)[0]
+        self.assertTrue(torch.equal(out, ref))
+        for a, b in zip(torch.autograd.grad(out.sum(), (q, *kv)), torch.autograd.grad(ref.sum(), (q, *kv))):
+            self.assertTrue(torch.equal(a, b))
 
     def test_make_fx_records_the_ops(self):
         from torch.fx.experimental.proxy_tensor import make_fx

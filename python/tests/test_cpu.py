@@ -251,7 +251,7 @@ class Errors(unittest.TestCase):
         # Sizes Python accepts one by one whose product the library refuses.
         e = self.assertSpargeError("SPARGE_ERR_OVERFLOW", "B*H*Nqb*Nkb overflows", sparge.Mask, 2**40, 2**20,
                                    2**31 - 1, 2**31 - 1, 1, 1)
-        self.assertEqual(e.function, "sparge_mask_create")
+        self.assertEqual(e.function, "sparge_mask_create_ex")
 
     def test_shape_mismatch(self):
         q, _, _ = qkv(1, 2, 128, 128, 64)
@@ -290,8 +290,10 @@ class Errors(unittest.TestCase):
             sparge.attention_forward(q.int(), k.int(), v.int())
         with self.assertRaisesRegex(ValueError, "layout must be"):
             sparge.sparge_attention(q, k, v, layout="bshd")
-        with self.assertRaisesRegex(NotImplementedError, "is_causal"):
-            sparge.sparge_attention(q, k, v, None, 0.0, True)
+        with self.assertRaisesRegex(NotImplementedError, "attn_mask"):
+            sparge.sparge_attention(q, k, v, torch.ones(64, 64, dtype=torch.bool))
+        with self.assertRaisesRegex(TypeError, "is_causal must be a bool"):
+            sparge.sparge_attention(q, k, v, None, 0.0, 1)
         with self.assertRaisesRegex(ValueError, "scale = 0"):
             sparge.sparge_attention(q, k, v, scale=0.0)
         _, lse = sparge.attention_forward(q, k, v)

@@ -1,5 +1,6 @@
 """GPU tests of the python layer (skipped without CUDA): bf16/fp16 forward and gradients against torch
-autograd on the equivalent dense masked attention, BNHD views, stream ordering, masks against the CPU's."""
+autograd on the equivalent dense masked attention, grouped K/V heads with causal masks, packed variable-length
+batches with cu_seqlens on the GPU, BNHD views, stream ordering, masks against the CPU's."""
 import unittest
 
 from helpers import dense_masked_attention, randn, rel_l2, sparge, torch
@@ -65,6 +66,39 @@ class Gradients(unittest.TestCase):
         b = sparge.attention_backward(d_o, q, k, v, o, lse, mask, deterministic=True)
         for x, y in zip(a, b):
             self.assertTrue(torch.equal(x, y))
+
+
+@unittest.skipUnless(HAVE_CUDA, "skipped: no CUDA device (or libsparge built without CUDA)")
+class Shapes(unittest.TestCase):
+    def test_gqa_causal_bf16(self):
+        g = torch.Generator().manual_seed(12)
+        q, k, v = (torch.randn(1, n, h, 128, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+                   for n, h in ((900, 8), (1300, 2), (1300, 2)))
+        out, mask = sparge.sparge_attention(q, k, v, is_causal=True, enable_gqa=True, layout="bnhd", topk=0.1,
+                                            return_mask=True)
+        q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        ref, _ = dense_masked_attention(q64, k64.repeat_interleave(4, 1), v64.repeat_interleave(4, 1),
+                                        mask.token_mask())
+        self.assertLess(rel_l2(out.transpose(1, 2), ref), TOL[torch.bfloat16])
+        d_out = randn(*out.shape, dtype=torch.bfloat16, device="cuda", seed=13)
+        grads = torch.autograd.grad(out, (q, k, v), d_out)
+        for name, gr, r in zip("qkv", grads, torch.autograd.grad(ref, (q64, k64, v64), d_out.double().transpose(1, 2))):
+            self.assertLess(rel_l2(gr.transpose(1, 2), r), TOL[torch.bfloat16], f"d{name}")
+
+    def test_varlen_equals_each_sequence(self):
+        lengths = [700, 129, 1000, 64]
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        g = torch.Generator().manual_seed(14)
+        q, k, v = (torch.randn(sum(lengths), h, 64, generator=g).to("cuda", torch.bfloat16) for h in (4, 1, 1))
+        out, mask = sparge.sparge_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                                   topk=0.2, return_mask=True)
+        self.assertEqual(mask.torch_device, q.device)
+        for b in range(len(lengths)):
+            s = slice(int(cu[b]), int(cu[b + 1]))
+            alone, own = sparge.sparge_attention(q[s][None], k[s][None], v[s][None], is_causal=True, enable_gqa=True,
+                                                 layout="bnhd", topk=0.2, return_mask=True)
+            self.assertTrue(torch.equal(mask.dense[b, :, :own.Nqb, :own.Nkb], own.dense[0]))
+            self.assertLess(rel_l2(out[s], alone[0]), TOL[torch.bfloat16], f"sequence {b}")
 
 
 @unittest.skipUnless(HAVE_CUDA, "skipped: no CUDA device (or libsparge built without CUDA)")

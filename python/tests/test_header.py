@@ -1,5 +1,6 @@
-"""The ctypes mirror against src/sparge.h: structure fields (names, types, order), enum values and the
-argument counts of every bound function. Needs the source tree and the library, not torch."""
+"""The ctypes mirror against src/sparge.h: structure fields (names, types, order), enum values, the argument
+counts of every bound function, and every function of the header bound but those torch makes unnecessary.
+Needs the source tree and the library, not torch."""
 import ctypes
 import os
 import re
@@ -12,8 +13,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 from sparge import _lib  # noqa: E402  (after the path set-up)
 
-C_TYPES = {"void *": ctypes.c_void_p, "sparge_dtype": ctypes.c_int, "int64_t": ctypes.c_int64, "int": ctypes.c_int,
-           "int32_t": ctypes.c_int32, "double": ctypes.c_double, "float": ctypes.c_float}
+C_TYPES = {"void *": ctypes.c_void_p, "sparge_dtype": ctypes.c_int, "sparge_op": ctypes.c_int,
+           "int64_t": ctypes.c_int64, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "double": ctypes.c_double,
+           "float": ctypes.c_float}
 
 
 def header_text():
@@ -27,7 +29,7 @@ def c_struct_fields(text, name):
     body = re.search(r"typedef struct \{([^}]*)\}\s*" + name + r";", text).group(1)
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
-        m = re.match(r"(\w+)\s+(.*)", decl)
+        m = re.match(r"(?:const\s+)?(\w+)\s+(.*)", decl)
         base, declarators = m.group(1), m.group(2)
         for d in (x.strip() for x in declarators.split(",")):
             pointer = d.startswith("*")
@@ -55,7 +57,8 @@ class HeaderMirror(unittest.TestCase):
     def test_structures(self):
         for name, cls in (("sparge_tensor", _lib.sparge_tensor), ("sparge_mask_params", _lib.sparge_mask_params),
                           ("sparge_mask_shape", _lib.sparge_mask_shape), ("sparge_mask_stats", _lib.sparge_mask_stats),
-                          ("sparge_attn_params", _lib.sparge_attn_params)):
+                          ("sparge_attn_params", _lib.sparge_attn_params),
+                          ("sparge_mask_layout", _lib.sparge_mask_layout), ("sparge_op_desc", _lib.sparge_op_desc)):
             expected = c_struct_fields(self.text, name)
             got = list(cls._fields_)
             self.assertEqual([f for f, _ in got], [f for f, _ in expected], name)
@@ -75,12 +78,23 @@ class HeaderMirror(unittest.TestCase):
             if match is None and name == "F64":
                 continue  # headers before SPARGE_F64 (fp64 tensors on cpu-ref)
             self.assertEqual(getattr(_lib, name), int(match.group(1)), name)
+        ops = re.search(r"typedef enum \{([^}]*)\}\s*sparge_op;", self.text).group(1)
+        names = [s.split("=")[0].strip() for s in ops.split(",") if s.strip()]
+        for value, name in enumerate(names):
+            self.assertEqual(getattr(_lib, name[len("SPARGE_"):]), value, name)
+            if name != "SPARGE_OP_COUNT":
+                self.assertTrue(_lib.lib.sparge_op_name(value).decode(), name)
 
     def test_functions(self):
         for name, (_, argtypes) in _lib._PROTOTYPES.items():
             self.assertEqual(len(argtypes), c_function_arity(self.text, name), name)
         declared = set(re.findall(r"\b(sparge_\w+)\(", self.text))
         self.assertFalse(set(_lib._PROTOTYPES) - declared, "bound but not in sparge.h")
+        # torch owns the memory and the dtype conversions; nothing else of the header may go unbound.
+        unbound = {"sparge_malloc", "sparge_free", "sparge_memcpy_to_device", "sparge_memcpy_to_host",
+                   "sparge_memset", "sparge_f32_to_f16", "sparge_f16_to_f32", "sparge_f32_to_bf16",
+                   "sparge_bf16_to_f32", "sparge_mask_export"}
+        self.assertEqual(declared - set(_lib._PROTOTYPES), unbound, "declared in sparge.h but not bound")
 
 
 if __name__ == "__main__":

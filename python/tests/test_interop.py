@@ -61,12 +61,14 @@ class PatchSdpa(unittest.TestCase):
         q, k, v = randn(1, 2, 300, 32, seed=1), randn(1, 2, 300, 32, seed=2), randn(1, 2, 300, 32, seed=3)
         short = randn(1, 2, 100, 32, seed=6)
         bool_mask = torch.ones(300, 300, dtype=torch.bool)
+        long = randn(1, 2, 400, 32, seed=7)
         calls = [((q, k, v), dict(attn_mask=bool_mask)),
-                 ((q, k, v), dict(is_causal=True)),
+                 ((q, long, long), dict(is_causal=True)),  # Nq != Nk: SDPA's diagonal is top-left, sparge's not
                  ((q, k, v), dict(dropout_p=0.1)),
                  ((q.double(), k.double(), v.double()), {}),
                  ((q[0], k[0], v[0]), {}),  # 3-D
-                 ((q, k[:, :1], v[:, :1]), dict(enable_gqa=True)),
+                 ((q, k[:, :1], v[:, :1]), {}),  # unequal heads without enable_gqa: torch's error to raise
+                 ((q, k, v), dict(is_causal=1)),
                  ((q, k, v), dict(scale=0.0)),
                  ((q, short, short), {}),  # below min_tokens
                  ((q, k, v[..., :16]), {})]  # a head dim sparge does not take for v
@@ -81,6 +83,16 @@ class PatchSdpa(unittest.TestCase):
             self.assertIs(seen[3], kwargs.get("attn_mask"))
             self.assertEqual(seen[4:6], (kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)))
             self.assertEqual(seen[6], {key: kwargs[key] for key in ("scale", "enable_gqa") if key in kwargs})
+
+    def test_routes_causal_and_grouped_calls(self):
+        q, k, v = randn(1, 4, 260, 32, seed=1), randn(1, 1, 260, 32, seed=2), randn(1, 1, 260, 32, seed=3)
+        kw = dict(topk=0.3, topp=0.0, block_q=64, block_k=32)
+        with sparge.patch_sdpa(**kw) as routing:
+            causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            grouped = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=0.2)
+        self.assertEqual((routing.routed, routing.passed, self.spy.calls), (2, 0, []))
+        self.assertTrue(torch.equal(causal, sparge.sparge_attention(q, k, v, is_causal=True, enable_gqa=True, **kw)))
+        self.assertTrue(torch.equal(grouped, sparge.sparge_attention(q, k, v, enable_gqa=True, scale=0.2, **kw)))
 
     def test_restores_on_exit_and_on_error(self):
         with self.assertRaises(KeyError):
@@ -97,12 +109,13 @@ class PatchSdpa(unittest.TestCase):
 
     def test_without_torch_sdpa(self):
         del F.scaled_dot_product_attention  # torch before 2.0
-        q, k, v = randn(1, 2, 50, 16, seed=7), randn(1, 2, 60, 16, seed=8), randn(1, 2, 60, 16, seed=9)
+        q, k, v = randn(1, 2, 50, 16, seed=7), randn(1, 1, 60, 16, seed=8), randn(1, 1, 60, 16, seed=9)
         with sparge.patch_sdpa(min_tokens=100) as routing:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         self.assertEqual((routing.routed, routing.passed), (0, 1))
-        causal = torch.ones(50, 60, dtype=torch.bool).tril().expand(1, 2, 50, 60)
-        ref, _ = dense_masked_attention(q.double(), k.double(), v.double(), causal)
+        causal = torch.ones(50, 60, dtype=torch.bool).tril().expand(1, 2, 50, 60)  # SDPA's: top-left
+        ref, _ = dense_masked_attention(q.double(), k.double().expand(1, 2, 60, 16), v.double().expand(1, 2, 60, 16),
+                                        causal)
         self.assertLess(rel_l2(out, ref), 1e-5)
         self.assertFalse(hasattr(F, "scaled_dot_product_attention"))
 

@@ -1,6 +1,7 @@
 """sparge.parallel on the CPU over gloo: Ulysses and context parallelism with 1, 2 and 4 processes against one
-process on the whole sequence (outputs and gradients within f32 rounding, masks bit for bit), the bytes that
-context parallelism moves, and bad configurations refused by every rank.
+process on the whole sequence (outputs and gradients within f32 rounding, masks bit for bit), grouped K/V heads
+and causal attention in both schemes (2 processes; one causal case with every count), the bytes that context
+parallelism moves (nothing from above the causal diagonal), and bad configurations refused by every rank.
 
 Each group of processes runs all its cases in one spawn (a process start costs more than the cases); the test
 methods then check what each rank reported. A hang fails the group after a deadline instead of blocking."""
@@ -37,11 +38,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def inputs(B, H, N, D, layout, seed=0, banded=False):
-    """q, k, v and an output gradient of the whole sequence, identical in every process. banded adds the
-    same positional signal to q and k, so that blocks attend to their neighbourhood (a local mask)."""
+def inputs(B, H, N, D, layout, seed=0, banded=False, Hkv=None):
+    """q, k, v and an output gradient of the whole sequence, identical in every process (k and v with Hkv heads).
+    banded adds the same positional signal to q and k, so that blocks attend to their neighbourhood (a local
+    mask)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v, d_out = (torch.randn(B, H, N, D, generator=g) for _ in range(4))
+    q, k, v, d_out = (torch.randn(B, h, N, D, generator=g) for h in (H, Hkv or H, Hkv or H, H))
     if banded:
         pos = torch.arange(N, dtype=torch.float32)[:, None] * torch.linspace(0.002, 0.05, D)[None, :] * 6.283
         pe = 2.0 * torch.sin(pos + torch.arange(D)[None, :])
@@ -55,22 +57,25 @@ def seq_dim(layout):
     return 2 if layout == "bhnd" else 1
 
 
-def single_device(q, k, v, d_out, layout, **kw):
+def single_device(q, k, v, d_out, layout, causal, **kw):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, mask = sparge.sparge_attention(*leaves, layout=layout, return_mask=True, **kw)
+    out, mask = sparge.sparge_attention(*leaves, layout=layout, return_mask=True, is_causal=causal, enable_gqa=True,
+                                        **kw)
     out.backward(d_out)
     return out.detach(), [t.grad for t in leaves], mask.dense
 
 
-def run_scheme(rank, P, scheme, B, H, lengths, D, layout, banded=False, deterministic=False):
+def run_scheme(rank, P, scheme, B, H, lengths, D, layout, banded=False, deterministic=False, Hkv=None, causal=False,
+               kw=KW):
     """One call of a scheme on this rank's shard against the single-device call; returns what the parent checks."""
-    N, dim = sum(lengths), seq_dim(layout)
-    q, k, v, d_out = inputs(B, H, N, D, layout, banded=banded)
-    ref_out, ref_grads, ref_dense = single_device(q, k, v, d_out, layout, **KW)
+    N, dim, Hkv = sum(lengths), seq_dim(layout), Hkv or H
+    q, k, v, d_out = inputs(B, H, N, D, layout, banded=banded, Hkv=Hkv)
+    ref_out, ref_grads, ref_dense = single_device(q, k, v, d_out, layout, causal, **kw)
     shard = [parallel.local_shard(t, lengths, rank, dim).clone().requires_grad_() for t in (q, k, v)]
     stats = parallel.CommStats()
     fn = parallel.ulysses_attention if scheme == "ulysses" else parallel.context_parallel_attention
-    out, mask = fn(*shard, layout=layout, return_mask=True, stats=stats, deterministic=deterministic, **KW)
+    out, mask = fn(*shard, layout=layout, return_mask=True, stats=stats, deterministic=deterministic, causal=causal,
+                   **kw)
     out.backward(parallel.local_shard(d_out, lengths, rank, dim))
     local = lambda t: parallel.local_shard(t, lengths, rank, dim)  # noqa: E731
     result = {"out": rel_l2(out, local(ref_out)), "shape": list(out.shape) == list(shard[0].shape)}
@@ -79,19 +84,20 @@ def run_scheme(rank, P, scheme, B, H, lengths, D, layout, banded=False, determin
     if scheme == "ulysses":
         expected = ref_dense[:, rank * H // P:(rank + 1) * H // P]
     else:
-        first = sum(lengths[:rank]) // KW["block_q"]
+        first = sum(lengths[:rank]) // kw["block_q"]
         expected = ref_dense[:, :, first:first + mask.Nqb]
     result["mask_equal"] = bool(torch.equal(mask.dense, expected))
     result["sparsity"] = float(1.0 - ref_dense.float().mean())
     result["received"], result["sent"], result["ring"] = dict(stats.received), dict(stats.sent), stats.dense_ring
     if scheme == "context":
-        # The K/V blocks this rank's query blocks keep from other shards, from the single-device mask.
-        bk, start = KW["block_k"], sum(lengths[:rank])
-        need = expected.bool().any(2)
+        # The K/V blocks this rank's query blocks keep from other shards, from the single-device mask: per K/V
+        # head, the union over its query heads.
+        bk, start = kw["block_k"], sum(lengths[:rank])
+        need = expected.bool().view(B, Hkv, H // Hkv, *expected.shape[2:]).any(3).any(2)
         own = slice(start // bk, (start + lengths[rank] + bk - 1) // bk)
         need[:, :, own] = False
         result["kv_expected"] = int(need.sum()) * 2 * bk * D * 4
-        result["ring_expected"] = 2 * B * H * D * 4 * (N - lengths[rank])
+        result["ring_expected"] = 2 * B * Hkv * D * 4 * (start if causal else N - lengths[rank])
     return result
 
 
@@ -128,6 +134,12 @@ def bad_cases(rank, P):
     out["local"] = refused(lambda: parallel.context_parallel_attention(*sh, **KW))
     out["topk_disagrees"] = refused(lambda: parallel.ulysses_attention(
         *sh[:1], sh[0], sh[0], **dict(KW, topk=0.1 + 0.01 * rank)))
+    q, k, v, _ = inputs(1, 2, 64 * P, D, layout)
+    sh = [parallel.local_shard(t, [64] * P, rank, 2) for t in (q, k, v)]
+    out["causal_disagrees"] = refused(lambda: parallel.context_parallel_attention(*sh, causal=rank == 0, **KW))
+    q, k, v, _ = inputs(1, 4, 64 * P, D, layout, Hkv=3)
+    sh = [parallel.local_shard(t, [64] * P, rank, 2) for t in (q, k, v)]
+    out["kv_heads"] = refused(lambda: parallel.context_parallel_attention(*sh, **KW))
     out["after"] = run_scheme(rank, P, "context", 1, 2, [64] * P, D, layout)
     return out
 
@@ -135,14 +147,25 @@ def bad_cases(rank, P):
 def cases(P):
     ragged = parallel.shard_lengths(300, P, block_q=KW["block_q"], block_k=KW["block_k"])
     unequal = {1: [300], 2: [96, 204], 4: [64, 128, 32, 76]}[P]
-    return {
+    shapes = {  # grouped heads and causal: every count runs one case, two processes all of them
+        "context_causal_gqa": ("context", 1, 4, ragged, 32, "bhnd", False, False, 2, True),
+    }
+    if P == 2:
+        shapes.update({
+            "ulysses_causal_gqa": ("ulysses", 1, 4, [150, 150], 32, "bhnd", False, False, 2, True),
+            "ulysses_mqa_bnhd": ("ulysses", 2, 4, [75, 75], 16, "bnhd", False, False, 1, False),
+            "context_gqa_unequal_bnhd": ("context", 2, 4, unequal, 16, "bnhd", False, False, 2, False),
+            "context_causal_mqa_narrow_q": ("context", 1, 2, [128, 172], 16, "bhnd", False, True, 1, True,
+                                            dict(KW, block_q=16, block_k=32)),
+        })
+    return {**shapes, **{
         "ulysses_bhnd": ("ulysses", 1, 4, [150] * P if P == 2 else [75] * P, 32, "bhnd"),
         "ulysses_bnhd": ("ulysses", 2, 4, [75] * P, 16, "bnhd"),
         "context_ragged_bhnd": ("context", 1, 4, ragged, 32, "bhnd"),
         "context_unequal_bnhd": ("context", 2, 2, unequal, 16, "bnhd"),
         "context_banded": ("context", 1, 2, parallel.shard_lengths(640, P, block_q=32, block_k=16), 32, "bhnd", True),
         "context_deterministic": ("context", 1, 2, ragged, 16, "bhnd", False, True),
-    }
+    }}
 
 
 def worker(rank, P, port, queue):
@@ -250,6 +273,16 @@ class Equivalence:
     def test_context_deterministic(self):
         self.check_case("context_deterministic")
 
+    def test_context_causal_gqa(self):
+        reports = self.check_case("context_causal_gqa")
+        # Nothing comes from the ranks whose key shards lie above a rank's diagonal: rank 0 receives nothing,
+        # the last rank sends nothing (and each rank takes pooled K only from the ranks up to itself).
+        first, last = reports[0]["context_causal_gqa"], reports[self.P - 1]["context_causal_gqa"]
+        for phase in ("pooled_k", "kv"):
+            self.assertEqual(first["received"].get(phase, 0), 0, phase)
+            self.assertEqual(last["sent"].get(phase, 0), 0, phase)
+        self.assertEqual(first["ring"]["forward"], 0)
+
     def test_context_moves_only_kept_blocks(self):
         reports = self.check_case("context_banded")
         if self.P > 1:
@@ -265,10 +298,27 @@ class OneProcess(Equivalence, unittest.TestCase):
 class TwoProcesses(Equivalence, unittest.TestCase):
     P = 2
 
+    def test_ulysses_causal_gqa(self):
+        self.check_case("ulysses_causal_gqa")
+
+    def test_ulysses_mqa_repeats_kv_heads(self):
+        reports = self.check_case("ulysses_mqa_bnhd")
+        # One K/V head over two ranks travels as two copies, one per rank: half of the local Q (B=2, n=75, H=4,
+        # D=16, f32) and of the local K and V of two heads each leave the rank.
+        r = reports[0]["ulysses_mqa_bnhd"]
+        self.assertEqual(r["sent"]["qkv"], 2 * 75 * (4 + 2 + 2) * 16 * 4 // 2)
+
+    def test_context_gqa_unequal_shards(self):
+        self.check_case("context_gqa_unequal_bnhd")
+
+    def test_context_causal_query_blocks_narrower_than_key_blocks(self):
+        self.check_case("context_causal_mqa_narrow_q")
+
     def test_bad_configurations_refused_everywhere(self):
         reports = ParallelGroups.get(self.P)
         expect = {"heads": "must divide H", "unequal": "equal sequence shards", "misaligned": "multiples of",
-                  "local": "rank 1 refused", "topk_disagrees": "disagree on topk"}
+                  "local": "rank 1 refused", "topk_disagrees": "disagree on topk",
+                  "causal_disagrees": "disagree on causal", "kv_heads": "must divide q's 4"}
         for rank in range(self.P):
             bad = reports[rank]["bad"]
             for case, text in expect.items():
@@ -286,7 +336,7 @@ class FourProcesses(Equivalence, unittest.TestCase):
         reports = ParallelGroups.get(self.P)
         for rank in range(self.P):
             bad = reports[rank]["bad"]
-            for case in ("heads", "unequal", "misaligned", "local", "topk_disagrees"):
+            for case in ("heads", "unequal", "misaligned", "local", "topk_disagrees", "causal_disagrees", "kv_heads"):
                 self.assertTrue(bad[case].startswith("ValueError"), f"rank {rank}, {case}: {bad[case]}")
             self.assertLess(bad["after"]["out"], F32_TOL)
 
