@@ -26,6 +26,10 @@ static const char help[] =
     "  --dtype T           f32, f16, bf16 (default f32 on CPU, bf16 on GPU)\n"
     "  --layout L          bhnd or bnhd (default bhnd)\n"
     "  --block-q N --block-k N   mask blocks (default 128, 64)\n"
+    "  --kv-heads N        K/V heads, dividing --H (grouped heads; default --H)\n"
+    "  --causal            block-causal attention (bottom-right aligned)\n"
+    "  --varlen LIST       packed sequences of these lengths (comma list summing to --N); the dense level then\n"
+    "                      keeps every block of every sequence\n"
     "  --topk K --topp P   hybrid mask parameters (default 0.03, 0.2: the paper's)\n"
     "  --sparsity LIST     comma list of levels: 'dense', 'hybrid' (k, p above) or a target\n"
     "                      sparsity in [0,1) reached with Top-k = 1 - s (default dense,hybrid)\n"
@@ -200,7 +204,9 @@ int cli_bench(int argc, char **argv)
     const char *options[16];
     int n_options = 0, fallback = 0;
     int64_t B = 1, H = 2, Nq = 8192, Nk = -1, D = 128, reps = 10, warmup = 2, seed = 1;
-    int bq = 128, bk = 64, det = 0;
+    int bq = 128, bk = 64, det = 0, causal = 0;
+    int64_t Hkv = 0;
+    const char *varlen = NULL;
     double topk = 0.03, topp = 0.2, settle = 0.0;
     const int64_t IMAX = INT32_MAX;
     for (int i = 1; i < argc; i++) {
@@ -219,6 +225,9 @@ int cli_bench(int argc, char **argv)
         else if ((v = cli_opt(argc, argv, &i, "--layout"))) layout = v;
         else if ((v = cli_opt(argc, argv, &i, "--block-q"))) bq = (int)cli_int(v, "--block-q", 1, IMAX);
         else if ((v = cli_opt(argc, argv, &i, "--block-k"))) bk = (int)cli_int(v, "--block-k", 1, IMAX);
+        else if ((v = cli_opt(argc, argv, &i, "--kv-heads"))) Hkv = cli_int(v, "--kv-heads", 1, 65535);
+        else if ((v = cli_opt(argc, argv, &i, "--varlen"))) varlen = v;
+        else if (!strcmp(argv[i], "--causal")) causal = 1;
         else if ((v = cli_opt(argc, argv, &i, "--topk"))) topk = cli_double(v, "--topk", 0.0, 1.0);
         else if ((v = cli_opt(argc, argv, &i, "--topp"))) topp = cli_double(v, "--topp", 0.0, 1.0);
         else if ((v = cli_opt(argc, argv, &i, "--sparsity"))) levels = v;
@@ -245,6 +254,41 @@ int cli_bench(int argc, char **argv)
     }
     if (Nk < 0)
         Nk = Nq;
+    if (!Hkv)
+        Hkv = H;
+    if (H % Hkv) {
+        fprintf(stderr, "sparge bench: --kv-heads %lld must divide --H %lld\n", (long long)Hkv, (long long)H);
+        return 2;
+    }
+    /* --varlen: the lengths of the packed sequences, the same for queries and keys. */
+    int32_t cu[65];
+    int n_seq = 0;
+    if (varlen) {
+        if (B != 1 || Nk != Nq) {
+            fprintf(stderr, "sparge bench: --varlen packs the sequences into --B 1 and needs --Nk = --N\n");
+            return 2;
+        }
+        cu[0] = 0;
+        for (const char *p = varlen; *p; n_seq++) {
+            const size_t len = strcspn(p, ",");
+            char one[32];
+            snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), p);
+            if (n_seq == 64) {
+                fprintf(stderr, "sparge bench: --varlen takes at most 64 lengths\n");
+                return 2;
+            }
+            cu[n_seq + 1] = cu[n_seq] + (int32_t)cli_int(one, "--varlen", 1, IMAX - cu[n_seq]);
+            p += len + (p[len] == ',');
+        }
+        if (!n_seq || cu[n_seq] != Nq) {
+            fprintf(stderr, "sparge bench: --varlen lengths must sum to --N = %lld\n", (long long)Nq);
+            return 2;
+        }
+    }
+    if (causal && Nq > Nk) {
+        fprintf(stderr, "sparge bench: --causal needs --N <= --Nk\n");
+        return 2;
+    }
     if (strcmp(timing, "queued") && strcmp(timing, "each")) {
         fprintf(stderr, "sparge bench: --timing must be queued or each, got '%s'\n", timing);
         return 2;
@@ -287,7 +331,7 @@ int cli_bench(int argc, char **argv)
     int bnhd = !strcmp(layout, "bnhd");
     sparge_tensor (*view)(void *, sparge_dtype, int64_t, int64_t, int64_t, int64_t) =
         bnhd ? sparge_tensor_bnhd : sparge_tensor_bhnd;
-    size_t es = sparge_dtype_size(dt), qbytes = (size_t)(B * H * Nq * D) * es, kbytes = (size_t)(B * H * Nk * D) * es;
+    size_t es = sparge_dtype_size(dt), qbytes = (size_t)(B * H * Nq * D) * es, kbytes = (size_t)(B * Hkv * Nk * D) * es;
     void *buf[8] = {0};
     size_t sizes[8] = {qbytes, kbytes, kbytes, qbytes, qbytes, qbytes, kbytes, kbytes};
     int want_bwd = strstr(ops, "bwd") != NULL;
@@ -298,20 +342,21 @@ int cli_bench(int argc, char **argv)
     if ((s = sparge_malloc(c.dev, (size_t)(B * H * Nq) * 4, (void **)&c.lse)))
         return cli_fail("allocating LSE", s);
     c.q = view(buf[0], dt, B, H, Nq, D);
-    c.k = view(buf[1], dt, B, H, Nk, D);
-    c.v = view(buf[2], dt, B, H, Nk, D);
+    c.k = view(buf[1], dt, B, Hkv, Nk, D);
+    c.v = view(buf[2], dt, B, Hkv, Nk, D);
     c.o = view(buf[3], dt, B, H, Nq, D);
     if (want_bwd) {
         c.d_o = view(buf[4], dt, B, H, Nq, D);
         c.dq = view(buf[5], dt, B, H, Nq, D);
-        c.dk = view(buf[6], dt, B, H, Nk, D);
-        c.dv = view(buf[7], dt, B, H, Nk, D);
+        c.dk = view(buf[6], dt, B, Hkv, Nk, D);
+        c.dv = view(buf[7], dt, B, Hkv, Nk, D);
     }
     const int want_mask = strstr(ops, "mask") != NULL, want_fwd = strstr(ops, "fwd") != NULL;
-    const int masked = strcmp(levels, "dense") != 0;
+    const int masked = strcmp(levels, "dense") != 0 || varlen;
     printf("sparge bench on %s (%s)\n", sparge_device_name(c.dev), sparge_device_description(c.dev));
     sparge_op_desc desc = {.dtype = dt, .head_dim = D, .block_q = masked ? bq : 0, .block_k = masked ? bk : 0, .B = B,
-                           .H = H, .Nq = Nq, .Nk = Nk, .rows_aligned = 1};
+                           .H = H, .Nq = Nq, .Nk = Nk, .rows_aligned = 1, .kv_heads = Hkv, .causal = causal,
+                           .varlen = varlen != NULL};
     if (check_tiers(c.dev, desc, want_mask && masked, want_fwd || want_bwd, want_bwd, det))
         return 1;
     if ((s = cli_fill_random(c.dev, &c.q, (uint64_t)seed)) || (s = cli_fill_random(c.dev, &c.k, (uint64_t)seed + 1)) ||
@@ -319,19 +364,35 @@ int cli_bench(int argc, char **argv)
         (want_bwd && (s = cli_fill_random(c.dev, &c.d_o, (uint64_t)seed + 3))))
         return cli_fail("filling inputs", s);
     sparge_mask *mask;
-    if ((s = sparge_mask_create(c.dev, B, H, Nq, Nk, bq, bk, &mask)))
+    const sparge_mask_layout mask_layout = {.B = varlen ? n_seq : B, .H = H, .Nq = Nq, .Nk = Nk, .block_q = bq,
+                                       .block_k = bk, .causal = causal, .cu_seqlens_q = varlen ? cu : NULL,
+                                       .cu_seqlens_k = varlen ? cu : NULL};
+    if ((s = sparge_mask_create_ex(c.dev, &mask_layout, &mask)))
         return cli_fail("creating the mask", s);
     c.ap.deterministic = det;
+    c.ap.causal = causal && !varlen;
 
     printf("B=%lld H=%lld Nq=%lld Nk=%lld D=%lld %s %s, blocks %dx%d, %s of %lld after %lld warm-up",
            (long long)B, (long long)H, (long long)Nq, (long long)Nk, (long long)D, sparge_dtype_name(dt), layout, bq, bk,
            queued ? "mean of queued runs" : "median", (long long)reps, (long long)warmup);
     if (settle > 0.0)
         printf(", each after %g s idle", settle);
+    if (Hkv != H)
+        printf(", %lld K/V heads", (long long)Hkv);
+    if (causal)
+        printf(", causal");
+    if (varlen)
+        printf(", %d packed sequences (%s)", n_seq, varlen);
     printf("\n\n");
     printf("%-12s %8s %8s %9s %9s %11s %9s %9s %9s %9s %9s\n", "level", "sparsity", "mask ms", "fwd ms", "fwd+mask",
            "fwd TFLOP/s", "eff TF/s", "bwd ms", "bwd TF/s", "step ms", "speedup");
-    double flops = 4.0 * (double)B * (double)H * (double)Nq * (double)Nk * (double)D, dense_fwd = NAN;
+    /* Dense-equivalent work: every pair a query may attend (causal: up to its diagonal; varlen: its sequence). */
+    double pairs = 0.0;
+    for (int sq = 0; sq < (varlen ? n_seq : 1); sq++) {
+        const int64_t nq = varlen ? cu[sq + 1] - cu[sq] : Nq, nk = varlen ? nq : Nk;
+        pairs += causal ? (double)nq * (double)(nk - nq) + (double)nq * (double)(nq + 1) / 2.0 : (double)nq * (double)nk;
+    }
+    double flops = 4.0 * (double)B * (double)H * pairs * (double)D, dense_fwd = NAN;
     bench_row rows[32];
     int nrows = 0;
     char *list = malloc(strlen(levels) + 1);
@@ -341,10 +402,15 @@ int cli_bench(int argc, char **argv)
         memset(r, 0, sizeof *r);
         snprintf(r->level, sizeof r->level, "%s", tok);
         r->mask_ms = r->fwd_ms = r->fwd_mask_ms = r->bwd_ms = r->step_ms = NAN;
-        int dense = !strcmp(tok, "dense");
-        c.mask = dense ? NULL : mask;
-        c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f, 0};
-        if (!dense && strcmp(tok, "hybrid")) {
+        int dense = !strcmp(tok, "dense"), masked_dense = dense && varlen != NULL;
+        c.mask = dense && !masked_dense ? NULL : mask;
+        c.mp = (sparge_mask_params){bq, bk, topk, topp, 0.0f, causal};
+        if (masked_dense) { /* every block of every sequence, through the mask */
+            c.mp.topk = 1.0;
+            c.mp.topp = 0.0;
+            if ((s = op_mask(&c)))
+                return cli_fail("the dense varlen mask", s);
+        } else if (!dense && strcmp(tok, "hybrid")) {
             double target = cli_double(tok, "--sparsity", 0.0, 1.0);
             if (target == 1.0) {
                 fprintf(stderr, "sparge bench: --sparsity level %s is outside [0, 1)\n", tok);

@@ -351,6 +351,11 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
     if (!d->rows_aligned)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: every row must be contiguous along D and start 16-byte "
                            "aligned (data pointer and B/H/N strides multiples of 8 elements)", what);
+    if (d->op == SPARGE_OP_BACKWARD && ((d->kv_heads && d->kv_heads != d->H) || d->causal || d->varlen))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: grouped K/V heads, causal and varlen run on the portable tier "
+                           "(the tensor-core backward takes equal heads, fixed lengths, no causal)", what);
+    if (d->kv_heads > 65535 || d->H > 65535)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 65535 heads", what); /* gpu_kv_head's range */
     if (d->Nq > INT32_MAX - 128 || d->Nk > INT32_MAX - 128 || d->B * d->H * ((d->Nq + 127) / 128) > INT32_MAX ||
         d->B * d->H * ((d->Nk + 63) / 64) > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 2^31 tokens or blocks", what);
