@@ -1203,8 +1203,11 @@ static void test_grad_finite_differences(void **state)
     assert_true(tested > 0);
 }
 
-int main(void)
+/* An argument runs only the tests whose names match it (a CMocka pattern: tests/tsan.sh runs a subset). */
+int main(int argc, char **argv)
 {
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
     if (sparge_backend_device_count(BACKEND) == 0) {
         fprintf(stderr, "backend '%s' has no device here: SKIP\n", BACKEND);
         return TU_SKIP;
