@@ -526,8 +526,12 @@ static void op_select(input *in, mask_pair *mp)
     case 8: bad |= BIT(SPARGE_ERR_NULL); break;
     default: break;
     }
-    /* a non-finite scale is not used by a selection: refusing it is allowed, not required */
-    const unsigned maybe = isfinite(params.scale) || null_params ? 0 : BIT(SPARGE_ERR_INVALID);
+    /* A selection uses neither the scale nor the blocks of its params: refusing a non-finite scale or blocks
+     * other than the mask's is allowed, not required. */
+    const int other_blocks = !null_params && ((params.block_q > 0 && params.block_q != s->bq) ||
+                                              (params.block_k > 0 && params.block_k != s->bk));
+    const unsigned maybe = (isfinite(params.scale) || null_params ? 0 : BIT(SPARGE_ERR_INVALID)) |
+                           (other_blocks ? BIT(SPARGE_ERR_MASK) : 0);
     const unsigned allowed = (bad ? bad : BIT(SPARGE_OK)) | maybe;
 
     sparge_status got[NDEV];
