@@ -1,13 +1,17 @@
 /* Build configuration and machine topology, as text. */
 #include <stdio.h>
+#include <threads.h>
 
 #include "config.h"
 #include "core.h"
 #include "../backends/cpu/topology.h"
 
-const char *sparge_build_info(void)
+static char text[1024];
+static once_flag text_once = ONCE_FLAG_INIT;
+
+/* Written once: callers on any thread then only read. */
+static void describe(void)
 {
-    static char text[1024];
     int n = snprintf(text, sizeof text, "sparge %s\n", PACKAGE_VERSION);
     n += snprintf(text + n, sizeof text - n, "  backends  :");
     for (int i = 0; i < sparge_backend_count() && n < (int)sizeof text; i++)
@@ -35,6 +39,11 @@ const char *sparge_build_info(void)
              "no"
 #endif
     );
+}
+
+const char *sparge_build_info(void)
+{
+    call_once(&text_once, describe);
     return text;
 }
 

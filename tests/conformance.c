@@ -1062,8 +1062,11 @@ static void test_grad_finite_differences(void **state)
 }
 
 
-int main(void)
+/* An argument runs only the tests whose names match it (a CMocka pattern: tests/tsan.sh runs a subset). */
+int main(int argc, char **argv)
 {
+    if (argc > 1)
+        cmocka_set_test_filter(argv[1]);
     char msg[512];
     ndev = check_open_devices(NULL, devs, MAX_DEVICES, msg, sizeof msg);
     if (ndev < 0) {

@@ -1,6 +1,7 @@
 /* hwloc topology: binding OpenMP threads to cores and describing the machine. */
 #include <stdio.h>
 #include <string.h>
+#include <threads.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -12,18 +13,42 @@
 #include <hwloc.h>
 
 static hwloc_topology_t topo;
-static int topo_state; /* 0: not loaded, 1: loaded, -1: failed */
+static int topo_loaded;
+static char topo_text[1024];
+static once_flag topo_once = ONCE_FLAG_INIT;
+
+static void describe(void)
+{
+    char *text = topo_text;
+    int n = 0;
+    const char *model = hwloc_obj_get_info_by_name(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, 0), "CPUModel");
+    n += snprintf(text + n, sizeof topo_text - n, "  cpu model : %s\n", model ? model : "unknown");
+    n += snprintf(text + n, sizeof topo_text - n, "  packages  : %d, NUMA nodes: %d, cores: %d, PUs: %d\n",
+                  hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PACKAGE), hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE),
+                  hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU));
+    static const hwloc_obj_type_t caches[] = {HWLOC_OBJ_L1CACHE, HWLOC_OBJ_L2CACHE, HWLOC_OBJ_L3CACHE};
+    for (int c = 0; c < 3 && n < (int)sizeof topo_text; c++) {
+        hwloc_obj_t o = hwloc_get_obj_by_type(topo, caches[c], 0);
+        if (o && o->attr)
+            n += snprintf(text + n, sizeof topo_text - n, "  L%d cache  : %llu KiB x %d\n", c + 1,
+                          (unsigned long long)o->attr->cache.size / 1024, hwloc_get_nbobjs_by_type(topo, caches[c]));
+    }
+}
+
+/* Loaded once for the process, the text written once: callers on any thread then only read. */
+static void load_once(void)
+{
+    topo_loaded = hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0;
+    if (topo_loaded)
+        describe();
+    else
+        snprintf(topo_text, sizeof topo_text, "hwloc could not load the topology");
+}
 
 static int load(void)
 {
-#pragma omp critical(sparge_hwloc)
-    if (topo_state == 0) {
-        if (hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0)
-            topo_state = 1;
-        else
-            topo_state = -1;
-    }
-    return topo_state == 1;
+    call_once(&topo_once, load_once);
+    return topo_loaded;
 }
 
 int sparge_cpu_bind_threads(void)
@@ -55,23 +80,8 @@ int sparge_cpu_bind_threads(void)
 
 const char *sparge_cpu_topology_text(void)
 {
-    static char text[1024];
-    if (!load())
-        return "hwloc could not load the topology";
-    int n = 0;
-    const char *model = hwloc_obj_get_info_by_name(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, 0), "CPUModel");
-    n += snprintf(text + n, sizeof text - n, "  cpu model : %s\n", model ? model : "unknown");
-    n += snprintf(text + n, sizeof text - n, "  packages  : %d, NUMA nodes: %d, cores: %d, PUs: %d\n",
-                  hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PACKAGE), hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE),
-                  hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU));
-    static const hwloc_obj_type_t caches[] = {HWLOC_OBJ_L1CACHE, HWLOC_OBJ_L2CACHE, HWLOC_OBJ_L3CACHE};
-    for (int c = 0; c < 3 && n < (int)sizeof text; c++) {
-        hwloc_obj_t o = hwloc_get_obj_by_type(topo, caches[c], 0);
-        if (o && o->attr)
-            n += snprintf(text + n, sizeof text - n, "  L%d cache  : %llu KiB x %d\n", c + 1,
-                          (unsigned long long)o->attr->cache.size / 1024, hwloc_get_nbobjs_by_type(topo, caches[c]));
-    }
-    return text;
+    load();
+    return topo_text;
 }
 #else
 int sparge_cpu_bind_threads(void) { return 0; }
