@@ -42,8 +42,8 @@ typedef struct {
 
 static const row rows[] = {
     /* The quick grid: ragged shapes (N not a multiple of the blocks, Nq ≠ Nk) in every dtype and layout; D = 96,
-     * which the tensor-core tier does not take (a chained device runs it on its next tier); Top-k alone and dense
-     * at a size the grad mode takes. */
+     * which the tensor-core tier runs padded to 128 (f32 runs on a chained device's next tier); Top-k alone and
+     * dense at a size the grad mode takes. */
     PAIR("ragged", ALL, 1, 2, 300, 300, 64, 128, 64, ALL_DT, BOTH, NULL, 1),
     ROW("bk128", ALL, 2, 1, 260, 190, 128, 128, 128, ALL_DT, BOTH, 0.1, 0.5, NULL, 1),
     ROW("d96", ALL, 1, 2, 200, 333, 96, 128, 64, ALL_DT, BOTH, 0.1, 0.5, NULL, 1),
@@ -61,6 +61,11 @@ static const row rows[] = {
     PAIR("b3h2", ALL, 3, 2, 129, 65, 64, 128, 64, ALL_DT, BOTH, NULL, 0),
     PAIR("bk128-d64", ALL, 2, 1, 200, 270, 64, 128, 128, ALL_DT, BOTH, NULL, 0),
     ROW("d96-dense", FB, 1, 2, 200, 333, 96, 128, 64, ALL_DT, BOTH, 0.0, 0.0, NULL, 0),
+    /* head dims the tensor-core tier pads to 64 or 128 (zero columns past D), and 256 (its forward only) */
+    PAIR("tc-d32", ALL, 1, 2, 300, 270, 32, 128, 64, F16 | BF16, BOTH, NULL, 0),
+    PAIR("tc-d72", ALL, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, NULL, 0),
+    PAIR("tc-d80", ALL, 1, 2, 200, 190, 80, 128, 128, F16 | BF16, BHND, NULL, 0),
+    PAIR("tc-d256", ALL, 1, 2, 300, 270, 256, 128, 64, F16 | BF16, BOTH, NULL, 0),
     /* small blocks and the grad mode's sizes at D = 96 and 256 */
     PAIR("small-d256", ALL, 1, 1, 40, 70, 256, 16, 16, ALL_DT, BHND, NULL, 0),
     PAIR("small-d96", ALL, 2, 1, 100, 90, 96, 32, 32, ALL_DT, BNHD, NULL, 0),
@@ -69,9 +74,9 @@ static const row rows[] = {
     ROW("paper", ALL, 2, 2, 640, 640, 128, 128, 64, F16 | BF16, BNHD, 0.03, 0.2, NULL, 0),
 
     /* strict=on: the device's first tier alone. On a chained device ("cuda:0") the calls its first tier cannot
-     * run (f32, D = 96) must be refused cleanly; elsewhere the cases run as usual. */
+     * run (f32, D = 136) must be refused cleanly; elsewhere the cases run as usual. */
     ROW("strict", ALL, 1, 2, 300, 300, 64, 128, 64, ALL_DT, BHND, 0.1, 0.5, "strict=on", 0),
-    ROW("strict-d96", ALL, 1, 1, 128, 200, 96, 128, 64, BF16, BHND, 0.1, 0.5, "strict=on", 0),
+    ROW("strict-d136", ALL, 1, 1, 128, 200, 136, 128, 64, BF16, BHND, 0.1, 0.5, "strict=on", 0),
 
     /* the cpu tier's SIMD kernels below the widest (a tier the CPU cannot run falls back to the widest it can) */
     PAIR("simd-generic", ALL, 1, 2, 300, 270, 64, 128, 64, ALL_DT, BNHD, "simd=generic", 0),
@@ -94,9 +99,14 @@ static const row rows[] = {
     TC_SHAPES("fwd-wgmma", FWD, "fwd_kernel=wgmma"),
     TC_SHAPES("fwd-tile-4x3", FWD, "fwd_kernel=mma fwd_tile=4,3"),
     TC_SHAPES("fwd-tile-8x2-split", FWD, "fwd_kernel=mma fwd_tile=8,2,1"),
+    PAIR("fwd-mma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=mma", 0),
+    PAIR("fwd-wgmma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma", 0),
+    PAIR("fwd-wgmma-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma", 0),
     /* backward kernels, keys per CTA, dQ by a pass or by atomics, the dK/dV pass's overlap */
     TC_SHAPES("bwd-mma", BWD, "bwd_kernel=mma"),
     TC_SHAPES("bwd-wgmma", BWD, "bwd_kernel=wgmma"),
+    PAIR("bwd-mma-d72", BWD, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, "bwd_kernel=mma", 0),
+    PAIR("bwd-wgmma-d40", BWD, 1, 2, 200, 270, 40, 128, 128, F16 | BF16, BHND, "bwd_kernel=wgmma", 0),
     TC_SHAPES("bwd-keys-64", BWD, "bwd_kernel=wgmma bwd_keys=64"),
     TC_SHAPES("bwd-keys-128", BWD, "bwd_kernel=wgmma bwd_keys=128"),
     TC_SHAPES("dq-pass", BWD, "dq=pass"),

@@ -326,7 +326,7 @@ static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_l
 GPU_OP(op_mma_forward, sparge_fwd_args, sparge_cuda_mma_forward)
 GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 
-/* The tensor-core tier's limits: f16/bf16, D 64 or 128, sm_80+, 16-byte rows, masks of 128-row query blocks and
+/* The tensor-core tier's limits: f16/bf16, D a multiple of 8 up to 128 (256 in the forward), sm_80+, 16-byte rows, masks of 128-row query blocks and
  * 64- or 128-key blocks, 32-bit token and block counts; then whether the kernels its options pick fit the device. */
 static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
 {
@@ -339,9 +339,10 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
     if (d->dtype != SPARGE_F16 && d->dtype != SPARGE_BF16)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor cores take f16 and bf16, not %s", what,
                            sparge_dtype_name(d->dtype));
-    if (d->head_dim != 64 && d->head_dim != 128)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (the tensor-core kernels take 64 and 128)", what,
-                           (long long)d->head_dim);
+    const int64_t D = d->head_dim;
+    if (D % 8 || D > 256 || (D > 128 && (D != 256 || d->op != SPARGE_OP_FORWARD)))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (the tensor-core kernels take multiples of 8 up to "
+                           "128, and 256 in the forward)", what, (long long)D);
     if (ctx->cc_major < 8)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor-core kernels need sm_80 or newer (device is sm_%d%d)",
                            what, ctx->cc_major, ctx->cc_minor);
@@ -351,9 +352,9 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
     if (!d->rows_aligned)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: every row must be contiguous along D and start 16-byte "
                            "aligned (data pointer and B/H/N strides multiples of 8 elements)", what);
-    if (d->op == SPARGE_OP_BACKWARD && ((d->kv_heads && d->kv_heads != d->H) || d->causal || d->varlen))
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: grouped K/V heads, causal and varlen run on the portable tier "
-                           "(the tensor-core backward takes equal heads, fixed lengths, no causal)", what);
+    if (d->op == SPARGE_OP_BACKWARD && (d->causal || d->varlen))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: causal and varlen run on the portable tier (the tensor-core "
+                           "backward takes fixed lengths, no causal)", what);
     if (d->kv_heads > 65535 || d->H > 65535)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 65535 heads", what); /* gpu_kv_head's range */
     if (d->Nq > INT32_MAX - 128 || d->Nk > INT32_MAX - 128 || d->B * d->H * ((d->Nq + 127) / 128) > INT32_MAX ||

@@ -695,6 +695,81 @@ template <typename T, int D> size_t mma_smem(int bk, const bwd_plan &pl)
     return kv > q ? kv : q;
 }
 
+/* ------------------------------------------------------------------------------------------ staging */
+
+/* Head dims below a kernel width and grouped K/V heads run the equal-heads kernels of width 64 or 128 on staged
+ * copies: Q, K, V, O and dO gathered into contiguous [B, H, N, Dt] tensors (columns past D zero, K/V head h / group
+ * read for each query head h), the backward run on them, then dQ copied out and dK, dV summed over each group in
+ * head order. The copies move about 8 · B·H·N·Dt·2 bytes, little beside the backward's work. */
+constexpr int kStageThreads = 256;
+
+/* dst [B, H, N, dtch chunks] (contiguous) ← src row (b, h / group, n), chunks past dch zero. */
+template <typename T>
+__global__ void __launch_bounds__(kStageThreads) bwd_stage_in_kernel(T *dst, const T *src, int64_t sb, int64_t sh,
+                                                                     int64_t sn, int H, int N, int group, int dch,
+                                                                     int dtch, int64_t chunks)
+{
+    for (int64_t c = blockIdx.x * (int64_t)kStageThreads + threadIdx.x; c < chunks;
+         c += (int64_t)gridDim.x * kStageThreads) {
+        const int ch = (int)(c % dtch);
+        const int64_t row = c / dtch, bh = row / N;
+        const int n = (int)(row % N), h = (int)(bh % H), b = (int)(bh / H);
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (ch < dch)
+            v = *(const uint4 *)(src + b * sb + (h / group) * sh + n * sn + ch * 8);
+        ((uint4 *)dst)[c] = v;
+    }
+}
+
+/* dst row (b, h, n) ← the sum over g < group of staged rows (b, h·group + g, n) of [B, H·group, N, dtch chunks],
+ * in fp32 in head order, first dch chunks. */
+template <typename T>
+__global__ void __launch_bounds__(kStageThreads) bwd_stage_out_kernel(T *dst, int64_t sb, int64_t sh, int64_t sn,
+                                                                      const T *src, int H, int N, int group, int dch,
+                                                                      int dtch, int64_t chunks)
+{
+    for (int64_t c = blockIdx.x * (int64_t)kStageThreads + threadIdx.x; c < chunks;
+         c += (int64_t)gridDim.x * kStageThreads) {
+        const int ch = (int)(c % dch);
+        const int64_t row = c / dch, bh = row / N;
+        const int n = (int)(row % N), h = (int)(bh % H), b = (int)(bh / H);
+        float sum[8];
+        for (int e = 0; e < 8; e++)
+            sum[e] = 0.0f;
+        for (int g = 0; g < group; g++) {
+            const int64_t at = ((((int64_t)b * H + h) * group + g) * N + n) * dtch + ch;
+            const uint4 v = ((const uint4 *)src)[at];
+            const T *x = (const T *)&v;
+            for (int e = 0; e < 8; e++)
+                sum[e] += to_f32(x[e]);
+        }
+        uint4 out;
+        T *y = (T *)&out;
+        for (int e = 0; e < 8; e++)
+            y[e] = from_f32<T>(sum[e]);
+        *(uint4 *)(dst + b * sb + h * sh + n * sn + ch * 8) = out;
+    }
+}
+
+template <typename K, typename... Args>
+sparge_status launch_stage(gpu_ctx *ctx, K kernel, int64_t chunks, const char *what, Args... args)
+{
+    if (chunks == 0)
+        return SPARGE_OK;
+    const int64_t blocks = (chunks + kStageThreads - 1) / kStageThreads;
+    kernel<<<(unsigned)(blocks < 65536 ? blocks : 65536), kStageThreads, 0, ctx->stream>>>(args..., chunks);
+    return GPU_CHECK_LAUNCH(what);
+}
+
+/* The staged tensors' view: contiguous [B, H, N, Dt] at data. */
+sparge_view staged_view(const sparge_view &v, void *data, int64_t H, int64_t Dt)
+{
+    sparge_view s = v;
+    s.data = data, s.H = H, s.D = Dt;
+    s.sn = Dt, s.sh = v.N * Dt, s.sb = H * v.N * Dt, s.sd = 1;
+    return s;
+}
+
 } // namespace
 
 sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic)
@@ -706,8 +781,8 @@ sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int d
                                "build with 90 in --with-cuda-arch");
         return SPARGE_OK;
     }
-    /* f16 and bf16 tiles have the same size. */
-    const size_t smem = D == 64 ? mma_smem<gpu_half, 64>(bk, pl) : mma_smem<gpu_half, 128>(bk, pl);
+    /* f16 and bf16 tiles have the same size; head dims below 64 or 128 run those widths on staged copies. */
+    const size_t smem = D <= 64 ? mma_smem<gpu_half, 64>(bk, pl) : mma_smem<gpu_half, 128>(bk, pl);
     if (smem > ctx->smem_optin)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the mma.sync kernels for D=%d and %d-key blocks need "
                            "%zu bytes of shared memory, the device allows %zu", D, bk ? bk : 128, smem,
@@ -715,15 +790,58 @@ sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int d
     return SPARGE_OK;
 }
 
-/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D 64 or 128, 16-byte rows, masks of
- * 128-row query blocks and 64- or 128-key blocks. */
-sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
+/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D a multiple of 8 up to 128, K/V heads
+ * dividing H, 16-byte rows, masks of 128-row query blocks and 64- or 128-key blocks. */
+sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args)
 {
-    const int64_t D = a->q.D, BH = a->q.B * a->q.H, Nq = a->q.N, Nk = a->k.N;
+    const int64_t D = args->q.D, H = args->q.H, BH = args->q.B * H, Nq = args->q.N, Nk = args->k.N;
+    const int64_t Dt = D <= 64 ? 64 : 128, group = H / args->k.H;
+    const bool staged = Dt != D || group > 1;
     sparge_status s;
-    const int bk = a->mask ? a->bk : 128;
-    const bwd_plan pl = plan_for(ctx, a->mask ? a->bk : 0, a->deterministic);
+    const int bk = args->mask ? args->bk : 128;
+    const bwd_plan pl = plan_for(ctx, args->mask ? args->bk : 0, args->deterministic);
     const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, overlap = pl.overlap;
+
+    const int Nqb = (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = args->mask ? (int)args->mask->Nkb : 0;
+    const size_t padded = (size_t)BH * Nqb * kBlockQ;
+    const size_t accum = atomic_dq ? padded * Dt : 0, nkv = args->mask ? (size_t)BH * Nkb : 0,
+                 nq = args->mask ? (size_t)BH * Nqb : 0;
+    /* Staged Q, O, dO, dQ ([B,H,Nq,Dt]) and K, V, dK, dV ([B,H,Nk,Dt]) first: multiples of 128 bytes. */
+    const size_t q_elems = staged ? (size_t)BH * Nq * Dt : 0, k_elems = staged ? (size_t)BH * Nk * Dt : 0;
+    const size_t stage_bytes = (4 * q_elems + 4 * k_elems) * 2;
+    void *ws;
+    if ((s = gpu_workspace(ctx, stage_bytes + (2 * padded + accum) * sizeof(float) + (nkv + nq + 1) * sizeof(int32_t),
+                           &ws)))
+        return s;
+    sparge_bwd_args st = *args;
+    const sparge_bwd_args *a = args;
+    if (staged) {
+        char *at = (char *)ws;
+        auto take = [&](size_t elems) { void *x = at; at += elems * 2; return x; };
+        st.q = staged_view(args->q, take(q_elems), H, Dt), st.o = staged_view(args->o, take(q_elems), H, Dt);
+        st.d_o = staged_view(args->d_o, take(q_elems), H, Dt), st.dq = staged_view(args->dq, take(q_elems), H, Dt);
+        st.k = staged_view(args->k, take(k_elems), H, Dt), st.v = staged_view(args->v, take(k_elems), H, Dt);
+        st.dk = staged_view(args->dk, take(k_elems), H, Dt), st.dv = staged_view(args->dv, take(k_elems), H, Dt);
+        const int dch = (int)(D / 8), dtch = (int)(Dt / 8);
+        const sparge_view *in_src[5] = {&args->q, &args->o, &args->d_o, &args->k, &args->v};
+        const sparge_view *in_dst[5] = {&st.q, &st.o, &st.d_o, &st.k, &st.v};
+        for (int i = 0; i < 5; i++) {
+            const sparge_view &x = *in_src[i];
+            const int grp = i < 3 ? 1 : (int)group;
+            const int64_t chunks = BH * x.N * dtch;
+            s = args->q.dtype == SPARGE_BF16
+                    ? launch_stage(ctx, bwd_stage_in_kernel<gpu_bf16>, chunks, "backward staging kernel",
+                                   (gpu_bf16 *)in_dst[i]->data, (const gpu_bf16 *)x.data, x.sb, x.sh, x.sn, (int)H,
+                                   (int)x.N, grp, dch, dtch)
+                    : launch_stage(ctx, bwd_stage_in_kernel<gpu_half>, chunks, "backward staging kernel",
+                                   (gpu_half *)in_dst[i]->data, (const gpu_half *)x.data, x.sb, x.sh, x.sn, (int)H,
+                                   (int)x.N, grp, dch, dtch);
+            if (s)
+                return s;
+        }
+        a = &st;
+        ws = at;
+    }
 
     bwd_params p;
     memset(&p, 0, sizeof p);
@@ -734,32 +852,42 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a)
     p.do_sb = a->d_o.sb, p.do_sh = a->d_o.sh, p.do_sn = a->d_o.sn;
     p.dq_sb = a->dq.sb, p.dq_sh = a->dq.sh, p.dq_sn = a->dq.sn, p.dk_sb = a->dk.sb, p.dk_sh = a->dk.sh,
     p.dk_sn = a->dk.sn, p.dv_sb = a->dv.sb, p.dv_sh = a->dv.sh, p.dv_sn = a->dv.sn;
-    p.H = (int)a->q.H, p.Nq = (int)Nq, p.Nk = (int)Nk;
-    p.Nqb = (int)((Nq + kBlockQ - 1) / kBlockQ);
+    p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk;
+    p.Nqb = Nqb;
     p.Nq_pad = p.Nqb * kBlockQ;
     p.scale = a->scale, p.scale_log2 = a->scale * BWD_LOG2E;
     p.lse = a->lse;
     if (a->mask) {
-        p.Nkb = (int)a->mask->Nkb;
+        p.Nkb = Nkb;
         p.counts = a->mask->counts, p.indices = a->mask->indices;
         p.t_counts = a->mask->t_counts, p.t_indices = a->mask->t_indices;
     }
-
-    const size_t padded = (size_t)BH * p.Nq_pad;
-    const size_t accum = atomic_dq ? padded * D : 0, nkv = a->mask ? (size_t)BH * p.Nkb : 0,
-                 nq = a->mask ? (size_t)BH * p.Nqb : 0;
-    void *ws;
-    if ((s = gpu_workspace(ctx, (2 * padded + accum) * sizeof(float) + (nkv + nq + 1) * sizeof(int32_t), &ws)))
-        return s;
     p.dt = (float *)ws;
     p.lse2 = p.dt + padded;
     p.dq_accum = atomic_dq ? p.lse2 + padded : nullptr;
     int32_t *order_kv = (int32_t *)(p.lse2 + padded + accum), *order_q = order_kv + nkv;
     uint32_t *dq_done = (uint32_t *)(order_q + nq);
 
-    if (a->q.dtype == SPARGE_BF16)
-        return D == 64 ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
-                       : run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
-    return D == 64 ? run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
-                   : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+    const bool bf = a->q.dtype == SPARGE_BF16;
+    if (Dt == 64)
+        s = bf ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
+               : run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+    else
+        s = bf ? run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
+               : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+    if (s || !staged)
+        return s;
+    const int dch = (int)(D / 8), dtch = (int)(Dt / 8);
+    const sparge_view *out_dst[3] = {&args->dq, &args->dk, &args->dv};
+    const sparge_view *out_src[3] = {&st.dq, &st.dk, &st.dv};
+    for (int i = 0; i < 3 && !s; i++) {
+        const sparge_view &x = *out_dst[i];
+        const int grp = i == 0 ? 1 : (int)group;
+        const int64_t chunks = x.B * x.H * x.N * dch;
+        s = bf ? launch_stage(ctx, bwd_stage_out_kernel<gpu_bf16>, chunks, "backward staging kernel", (gpu_bf16 *)x.data,
+                              x.sb, x.sh, x.sn, (const gpu_bf16 *)out_src[i]->data, (int)x.H, (int)x.N, grp, dch, dtch)
+               : launch_stage(ctx, bwd_stage_out_kernel<gpu_half>, chunks, "backward staging kernel", (gpu_half *)x.data,
+                              x.sb, x.sh, x.sn, (const gpu_half *)out_src[i]->data, (int)x.H, (int)x.N, grp, dch, dtch);
+    }
+    return s;
 }

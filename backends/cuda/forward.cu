@@ -52,16 +52,20 @@ struct fwd_kernel_traits {
 };
 
 /* Copy ROWS rows of D elements starting at row0 into a swizzled tile; rows at or
- * past `limit` are zero-filled. Each thread always copies the same chunk column
+ * past `limit` are zero-filled, and with PAD the chunks at or past dch (a head dim
+ * padded to the tile's D). Each thread always copies the same chunk column
  * (THREADS is a multiple of the chunks per row), so its rows step by a multiple of
  * 8 and keep one swizzle. The loop is deliberately not unrolled: unrolled, the
  * compiler keeps every row's 64-bit address live across the attention loop. */
-template <typename T, int D, int ROWS, int THREADS>
-__device__ __forceinline__ void load_rows(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
+template <typename T, int D, int ROWS, int THREADS, bool PAD>
+__device__ __forceinline__ void load_rows(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid,
+                                          int dch)
 {
     constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
     static_assert(THREADS % ROW_CHUNKS == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0, "bad tile split");
     const int ch = tid % ROW_CHUNKS;
+    if (PAD && ch >= dch)
+        limit = 0; /* every row of a padded column is zeros */
     int row = row0 + tid / ROW_CHUNKS;
     dst += swizzle<ROW_CHUNKS>(tid / ROW_CHUNKS, ch);
     const T *src = base + (int64_t)row * sn + ch * 8;
@@ -75,7 +79,7 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const T *base, int64_t s
     }
 }
 
-template <typename T, int D, int WARPS, int STAGES, bool SPLIT, bool CAUSAL, bool VARLEN>
+template <typename T, int D, int WARPS, int STAGES, bool SPLIT, bool CAUSAL, bool VARLEN, bool PAD>
 __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
 {
     using K = fwd_kernel_traits<T, D, WARPS, STAGES, SPLIT>;
@@ -101,9 +105,9 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     auto issue_tile = [&](int t) { /* two groups, K then V, so S = Q·Kᵀ can start before V lands */
         if (t < n_tiles) {
             int key0 = w.key0(t);
-            load_rows<T, D, TILE_K, K::THREADS>(k_smem(t % STAGES), k, p.k_sn, key0, nk, tid);
+            load_rows<T, D, TILE_K, K::THREADS, PAD>(k_smem(t % STAGES), k, p.k_sn, key0, nk, tid, p.d_chunks);
             cp_async_commit();
-            load_rows<T, D, TILE_K, K::THREADS>(v_smem(t % STAGES), v, p.v_sn, key0, nk, tid);
+            load_rows<T, D, TILE_K, K::THREADS, PAD>(v_smem(t % STAGES), v, p.v_sn, key0, nk, tid, p.d_chunks);
             cp_async_commit();
         } else {
             cp_async_commit();
@@ -112,7 +116,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     };
 
     /* Groups in commit order: Q, K0, V0, K1, V1, ... */
-    load_rows<T, D, BLOCK_Q, K::THREADS>(q_smem, q, p.q_sn, q0, nq, tid);
+    load_rows<T, D, BLOCK_Q, K::THREADS, PAD>(q_smem, q, p.q_sn, q0, nq, tid, p.d_chunks);
     cp_async_commit();
 #pragma unroll
     for (int t = 0; t < STAGES - 1; t++)
@@ -298,7 +302,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         const int c = it * 32 + lane;
         const int row_local = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
         const int row = q0 + warp_row0 + row_local;
-        if (row < nq)
+        if (row < nq && (!PAD || ch < p.d_chunks))
             *reinterpret_cast<uint4 *>(o + (int64_t)row * p.o_sn + ch * 8) =
                 *reinterpret_cast<const uint4 *>(o_stage + swizzle<ROW_CHUNKS>(row_local, ch));
     }
@@ -362,25 +366,31 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_rows_kernel(const int32_t
     }
 }
 
-template <typename T, int D, int WARPS, int STAGES, bool SPLIT>
+template <typename T, int D, int WARPS, int STAGES, bool SPLIT, bool PAD>
 sparge_status launch_fwd(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
     using K = fwd_kernel_traits<T, D, WARPS, STAGES, SPLIT>;
     static_assert(K::SMEM_BYTES == BLOCK_Q * D * 2 + STAGES * 2 * TILE_K * D * 2, "sparge_cuda_forward_fits counts it");
     sparge_status s;
-    auto kernel = p.seq_q ? (p.causal ? fwd_kernel<T, D, WARPS, STAGES, SPLIT, true, true>
-                                      : fwd_kernel<T, D, WARPS, STAGES, SPLIT, false, true>)
-                          : (p.causal ? fwd_kernel<T, D, WARPS, STAGES, SPLIT, true, false>
-                                      : fwd_kernel<T, D, WARPS, STAGES, SPLIT, false, false>);
+    auto kernel = p.seq_q ? (p.causal ? fwd_kernel<T, D, WARPS, STAGES, SPLIT, true, true, PAD>
+                                      : fwd_kernel<T, D, WARPS, STAGES, SPLIT, false, true, PAD>)
+                          : (p.causal ? fwd_kernel<T, D, WARPS, STAGES, SPLIT, true, false, PAD>
+                                      : fwd_kernel<T, D, WARPS, STAGES, SPLIT, false, false, PAD>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, K::SMEM_BYTES))))
         return s;
     kernel<<<(unsigned)n_items, K::THREADS, K::SMEM_BYTES, ctx->stream>>>(p);
     return GPU_CHECK_LAUNCH("fwd_kernel");
 }
 
-/* The mma.sync tiles compiled below (tiles.h describes them). */
+/* The mma.sync tiles compiled below (tiles.h describes them), for head dim D: a padded D (fwd_tile_dim) has one
+ * tile per width, 4 warps × 2 stages; D = 256 one of 8 warps × 2 stages. */
 bool tile_compiled(int D, fwd_tile t)
 {
+    const int Dt = fwd_tile_dim(D);
+    if (Dt == 256)
+        return t.warps == 8 && t.stages == 2 && !t.split_scores;
+    if (Dt != D)
+        return t.warps == 4 && t.stages == 2 && !t.split_scores;
     return (D == 128 && t.warps == 4 && t.stages == 2) || (D == 128 && t.warps == 8 && t.stages == 2 && !t.split_scores) ||
            (D == 64 && t.warps == 4 && (t.stages == 2 || t.stages == 3) && !t.split_scores);
 }
@@ -388,14 +398,20 @@ bool tile_compiled(int D, fwd_tile t)
 template <typename T>
 sparge_status dispatch_tile(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, int D, fwd_tile tile)
 {
+    const int Dt = fwd_tile_dim(D);
+    if (Dt == 256)
+        return launch_fwd<T, 256, 8, 2, false, false>(ctx, p, n_items);
+    if (Dt != D)
+        return Dt == 64 ? launch_fwd<T, 64, 4, 2, false, true>(ctx, p, n_items)
+                        : launch_fwd<T, 128, 4, 2, false, true>(ctx, p, n_items);
     if (D == 128 && tile.warps == 4 && tile.stages == 2)
-        return tile.split_scores ? launch_fwd<T, 128, 4, 2, true>(ctx, p, n_items)
-                                 : launch_fwd<T, 128, 4, 2, false>(ctx, p, n_items);
+        return tile.split_scores ? launch_fwd<T, 128, 4, 2, true, false>(ctx, p, n_items)
+                                 : launch_fwd<T, 128, 4, 2, false, false>(ctx, p, n_items);
     if (D == 128 && tile.warps == 8)
-        return launch_fwd<T, 128, 8, 2, false>(ctx, p, n_items);
+        return launch_fwd<T, 128, 8, 2, false, false>(ctx, p, n_items);
     if (D == 64 && tile.stages == 3)
-        return launch_fwd<T, 64, 4, 3, false>(ctx, p, n_items);
-    return launch_fwd<T, 64, 4, 2, false>(ctx, p, n_items);
+        return launch_fwd<T, 64, 4, 3, false, false>(ctx, p, n_items);
+    return launch_fwd<T, 64, 4, 2, false, false>(ctx, p, n_items);
 }
 
 /* The mma.sync tile of this device and D, or the one the fwd_tile option forces. */
@@ -403,7 +419,10 @@ fwd_tile tile_for(const gpu_ctx *ctx, int D)
 {
     if (ctx->opt.fwd_warps)
         return fwd_tile{ctx->opt.fwd_warps, ctx->opt.fwd_stages, ctx->opt.fwd_split};
-    return fwd_tile_for(ctx->cc_major, ctx->cc_minor, D);
+    const int Dt = fwd_tile_dim(D);
+    if (Dt != D && Dt != 256)
+        return fwd_tile{4, 2, 0};
+    return fwd_tile_for(ctx->cc_major, ctx->cc_minor, Dt);
 }
 
 /* The wgmma kernel runs where the build has it for this device, unless fwd_kernel says otherwise. */
@@ -411,13 +430,16 @@ bool use_wgmma(const gpu_ctx *ctx, int D)
 {
     if (ctx->opt.fwd_kernel != GPU_KERNEL_AUTO)
         return ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA;
-    return fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, D) && sparge_cuda_wgmma_forward_available(ctx);
+    return fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, fwd_tile_dim(D)) && sparge_cuda_wgmma_forward_available(ctx);
 }
 
 } // namespace
 
 sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D)
 {
+    if (use_wgmma(ctx, D) && fwd_tile_dim(D) == 256)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward takes head dims up to 128, not %d (set "
+                           "fwd_kernel=auto for the mma.sync kernel)", D);
     if (use_wgmma(ctx, D)) {
         if (!sparge_cuda_wgmma_forward_available(ctx))
             return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: fwd_kernel=wgmma needs an sm_90 device and a build with "
@@ -428,15 +450,16 @@ sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D)
     if (!tile_compiled(D, t))
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: no forward tile of %d warps, %d stages%s is compiled for D=%d "
                            "(tiles.h lists them)", t.warps, t.stages, t.split_scores ? ", split scores" : "", D);
-    const size_t smem = (size_t)BLOCK_Q * D * 2 + (size_t)t.stages * 2 * TILE_K * D * 2;
+    const int Dt = fwd_tile_dim(D);
+    const size_t smem = (size_t)BLOCK_Q * Dt * 2 + (size_t)t.stages * 2 * TILE_K * Dt * 2;
     if (smem > ctx->smem_optin)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the forward tile (D=%d, %d warps, %d stages) needs %zu bytes "
                            "of shared memory, the device allows %zu", D, t.warps, t.stages, smem, ctx->smem_optin);
     return SPARGE_OK;
 }
 
-/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D 64 or 128, 16-byte rows, masks of
- * 128-row query blocks and 64- or 128-key blocks. */
+/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D a multiple of 8 up to 128 or 256,
+ * 16-byte rows, masks of 128-row query blocks and 64- or 128-key blocks. */
 sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
 {
     const sparge_dtype dt = a->q.dtype;
@@ -460,6 +483,7 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     p.seq_q = m ? m->seq_q : nullptr;
     p.seq_k = m ? m->seq_k : nullptr;
     p.lse = a->lse;
+    p.d_chunks = (int)(D / 8);
     p.scale_log2 = a->scale * 1.4426950408889634f;
     if (m) {
         p.Nkb = (int)m->Nkb;

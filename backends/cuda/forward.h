@@ -27,7 +27,15 @@ struct fwd_params {
     uint32_t kv_magic; /* K/V head of query head h: gpu_kv_head(h, kv_magic) */
     int causal; /* keys past a query's diagonal (u > t + nk − nq of its sequence) are masked */
     const int32_t *seq_q, *seq_k; /* varlen: token offsets of the sequences, or NULL */
+    int d_chunks; /* the tensors' 16-byte chunks per row: fewer than the tile's when D is padded (fwd_tile_dim) */
 };
+
+/* The tile width a head dim runs on: 8..64 on 64-wide tiles, 72..128 on 128-wide ones (the columns past D are
+ * zero-filled on load and never stored), 256 on its own; 0: none. */
+__host__ __device__ constexpr int fwd_tile_dim(int D)
+{
+    return D % 8 || D <= 0 ? 0 : D <= 64 ? 64 : D <= 128 ? 128 : D == 256 ? 256 : 0;
+}
 
 /* The sequence of batch b (varlen: sequence b of the packed tensors) as a forward kernel sees it: the tensors' batch
  * index, the first query and key token, their counts, and K/V's head for query head h. */
@@ -59,7 +67,7 @@ __device__ __forceinline__ int fwd_causal_tiles(const fwd_params &p, const fwd_s
 /* 1 when this build holds the sm_90a wgmma kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx);
-/* Runs the wgmma forward (f16 or bf16, D = 64 or 128) over n_items query blocks. */
+/* Runs the wgmma forward (f16 or bf16, D up to 128, padded to 64 or 128) over n_items query blocks. */
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D);
 
 #endif

@@ -59,7 +59,7 @@ struct wg_traits {
 
 /* ---------------------------------------------------------------- kernel */
 
-template <typename T, int D, bool CAUSAL, bool VARLEN>
+template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD>
 __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -89,14 +89,14 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     auto issue_tile = [&](int t) { /* one group per tile, empty past the last */
         if (t < n_tiles) {
             int key0 = w.key0(t);
-            load_tile<T, D, TILE_K>(k_smem(t % STAGES), k, p.k_sn, key0, nk, tid);
-            load_tile<T, D, TILE_K>(v_smem(t % STAGES), v, p.v_sn, key0, nk, tid);
+            load_tile<T, D, TILE_K, THREADS, PAD>(k_smem(t % STAGES), k, p.k_sn, key0, nk, tid, p.d_chunks);
+            load_tile<T, D, TILE_K, THREADS, PAD>(v_smem(t % STAGES), v, p.v_sn, key0, nk, tid, p.d_chunks);
         }
         cp_async_commit();
     };
 
     /* Groups in commit order: Q, tile 0, tile 1, ... */
-    load_tile<T, D, BLOCK_Q>(q_smem, q, p.q_sn, q0, nq, tid);
+    load_tile<T, D, BLOCK_Q, THREADS, PAD>(q_smem, q, p.q_sn, q0, nq, tid, p.d_chunks);
     cp_async_commit();
 #pragma unroll
     for (int t = 0; t < STAGES - 1; t++)
@@ -212,12 +212,12 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
                 pack2<T>(o_acc[dt][2 * r] * inv, o_acc[dt][2 * r + 1] * inv);
     }
     __syncthreads();
-    store_wg_rows<T, D>((T *)p.o + sq.tb * p.o_sb + h * p.o_sh + sq.q_off * p.o_sn, p.o_sn, q0 + wg * WG_ROWS, nq,
-                        o_stage, wg_tid);
+    store_wg_rows<T, D, PAD>((T *)p.o + sq.tb * p.o_sb + h * p.o_sh + sq.q_off * p.o_sn, p.o_sn, q0 + wg * WG_ROWS,
+                             nq, o_stage, wg_tid, p.d_chunks);
 #endif
 }
 
-template <typename T, int D>
+template <typename T, int D, bool PAD>
 sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
     constexpr int SMEM = wg_traits<D>::SMEM_BYTES;
@@ -225,8 +225,10 @@ sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward (D=%d) needs %d bytes of shared memory, "
                            "the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = p.seq_q ? (p.causal ? wgmma_fwd_kernel<T, D, true, true> : wgmma_fwd_kernel<T, D, false, true>)
-                          : (p.causal ? wgmma_fwd_kernel<T, D, true, false> : wgmma_fwd_kernel<T, D, false, false>);
+    auto kernel = p.seq_q ? (p.causal ? wgmma_fwd_kernel<T, D, true, true, PAD>
+                                      : wgmma_fwd_kernel<T, D, false, true, PAD>)
+                          : (p.causal ? wgmma_fwd_kernel<T, D, true, false, PAD>
+                                      : wgmma_fwd_kernel<T, D, false, false, PAD>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     /* sm_90a code only: the kernel holds the wait, so its CTAs may be set up while the launch order drains. */
@@ -240,7 +242,7 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
     cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128, false, false>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, wgmma_fwd_kernel<gpu_bf16, 128, false, false, false>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }
@@ -249,9 +251,13 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D)
 {
-    if (dt == SPARGE_BF16)
-        return D == 128 ? launch<gpu_bf16, 128>(ctx, p, n_items) : launch<gpu_bf16, 64>(ctx, p, n_items);
-    return D == 128 ? launch<gpu_half, 128>(ctx, p, n_items) : launch<gpu_half, 64>(ctx, p, n_items);
+    /* A head dim below the tile's width (fwd_tile_dim) runs the PAD kernels. */
+    const bool bf = dt == SPARGE_BF16, pad = D != fwd_tile_dim(D);
+    if (fwd_tile_dim(D) == 128)
+        return bf ? (pad ? launch<gpu_bf16, 128, true>(ctx, p, n_items) : launch<gpu_bf16, 128, false>(ctx, p, n_items))
+                  : (pad ? launch<gpu_half, 128, true>(ctx, p, n_items) : launch<gpu_half, 128, false>(ctx, p, n_items));
+    return bf ? (pad ? launch<gpu_bf16, 64, true>(ctx, p, n_items) : launch<gpu_bf16, 64, false>(ctx, p, n_items))
+              : (pad ? launch<gpu_half, 64, true>(ctx, p, n_items) : launch<gpu_half, 64, false>(ctx, p, n_items));
 }
 
 #else /* no sm_90a image in this build */

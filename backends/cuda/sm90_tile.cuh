@@ -39,16 +39,18 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int chunk)
 }
 
 /* cp.async ROWS rows of D elements from global row row0 (row stride sn) into the tile at dst, spread
- * over THREADS threads (tid: this thread's index among them); rows at or past `limit` are zero-filled.
+ * over THREADS threads (tid: this thread's index among them); rows at or past `limit` are zero-filled, and with
+ * PAD the chunks at or past dch (a head dim padded to the tile's D).
  * A thread's rows lie ROW_STEP apart, a multiple of 8 that divides the 64-row regions, so the swizzle
  * ((row & 7) ^ chunk) is the same for all of them and each one's shared address is the first one's plus
  * a constant: unrolled, a row costs a pointer step, a bounds test and the copy. */
-template <typename T, int D, int ROWS, int THREADS = 256>
-__device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid)
+template <typename T, int D, int ROWS, int THREADS = 256, bool PAD = false>
+__device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t sn, int row0, int limit, int tid,
+                                          int dch = 0)
 {
     constexpr int ROW_CHUNKS = D / 8, ROW_STEP = THREADS / ROW_CHUNKS;
     static_assert(REGION_ROWS % ROW_STEP == 0 && ROW_STEP % 8 == 0 && ROWS % REGION_ROWS == 0, "bad tile split");
-    const int ch = tid % ROW_CHUNKS, r0 = tid / ROW_CHUNKS, rows = limit - row0;
+    const int ch = tid % ROW_CHUNKS, r0 = tid / ROW_CHUNKS, rows = PAD && ch >= dch ? 0 : limit - row0;
     const T *src = base + (int64_t)(row0 + r0) * sn + ch * 8;
     const uint32_t to = dst + tile_offset<D>(r0, ch);
     const int64_t step = ROW_STEP * sn;
@@ -64,16 +66,17 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T *base, int64_t s
 }
 
 /* Store one warpgroup's staged 64 × D tile (rows of D/8 16-byte chunks in mma.cuh's swizzle) to the global
- * rows row0..row0+63 below `limit`, 16 bytes per access; wg_tid: the thread's index in its warpgroup. */
-template <typename T, int D>
+ * rows row0..row0+63 below `limit`, 16 bytes per access, and with PAD only the chunks below dch; wg_tid: the
+ * thread's index in its warpgroup. */
+template <typename T, int D, bool PAD = false>
 __device__ __forceinline__ void store_wg_rows(T *base, int64_t sn, int row0, int limit, const unsigned char *stage,
-                                              int wg_tid)
+                                              int wg_tid, int dch = 0)
 {
     constexpr int ROW_CHUNKS = D / 8;
 #pragma unroll
     for (int it = 0; it < REGION_ROWS * ROW_CHUNKS / 128; it++) {
         const int c = it * 128 + wg_tid, row_local = c / ROW_CHUNKS, ch = c % ROW_CHUNKS;
-        if (row0 + row_local < limit)
+        if (row0 + row_local < limit && (!PAD || ch < dch))
             *reinterpret_cast<uint4 *>(base + (int64_t)(row0 + row_local) * sn + ch * 8) =
                 *reinterpret_cast<const uint4 *>(stage + sparge_mma::swizzle<ROW_CHUNKS>(row_local, ch));
     }

@@ -17,7 +17,9 @@
  *
  * Compiled tiles (forward.cu's dispatch_tile; change both together): D = 128 with 4 warps ×
  * 2 stages (with and without split scores) or 8 warps × 2 stages; D = 64 with 4 warps × 2 or
- * 3 stages. The device option fwd_tile="warps,stages[,split]" picks another one for benchmarks.
+ * 3 stages; D = 256 with 8 warps × 2 stages. Head dims between run on the next width with the
+ * columns past D zero-filled (fwd_tile_dim), 4 warps × 2 stages. The device option
+ * fwd_tile="warps,stages[,split]" picks another one for benchmarks.
  *
  * Measured on an H200 (sm_90, 2026-11-30, B=1 H=12 N=32760 D=128 bf16, dense, see
  * experiments/BENCHMARKS.md): 4 warps × 2 stages 330 TFLOP/s (255 registers, ≈ 110 bytes
@@ -34,10 +36,14 @@ typedef struct {
                        * other (32 fp32 score registers live instead of 64, K read twice) */
 } fwd_tile;
 
-/* The tile for a device of compute capability major.minor and head dim D (64 or 128). */
+/* The tile for a device of compute capability major.minor and tile width D (64, 128 or 256). */
 static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
 {
     (void)cc_minor;
+    /* D = 256: 8 warps × 16 rows keep the O accumulator at 128 registers a thread; Q (64 KB) and two stages of K
+     * and V (128 KB) fit sm_90's shared memory only, one CTA per SM. */
+    if (D == 256)
+        return (fwd_tile){8, 2, 0};
     if (cc_major >= 12) {
         /* sm_120 (RTX 5090): about 100 KB of shared memory per CTA and per SM, 64 K registers.
          * GUESSES — no sm_120 device was reachable, none of this was measured.
