@@ -133,7 +133,7 @@ static sparge_status open_on(const sparge_backend *be, int index, sparge_device 
         return s;
     }
     if ((s = init_options(dev)) ||
-        (mtx_init(&dev->lock, mtx_plain) != thrd_success &&
+        (pthread_mutex_init(&dev->lock, NULL) != 0 &&
          (s = SPARGE_FAIL(SPARGE_ERR_RUNTIME, "device %s:%d: cannot create its lock", be->name, index)))) {
         if (be->close)
             be->close(dev->impl);
@@ -305,7 +305,7 @@ void sparge_device_release(sparge_device *dev)
         return;
     if (dev->be->close)
         dev->be->close(dev->impl);
-    mtx_destroy(&dev->lock);
+    pthread_mutex_destroy(&dev->lock);
     free(dev);
 }
 

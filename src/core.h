@@ -3,7 +3,7 @@
 #define SPARGE_CORE_H
 
 #include <stdatomic.h>
-#include <threads.h>
+#include <pthread.h>
 
 #include "backend.h"
 
@@ -20,7 +20,7 @@ struct sparge_device {
     int strict;       /* option "strict": no fallback to the next tier */
     /* GPU devices (a stream and scratch memory in impl) run one call at a time; CPU devices need no lock. */
     int serialized;
-    mtx_t lock;
+    pthread_mutex_t lock;
     /* The handle and each live mask hold a reference: sparge_device_close with masks alive defers the release
      * until the last of them is destroyed. */
     atomic_int refs;
@@ -43,19 +43,19 @@ struct sparge_mask {
     int predicted;        /* map and row_mass hold a prediction */
     int filled;           /* the mask holds a selection */
     int transposed;       /* t_counts/t_indices hold the transpose of that selection (under lock) */
-    mtx_t lock;           /* readers running at once may all need the transpose: one builds it */
+    pthread_mutex_t lock; /* readers running at once may all need the transpose: one builds it */
 };
 
 /* Hold dev's lock around a call into its backend (GPU devices; a no-op on CPU devices). */
 static inline void sparge_dev_lock(sparge_device *dev)
 {
     if (dev->serialized)
-        mtx_lock(&dev->lock);
+        pthread_mutex_lock(&dev->lock);
 }
 static inline void sparge_dev_unlock(sparge_device *dev)
 {
     if (dev->serialized)
-        mtx_unlock(&dev->lock);
+        pthread_mutex_unlock(&dev->lock);
 }
 /* Drops one reference of dev; the last one closes the backend's device and frees the handle. */
 void sparge_device_release(sparge_device *dev);

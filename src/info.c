@@ -1,13 +1,13 @@
 /* Build configuration and machine topology, as text. */
 #include <stdio.h>
-#include <threads.h>
+#include <pthread.h>
 
 #include "config.h"
 #include "core.h"
 #include "../backends/cpu/topology.h"
 
 static char text[1024];
-static once_flag text_once = ONCE_FLAG_INIT;
+static pthread_once_t text_once = PTHREAD_ONCE_INIT;
 
 /* Written once: callers on any thread then only read. */
 static void describe(void)
@@ -43,7 +43,7 @@ static void describe(void)
 
 const char *sparge_build_info(void)
 {
-    call_once(&text_once, describe);
+    pthread_once(&text_once, describe);
     return text;
 }
 

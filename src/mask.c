@@ -29,7 +29,7 @@ static void release(sparge_mask *m)
     sparge_device *dev = m->dev;
     free_arrays(m);
     free(m->host_seq);
-    mtx_destroy(&m->lock);
+    pthread_mutex_destroy(&m->lock);
     free(m);
     sparge_device_release(dev);
 }
@@ -116,7 +116,7 @@ sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout
     sparge_mask *m = calloc(1, sizeof *m);
     if (!m)
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
-    if (mtx_init(&m->lock, mtx_plain) != thrd_success) {
+    if (pthread_mutex_init(&m->lock, NULL) != 0) {
         free(m);
         return SPARGE_FAIL(SPARGE_ERR_RUNTIME, "%s: cannot create the mask's lock", fn);
     }
@@ -414,14 +414,14 @@ sparge_status sparge_mask_ensure_transpose(const sparge_mask *mask)
     sparge_mask *m = (sparge_mask *)mask;
     sparge_device *dev = m->dev;
     sparge_status s = SPARGE_OK;
-    mtx_lock(&m->lock);
+    pthread_mutex_lock(&m->lock);
     if (!m->transposed) {
         sparge_dev_lock(dev);
         s = dev->be->mask_transpose(dev->impl, &m->v);
         sparge_dev_unlock(dev);
         m->transposed = s == SPARGE_OK;
     }
-    mtx_unlock(&m->lock);
+    pthread_mutex_unlock(&m->lock);
     return s;
 }
 

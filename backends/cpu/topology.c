@@ -1,7 +1,7 @@
 /* hwloc topology: binding OpenMP threads to cores and describing the machine. */
 #include <stdio.h>
 #include <string.h>
-#include <threads.h>
+#include <pthread.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -15,7 +15,7 @@
 static hwloc_topology_t topo;
 static int topo_loaded;
 static char topo_text[1024];
-static once_flag topo_once = ONCE_FLAG_INIT;
+static pthread_once_t topo_once = PTHREAD_ONCE_INIT;
 
 static void describe(void)
 {
@@ -47,7 +47,7 @@ static void load_once(void)
 
 static int load(void)
 {
-    call_once(&topo_once, load_once);
+    pthread_once(&topo_once, load_once);
     return topo_loaded;
 }
 
