@@ -272,7 +272,7 @@ template <typename T, int D, int BN> struct dkdv_tile {
                   "the cross-warp dK/dV reduction reuses the Q/dO buffers");
 };
 
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, bool CAUSAL>
 __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 {
     using tile = dkdv_tile<T, D, BN>;
@@ -290,15 +290,17 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 
     const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
     const int bh = tile_id / p.Nkb, j = tile_id % p.Nkb, b = bh / p.H, h = bh % p.H;
-    const int key0 = j * BN;
+    const int key0 = j * BN, diag = p.Nk - p.Nq;
     const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
-    const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb) * SUB;
+    /* Dense causal: the query blocks before the first whose last query may attend key0 add nothing. */
+    const int i0 = CAUSAL && !list ? max(0, key0 - diag) / kBlockQ : 0;
+    const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb - i0) * SUB;
 
     const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
     const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh;
     const float *lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, *dt = p.dt + (int64_t)bh * p.Nq_pad;
 
-    auto step_row0 = [&](int n) { return (list ? list[n / SUB] : n / SUB) * kBlockQ + (n % SUB) * BM; };
+    auto step_row0 = [&](int n) { return (list ? list[n / SUB] : i0 + n / SUB) * kBlockQ + (n % SUB) * BM; };
     auto issue = [&](int n, int buf) {
         int q0 = step_row0(n);
         load_rows<T, D, BM>(aQ + buf * BM * row_bytes, q, p.q_sn, q0, p.Nq);
@@ -349,6 +351,19 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
             s[nt][1] = key_ok0 ? exp2f(fmaf(s[nt][1], p.scale_log2, -l.y)) : 0.0f;
             s[nt][2] = key_ok1 ? exp2f(fmaf(s[nt][2], p.scale_log2, -l.x)) : 0.0f;
             s[nt][3] = key_ok1 ? exp2f(fmaf(s[nt][3], p.scale_log2, -l.y)) : 0.0f;
+        }
+        /* Causal: P = 0 where the warp's keys lie past a query's diagonal (near the diagonal only). */
+        const int qa = step_row0(n) + qc0;
+        if (CAUSAL && key0 + kr0 + 15 > qa + diag) {
+            const int ka = key0 + kr0 + g - diag, kb = ka + 8;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                const int qt = qa + nt * 8 + c2;
+                s[nt][0] = ka > qt ? 0.0f : s[nt][0];
+                s[nt][1] = ka > qt + 1 ? 0.0f : s[nt][1];
+                s[nt][2] = kb > qt ? 0.0f : s[nt][2];
+                s[nt][3] = kb > qt + 1 ? 0.0f : s[nt][3];
+            }
         }
         gemm_rn_16x64<T, D>(dv, s, tdo, qc0, lane);
 
@@ -463,7 +478,7 @@ template <typename T, int D> struct dq_tile {
     static constexpr size_t smem = sizeof(T) * (2 * kBlockQ * D + 4 * KT * D);
 };
 
-template <typename T, int D, int BN>
+template <typename T, int D, int BN, bool CAUSAL>
 __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
 {
     constexpr int KT = dq_tile<T, D>::KT, SUB = BN / KT, row_bytes = D * 2;
@@ -475,9 +490,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
     const int r0 = 16 * warp, g = frag_row(lane), c2 = frag_col(lane);
     const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
     const int bh = tile_id / p.Nqb, i = tile_id % p.Nqb, b = bh / p.H, h = bh % p.H;
-    const int q0 = i * kBlockQ;
+    const int q0 = i * kBlockQ, diag = p.Nk - p.Nq;
     const int32_t *list = p.counts ? p.indices + (int64_t)tile_id * p.Nkb : nullptr;
-    const int nsteps = (list ? p.counts[tile_id] : p.Nkb) * SUB;
+    int nsteps = (list ? p.counts[tile_id] : p.Nkb) * SUB;
+    if (CAUSAL && !list) /* dense causal: the 64-key steps up to the block's last diagonal */
+        nsteps = min(nsteps, (min(q0 + kBlockQ, p.Nq) - 1 + diag) / KT + 1);
 
     const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh, *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
     auto step_key0 = [&](int n) { return (list ? list[n / SUB] : n / SUB) * BN + (n % SUB) * KT; };
@@ -525,6 +542,18 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
             s[nt][1] = ok1 ? exp2f(fmaf(s[nt][1], p.scale_log2, -lse_0)) : 0.0f;
             s[nt][2] = ok0 ? exp2f(fmaf(s[nt][2], p.scale_log2, -lse_1)) : 0.0f;
             s[nt][3] = ok1 ? exp2f(fmaf(s[nt][3], p.scale_log2, -lse_1)) : 0.0f;
+        }
+        /* Causal: P = 0 for keys past the warp's queries' diagonals (near the diagonal only). */
+        if (CAUSAL && k0 + KT - 1 > q0 + r0 + diag) {
+            const int ra = q0 + r0 + g + diag, rb = ra + 8;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                const int kt = k0 + nt * 8 + c2;
+                s[nt][0] = kt > ra ? 0.0f : s[nt][0];
+                s[nt][1] = kt + 1 > ra ? 0.0f : s[nt][1];
+                s[nt][2] = kt > rb ? 0.0f : s[nt][2];
+                s[nt][3] = kt + 1 > rb ? 0.0f : s[nt][3];
+            }
         }
         float ds[8][4];
         gemm_nt_16x64<T, D>(ds, adO, r0, tv, 0, lane);
@@ -654,15 +683,19 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
     unsigned grid_kv = (unsigned)(BH * pk.Nkb);
     s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, 0)
         : bk == 64
-            ? launch(ctx, bwd_dkdv_kernel<T, D, 64>, grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
-            : launch(ctx, bwd_dkdv_kernel<T, D, 128>, grid_kv, dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
+            ? launch(ctx, p.causal ? bwd_dkdv_kernel<T, D, 64, true> : bwd_dkdv_kernel<T, D, 64, false>, grid_kv,
+                     dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
+            : launch(ctx, p.causal ? bwd_dkdv_kernel<T, D, 128, true> : bwd_dkdv_kernel<T, D, 128, false>, grid_kv,
+                     dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
     if (s)
         return s;
     if (atomic_dq)
         return launch_rows(ctx, bwd_dq_convert_kernel<T, D>, rows, D, p, "backward dQ conversion kernel");
     unsigned grid_q = (unsigned)(BH * pq.Nqb);
-    return bkq == 64 ? launch(ctx, bwd_dq_kernel<T, D, 64>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel")
-                     : launch(ctx, bwd_dq_kernel<T, D, 128>, grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel");
+    return bkq == 64 ? launch(ctx, p.causal ? bwd_dq_kernel<T, D, 64, true> : bwd_dq_kernel<T, D, 64, false>, grid_q,
+                              dq_tile<T, D>::smem, pq, "backward dQ kernel")
+                     : launch(ctx, p.causal ? bwd_dq_kernel<T, D, 128, true> : bwd_dq_kernel<T, D, 128, false>, grid_q,
+                              dq_tile<T, D>::smem, pq, "backward dQ kernel");
 }
 
 /* Which kernels a backward runs: wgmma_keys 0 for the mma.sync kernels, else the wgmma dK/dV kernel's keys per CTA
@@ -675,11 +708,12 @@ struct bwd_plan {
  * except where the wgmma dK/dV kernel takes 64 keys per CTA (bk = 64 masks): there its 64 × D reductions per step
  * cost more than the wgmma pass (H200, 1.3B shape, 95 %: 3.241 against 2.771 ms; dense, 128 keys per CTA: 46.98
  * against 48.66 ms). The dq option overrides the choice where deterministic is 0. */
-bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic)
+bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic, int causal)
 {
     const gpu_options &o = ctx->opt;
+    /* causal: the mma.sync kernels alone mask per token (sparge_cuda_backward_fits refuses bwd_kernel=wgmma). */
     const int wgmma = o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel == GPU_KERNEL_WGMMA
-                                                      : sparge_cuda_wgmma_backward_available(ctx);
+                                                      : !causal && sparge_cuda_wgmma_backward_available(ctx);
     /* 128 keys per CTA where the mask allows it (dense, bk = 128): 47.2 against 59.7 ms dense on the H200. */
     const int keys = !wgmma ? 0 : o.bwd_keys ? o.bwd_keys : 128;
     const int narrow = keys == 64 || (keys && bk && bk != 128);
@@ -772,9 +806,12 @@ sparge_view staged_view(const sparge_view &v, void *data, int64_t H, int64_t Dt)
 
 } // namespace
 
-sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic)
+sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic, int causal)
 {
-    const bwd_plan pl = plan_for(ctx, bk, deterministic);
+    const bwd_plan pl = plan_for(ctx, bk, deterministic, causal);
+    if (pl.wgmma_keys && causal)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma kernels do not mask causally (set "
+                           "bwd_kernel=auto or mma)");
     if (pl.wgmma_keys) {
         if (!sparge_cuda_wgmma_backward_available(ctx))
             return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma needs an sm_90 device and a "
@@ -791,7 +828,8 @@ sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int d
 }
 
 /* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D a multiple of 8 up to 128, K/V heads
- * dividing H, 16-byte rows, masks of 128-row query blocks and 64- or 128-key blocks. */
+ * dividing H, fixed lengths (causal or not), 16-byte rows, masks of 128-row query blocks and 64- or 128-key
+ * blocks. */
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args)
 {
     const int64_t D = args->q.D, H = args->q.H, BH = args->q.B * H, Nq = args->q.N, Nk = args->k.N;
@@ -799,7 +837,8 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     const bool staged = Dt != D || group > 1;
     sparge_status s;
     const int bk = args->mask ? args->bk : 128;
-    const bwd_plan pl = plan_for(ctx, args->mask ? args->bk : 0, args->deterministic);
+    const int causal = args->mask ? args->mask->causal : args->causal;
+    const bwd_plan pl = plan_for(ctx, args->mask ? args->bk : 0, args->deterministic, causal);
     const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, overlap = pl.overlap;
 
     const int Nqb = (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = args->mask ? (int)args->mask->Nkb : 0;
@@ -857,6 +896,7 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     p.Nq_pad = p.Nqb * kBlockQ;
     p.scale = a->scale, p.scale_log2 = a->scale * BWD_LOG2E;
     p.lse = a->lse;
+    p.causal = causal;
     if (a->mask) {
         p.Nkb = Nkb;
         p.counts = a->mask->counts, p.indices = a->mask->indices;

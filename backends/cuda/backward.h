@@ -33,6 +33,7 @@ struct bwd_params {
      * (acquire). NULL: the arrays were written by an earlier, completed kernel. */
     uint32_t *dq_done;
     uint32_t dq_ctas;
+    int causal; /* keys past a query's diagonal (u > t + Nk − Nq) are masked (the mma.sync kernels only) */
 };
 
 /* p.dq_done's two sides: one CTA's increment after its writes, ordered before them by a preceding barrier
