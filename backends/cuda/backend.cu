@@ -352,16 +352,14 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
     if (!d->rows_aligned)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: every row must be contiguous along D and start 16-byte "
                            "aligned (data pointer and B/H/N strides multiples of 8 elements)", what);
-    if (d->op == SPARGE_OP_BACKWARD && d->varlen)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: varlen runs on the portable tier (the tensor-core backward "
-                           "takes fixed lengths)", what);
     if (d->kv_heads > 65535 || d->H > 65535)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 65535 heads", what); /* gpu_kv_head's range */
     if (d->Nq > INT32_MAX - 128 || d->Nk > INT32_MAX - 128 || d->B * d->H * ((d->Nq + 127) / 128) > INT32_MAX ||
         d->B * d->H * ((d->Nk + 63) / 64) > INT32_MAX)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 2^31 tokens or blocks", what);
-    return d->op == SPARGE_OP_FORWARD ? sparge_cuda_forward_fits(ctx, (int)d->head_dim)
-                                      : sparge_cuda_backward_fits(ctx, (int)d->head_dim, d->block_k, d->deterministic, d->causal);
+    if (d->op == SPARGE_OP_FORWARD)
+        return sparge_cuda_forward_fits(ctx, (int)d->head_dim);
+    return sparge_cuda_backward_fits(ctx, (int)d->head_dim, d->block_k, d->deterministic, d->causal, d->varlen);
 }
 
 extern "C" const sparge_backend sparge_backend_cuda_generic =

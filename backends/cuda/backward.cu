@@ -142,19 +142,20 @@ __device__ __forceinline__ void gemm_rn_16x64(float (&acc)[D / 8][4], const floa
 
 /* ------------------------------------------------------------------------------------------ prep */
 
-template <typename T, int D>
+template <typename T, int D, bool VARLEN>
 __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(bwd_params p, int64_t rows)
 {
     constexpr int group = D / 8; /* threads per token, 8 elements (16 bytes) each */
     int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
     int part = threadIdx.x % group;
-    int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad);
-    bool real = row < rows && t < p.Nq;
+    int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad), b = bh / p.H, h = bh % p.H;
+    const bwd_seq sq = row < rows ? bwd_seq_of<VARLEN>(p, b) : bwd_seq{0, 0, 0, 0, 0};
+    bool real = row < rows && t < sq.nq;
     float sum = 0.0f;
     if (real) {
-        int b = bh / p.H, h = bh % p.H;
-        sum = dt_part((const T *)p.o + b * p.o_sb + h * p.o_sh + t * p.o_sn + part * 8,
-                      (const T *)p.d_o + b * p.do_sb + h * p.do_sh + t * p.do_sn + part * 8);
+        const int64_t tt = sq.q_off + t;
+        sum = dt_part((const T *)p.o + sq.tb * p.o_sb + h * p.o_sh + tt * p.o_sn + part * 8,
+                      (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + tt * p.do_sn + part * 8);
     }
 #pragma unroll
     for (int m = group / 2; m > 0; m /= 2)
@@ -163,7 +164,9 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(bwd_params p, int64_
         return;
     if (part == 0) {
         p.dt[row] = sum;
-        p.lse2[row] = real ? p.lse[(int64_t)bh * p.Nq + t] * BWD_LOG2E : INFINITY;
+        /* The LSE is [B, H, Nq], or [H, T] for packed sequences. */
+        const int64_t at = VARLEN ? (int64_t)h * p.Nq + sq.q_off + t : (int64_t)bh * p.Nq + t;
+        p.lse2[row] = real ? p.lse[at] * BWD_LOG2E : INFINITY;
     }
     if (p.dq_accum) {
         float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -174,21 +177,23 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(bwd_params p, int64_
 }
 
 /* dq = scale · dq_accum in the output dtype, 16 bytes per thread. */
-template <typename T, int D>
+template <typename T, int D, bool VARLEN>
 __global__ void __launch_bounds__(kThreads) bwd_dq_convert_kernel(bwd_params p, int64_t rows)
 {
     constexpr int group = D / 8;
     int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
     int part = threadIdx.x % group;
-    int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad);
-    if (row >= rows || t >= p.Nq)
+    int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad), b = bh / p.H, h = bh % p.H;
+    if (row >= rows)
+        return;
+    const bwd_seq sq = bwd_seq_of<VARLEN>(p, b);
+    if (t >= sq.nq)
         return;
     const float4 *acc = (const float4 *)(p.dq_accum + row * D + part * 8);
     float4 x = acc[0], y = acc[1];
     uint4 out = {pack2<T>(x.x * p.scale, x.y * p.scale), pack2<T>(x.z * p.scale, x.w * p.scale),
                  pack2<T>(y.x * p.scale, y.y * p.scale), pack2<T>(y.z * p.scale, y.w * p.scale)};
-    int b = bh / p.H, h = bh % p.H;
-    *(uint4 *)((T *)p.dq + b * p.dq_sb + h * p.dq_sh + t * p.dq_sn + part * 8) = out;
+    *(uint4 *)((T *)p.dq + sq.tb * p.dq_sb + h * p.dq_sh + (int64_t)(sq.q_off + t) * p.dq_sn + part * 8) = out;
 }
 
 /* Launch order of the CTAs of a masked pass: tiles whose list (mask column or row) is long go first, so a
@@ -272,7 +277,7 @@ template <typename T, int D, int BN> struct dkdv_tile {
                   "the cross-warp dK/dV reduction reuses the Q/dO buffers");
 };
 
-template <typename T, int D, int BN, bool CAUSAL>
+template <typename T, int D, int BN, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 {
     using tile = dkdv_tile<T, D, BN>;
@@ -290,21 +295,22 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 
     const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
     const int bh = tile_id / p.Nkb, j = tile_id % p.Nkb, b = bh / p.H, h = bh % p.H;
-    const int key0 = j * BN, diag = p.Nk - p.Nq;
+    const bwd_seq sq = bwd_seq_of<VARLEN>(p, b);
+    const int nq = sq.nq, nk = sq.nk, key0 = j * BN, diag = nk - nq;
     const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
     /* Dense causal: the query blocks before the first whose last query may attend key0 add nothing. */
     const int i0 = CAUSAL && !list ? max(0, key0 - diag) / kBlockQ : 0;
     const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb - i0) * SUB;
 
-    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
-    const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh;
+    const T *q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
+    const T *d_o = (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + sq.q_off * p.do_sn;
     const float *lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, *dt = p.dt + (int64_t)bh * p.Nq_pad;
 
     auto step_row0 = [&](int n) { return (list ? list[n / SUB] : i0 + n / SUB) * kBlockQ + (n % SUB) * BM; };
     auto issue = [&](int n, int buf) {
         int q0 = step_row0(n);
-        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, q, p.q_sn, q0, p.Nq);
-        load_rows<T, D, BM>(adO + buf * BM * row_bytes, d_o, p.do_sn, q0, p.Nq);
+        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, q, p.q_sn, q0, nq);
+        load_rows<T, D, BM>(adO + buf * BM * row_bytes, d_o, p.do_sn, q0, nq);
         int t = threadIdx.x;
         if (t < BM / 4)
             cp_async_16(smem_addr(sLse + buf * BM + 4 * t), lse2 + q0 + 4 * t, true);
@@ -313,14 +319,14 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
     };
 
     if (nsteps > 0) {
-        load_rows<T, D, BN>(aK, (const T *)p.k + b * p.k_sb + h * p.k_sh, p.k_sn, key0, p.Nk);
-        load_rows<T, D, BN>(aV, (const T *)p.v + b * p.v_sb + h * p.v_sh, p.v_sn, key0, p.Nk);
+        load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + h * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
+        load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + h * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
         issue(0, 0);
     }
     cp_async_commit();
 
     /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
-    const bool key_ok0 = key0 + kr0 + g < p.Nk, key_ok1 = key0 + kr0 + g + 8 < p.Nk;
+    const bool key_ok0 = key0 + kr0 + g < nk, key_ok1 = key0 + kr0 + g + 8 < nk;
     float dv[D / 8][4], dk[D / 8][4];
 #pragma unroll
     for (int nt = 0; nt < D / 8; nt++)
@@ -467,8 +473,8 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
             put2<T, D>(sK, kr0 + g + 8, col, dk[nt][2] * p.scale, dk[nt][3] * p.scale);
         }
     __syncthreads();
-    store_rows<T, D, BN>((T *)p.dv + b * p.dv_sb + h * p.dv_sh, p.dv_sn, key0, p.Nk, sV);
-    store_rows<T, D, BN>((T *)p.dk + b * p.dk_sb + h * p.dk_sh, p.dk_sn, key0, p.Nk, sK);
+    store_rows<T, D, BN>((T *)p.dv + sq.tb * p.dv_sb + h * p.dv_sh + sq.k_off * p.dv_sn, p.dv_sn, key0, nk, sV);
+    store_rows<T, D, BN>((T *)p.dk + sq.tb * p.dk_sb + h * p.dk_sh + sq.k_off * p.dk_sn, p.dk_sn, key0, nk, sK);
 }
 
 /* ------------------------------------------------------------------------------------------ dQ pass */
@@ -478,7 +484,7 @@ template <typename T, int D> struct dq_tile {
     static constexpr size_t smem = sizeof(T) * (2 * kBlockQ * D + 4 * KT * D);
 };
 
-template <typename T, int D, int BN, bool CAUSAL>
+template <typename T, int D, int BN, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
 {
     constexpr int KT = dq_tile<T, D>::KT, SUB = BN / KT, row_bytes = D * 2;
@@ -490,22 +496,25 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
     const int r0 = 16 * warp, g = frag_row(lane), c2 = frag_col(lane);
     const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
     const int bh = tile_id / p.Nqb, i = tile_id % p.Nqb, b = bh / p.H, h = bh % p.H;
-    const int q0 = i * kBlockQ, diag = p.Nk - p.Nq;
+    const bwd_seq sq = bwd_seq_of<VARLEN>(p, b);
+    const int nq = sq.nq, nk = sq.nk, q0 = i * kBlockQ, diag = nk - nq;
     const int32_t *list = p.counts ? p.indices + (int64_t)tile_id * p.Nkb : nullptr;
     int nsteps = (list ? p.counts[tile_id] : p.Nkb) * SUB;
     if (CAUSAL && !list) /* dense causal: the 64-key steps up to the block's last diagonal */
-        nsteps = min(nsteps, (min(q0 + kBlockQ, p.Nq) - 1 + diag) / KT + 1);
+        nsteps = min(nsteps, (min(q0 + kBlockQ, nq) - 1 + diag) / KT + 1);
 
-    const T *k = (const T *)p.k + b * p.k_sb + h * p.k_sh, *v = (const T *)p.v + b * p.v_sb + h * p.v_sh;
+    const T *k = (const T *)p.k + sq.tb * p.k_sb + h * p.k_sh + sq.k_off * p.k_sn,
+            *v = (const T *)p.v + sq.tb * p.v_sb + h * p.v_sh + sq.k_off * p.v_sn;
     auto step_key0 = [&](int n) { return (list ? list[n / SUB] : n / SUB) * BN + (n % SUB) * KT; };
     auto issue = [&](int n, int buf) {
         int k0 = step_key0(n);
-        load_rows<T, D, KT>(aK + buf * KT * row_bytes, k, p.k_sn, k0, p.Nk);
-        load_rows<T, D, KT>(aV + buf * KT * row_bytes, v, p.v_sn, k0, p.Nk);
+        load_rows<T, D, KT>(aK + buf * KT * row_bytes, k, p.k_sn, k0, nk);
+        load_rows<T, D, KT>(aV + buf * KT * row_bytes, v, p.v_sn, k0, nk);
     };
 
-    load_rows<T, D, kBlockQ>(aQ, (const T *)p.q + b * p.q_sb + h * p.q_sh, p.q_sn, q0, p.Nq);
-    load_rows<T, D, kBlockQ>(adO, (const T *)p.d_o + b * p.do_sb + h * p.do_sh, p.do_sn, q0, p.Nq);
+    load_rows<T, D, kBlockQ>(aQ, (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn, p.q_sn, q0, nq);
+    load_rows<T, D, kBlockQ>(adO, (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + sq.q_off * p.do_sn, p.do_sn, q0,
+                             nq);
     if (nsteps > 0)
         issue(0, 0);
     cp_async_commit();
@@ -537,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
             /* Keys past Nk (ragged last block) get P = 0. */
-            bool ok0 = k0 + nt * 8 + c2 < p.Nk, ok1 = k0 + nt * 8 + c2 + 1 < p.Nk;
+            bool ok0 = k0 + nt * 8 + c2 < nk, ok1 = k0 + nt * 8 + c2 + 1 < nk;
             s[nt][0] = ok0 ? exp2f(fmaf(s[nt][0], p.scale_log2, -lse_0)) : 0.0f;
             s[nt][1] = ok1 ? exp2f(fmaf(s[nt][1], p.scale_log2, -lse_0)) : 0.0f;
             s[nt][2] = ok0 ? exp2f(fmaf(s[nt][2], p.scale_log2, -lse_1)) : 0.0f;
@@ -575,7 +584,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
         put2<T, D>(sQ, r0 + g + 8, nt * 8 + c2, dq[nt][2] * p.scale, dq[nt][3] * p.scale);
     }
     __syncthreads();
-    store_rows<T, D, kBlockQ>((T *)p.dq + b * p.dq_sb + h * p.dq_sh, p.dq_sn, q0, p.Nq, sQ);
+    store_rows<T, D, kBlockQ>((T *)p.dq + sq.tb * p.dq_sb + h * p.dq_sh + sq.q_off * p.dq_sn, p.dq_sn, q0, nq, sQ);
 }
 
 /* ------------------------------------------------------------------------------------------ host */
@@ -620,6 +629,20 @@ sparge_status launch_orders(gpu_ctx *ctx, const order_job &kv, const order_job &
         return SPARGE_OK;
     bwd_order_kernel<<<ctas, kOrderThreads, 0, ctx->stream>>>(job0, q, zero);
     return GPU_CHECK_LAUNCH("backward tile-order kernel");
+}
+
+/* The instantiation of a pass for the call's causal flag and varlen frames. */
+template <typename T, int D, int BN> void (*dkdv_kernel_for(const bwd_params &p))(bwd_params)
+{
+    if (p.seq_q)
+        return p.causal ? bwd_dkdv_kernel<T, D, BN, true, true> : bwd_dkdv_kernel<T, D, BN, false, true>;
+    return p.causal ? bwd_dkdv_kernel<T, D, BN, true, false> : bwd_dkdv_kernel<T, D, BN, false, false>;
+}
+template <typename T, int D, int BN> void (*dq_kernel_for(const bwd_params &p))(bwd_params)
+{
+    if (p.seq_q)
+        return p.causal ? bwd_dq_kernel<T, D, BN, true, true> : bwd_dq_kernel<T, D, BN, false, true>;
+    return p.causal ? bwd_dq_kernel<T, D, BN, true, false> : bwd_dq_kernel<T, D, BN, false, false>;
 }
 
 /* order_kv [BH·Nkb] and order_q [BH·Nqb]: workspace for the launch orders of the masked passes; dq_done: 4 bytes of
@@ -678,24 +701,23 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, overlap);
     }
 
-    if ((s = launch_rows(ctx, bwd_prep_kernel<T, D>, rows, D, p, "backward prep kernel")))
+    if ((s = launch_rows(ctx, p.seq_q ? bwd_prep_kernel<T, D, true> : bwd_prep_kernel<T, D, false>, rows, D, p,
+                         "backward prep kernel")))
         return s;
     unsigned grid_kv = (unsigned)(BH * pk.Nkb);
     s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, 0)
         : bk == 64
-            ? launch(ctx, p.causal ? bwd_dkdv_kernel<T, D, 64, true> : bwd_dkdv_kernel<T, D, 64, false>, grid_kv,
-                     dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
-            : launch(ctx, p.causal ? bwd_dkdv_kernel<T, D, 128, true> : bwd_dkdv_kernel<T, D, 128, false>, grid_kv,
-                     dkdv_tile<T, D, 128>::smem, pk, "backward dK/dV kernel");
+            ? launch(ctx, dkdv_kernel_for<T, D, 64>(p), grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
+            : launch(ctx, dkdv_kernel_for<T, D, 128>(p), grid_kv, dkdv_tile<T, D, 128>::smem, pk,
+                     "backward dK/dV kernel");
     if (s)
         return s;
     if (atomic_dq)
-        return launch_rows(ctx, bwd_dq_convert_kernel<T, D>, rows, D, p, "backward dQ conversion kernel");
+        return launch_rows(ctx, p.seq_q ? bwd_dq_convert_kernel<T, D, true> : bwd_dq_convert_kernel<T, D, false>,
+                           rows, D, p, "backward dQ conversion kernel");
     unsigned grid_q = (unsigned)(BH * pq.Nqb);
-    return bkq == 64 ? launch(ctx, p.causal ? bwd_dq_kernel<T, D, 64, true> : bwd_dq_kernel<T, D, 64, false>, grid_q,
-                              dq_tile<T, D>::smem, pq, "backward dQ kernel")
-                     : launch(ctx, p.causal ? bwd_dq_kernel<T, D, 128, true> : bwd_dq_kernel<T, D, 128, false>, grid_q,
-                              dq_tile<T, D>::smem, pq, "backward dQ kernel");
+    return bkq == 64 ? launch(ctx, dq_kernel_for<T, D, 64>(p), grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel")
+                     : launch(ctx, dq_kernel_for<T, D, 128>(p), grid_q, dq_tile<T, D>::smem, pq, "backward dQ kernel");
 }
 
 /* Which kernels a backward runs: wgmma_keys 0 for the mma.sync kernels, else the wgmma dK/dV kernel's keys per CTA
@@ -708,12 +730,13 @@ struct bwd_plan {
  * except where the wgmma dK/dV kernel takes 64 keys per CTA (bk = 64 masks): there its 64 × D reductions per step
  * cost more than the wgmma pass (H200, 1.3B shape, 95 %: 3.241 against 2.771 ms; dense, 128 keys per CTA: 46.98
  * against 48.66 ms). The dq option overrides the choice where deterministic is 0. */
-bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic, int causal)
+bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic, int mma_only)
 {
     const gpu_options &o = ctx->opt;
-    /* causal: the mma.sync kernels alone mask per token (sparge_cuda_backward_fits refuses bwd_kernel=wgmma). */
+    /* mma_only (causal, varlen): the mma.sync kernels alone mask per token and take sequence frames
+     * (sparge_cuda_backward_fits refuses bwd_kernel=wgmma there). */
     const int wgmma = o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel == GPU_KERNEL_WGMMA
-                                                      : !causal && sparge_cuda_wgmma_backward_available(ctx);
+                                                      : !mma_only && sparge_cuda_wgmma_backward_available(ctx);
     /* 128 keys per CTA where the mask allows it (dense, bk = 128): 47.2 against 59.7 ms dense on the H200. */
     const int keys = !wgmma ? 0 : o.bwd_keys ? o.bwd_keys : 128;
     const int narrow = keys == 64 || (keys && bk && bk != 128);
@@ -806,12 +829,12 @@ sparge_view staged_view(const sparge_view &v, void *data, int64_t H, int64_t Dt)
 
 } // namespace
 
-sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic, int causal)
+sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic, int causal, int varlen)
 {
-    const bwd_plan pl = plan_for(ctx, bk, deterministic, causal);
-    if (pl.wgmma_keys && causal)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma kernels do not mask causally (set "
-                           "bwd_kernel=auto or mma)");
+    const bwd_plan pl = plan_for(ctx, bk, deterministic, causal || varlen);
+    if (pl.wgmma_keys && (causal || varlen))
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma kernels take neither causal masks nor "
+                           "packed sequences (set bwd_kernel=auto or mma)");
     if (pl.wgmma_keys) {
         if (!sparge_cuda_wgmma_backward_available(ctx))
             return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma needs an sm_90 device and a "
@@ -828,25 +851,26 @@ sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int d
 }
 
 /* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D a multiple of 8 up to 128, K/V heads
- * dividing H, fixed lengths (causal or not), 16-byte rows, masks of 128-row query blocks and 64- or 128-key
- * blocks. */
+ * dividing H, causal or not, fixed lengths or packed sequences, 16-byte rows, masks of 128-row query blocks and
+ * 64- or 128-key blocks. */
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args)
 {
-    const int64_t D = args->q.D, H = args->q.H, BH = args->q.B * H, Nq = args->q.N, Nk = args->k.N;
+    const sparge_mask_view *m = args->mask;
+    const int64_t D = args->q.D, H = args->q.H, Nq = args->q.N, Nk = args->k.N;
+    const int64_t BHt = args->q.B * H, BH = (m ? m->B : args->q.B) * H; /* the tensors', the sequences' (varlen) */
     const int64_t Dt = D <= 64 ? 64 : 128, group = H / args->k.H;
-    const bool staged = Dt != D || group > 1;
+    const bool staged = Dt != D || group > 1, varlen = m && m->seq_q;
     sparge_status s;
-    const int bk = args->mask ? args->bk : 128;
-    const int causal = args->mask ? args->mask->causal : args->causal;
-    const bwd_plan pl = plan_for(ctx, args->mask ? args->bk : 0, args->deterministic, causal);
+    const int bk = m ? args->bk : 128;
+    const int causal = m ? m->causal : args->causal;
+    const bwd_plan pl = plan_for(ctx, m ? args->bk : 0, args->deterministic, causal || varlen);
     const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, overlap = pl.overlap;
 
-    const int Nqb = (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = args->mask ? (int)args->mask->Nkb : 0;
+    const int Nqb = varlen ? (int)m->Nqb : (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = m ? (int)m->Nkb : 0;
     const size_t padded = (size_t)BH * Nqb * kBlockQ;
-    const size_t accum = atomic_dq ? padded * Dt : 0, nkv = args->mask ? (size_t)BH * Nkb : 0,
-                 nq = args->mask ? (size_t)BH * Nqb : 0;
+    const size_t accum = atomic_dq ? padded * Dt : 0, nkv = m ? (size_t)BH * Nkb : 0, nq = m ? (size_t)BH * Nqb : 0;
     /* Staged Q, O, dO, dQ ([B,H,Nq,Dt]) and K, V, dK, dV ([B,H,Nk,Dt]) first: multiples of 128 bytes. */
-    const size_t q_elems = staged ? (size_t)BH * Nq * Dt : 0, k_elems = staged ? (size_t)BH * Nk * Dt : 0;
+    const size_t q_elems = staged ? (size_t)BHt * Nq * Dt : 0, k_elems = staged ? (size_t)BHt * Nk * Dt : 0;
     const size_t stage_bytes = (4 * q_elems + 4 * k_elems) * 2;
     void *ws;
     if ((s = gpu_workspace(ctx, stage_bytes + (2 * padded + accum) * sizeof(float) + (nkv + nq + 1) * sizeof(int32_t),
@@ -867,7 +891,7 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
         for (int i = 0; i < 5; i++) {
             const sparge_view &x = *in_src[i];
             const int grp = i < 3 ? 1 : (int)group;
-            const int64_t chunks = BH * x.N * dtch;
+            const int64_t chunks = BHt * x.N * dtch;
             s = args->q.dtype == SPARGE_BF16
                     ? launch_stage(ctx, bwd_stage_in_kernel<gpu_bf16>, chunks, "backward staging kernel",
                                    (gpu_bf16 *)in_dst[i]->data, (const gpu_bf16 *)x.data, x.sb, x.sh, x.sn, (int)H,
@@ -897,10 +921,11 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     p.scale = a->scale, p.scale_log2 = a->scale * BWD_LOG2E;
     p.lse = a->lse;
     p.causal = causal;
-    if (a->mask) {
+    if (m) {
         p.Nkb = Nkb;
-        p.counts = a->mask->counts, p.indices = a->mask->indices;
-        p.t_counts = a->mask->t_counts, p.t_indices = a->mask->t_indices;
+        p.counts = m->counts, p.indices = m->indices;
+        p.t_counts = m->t_counts, p.t_indices = m->t_indices;
+        p.seq_q = m->seq_q, p.seq_k = m->seq_k;
     }
     p.dt = (float *)ws;
     p.lse2 = p.dt + padded;
