@@ -139,7 +139,7 @@ static void run_case(sparge_device *dev, const shape_case *c, sparge_dtype dt, t
     const int64_t n_lse = x.B * c->H * x.Tq;
     float *rlse = malloc((size_t)n_lse * sizeof *rlse);
     assert_int_equal(sparge_malloc(dev, (size_t)n_lse * sizeof *lse, (void **)&lse), SPARGE_OK);
-    sparge_attn_params ap = {0.0f, 1, 0};
+    sparge_attn_params ap = {0.0f, lay == TU_BHND, 0}; /* both dQ paths: the deterministic pass and atomics */
     if (sparge_attention_forward(dev, &x.t[0].t, &x.t[1].t, &x.t[2].t, m, &ap, &x.t[3].t, lse) != SPARGE_OK)
         fail_msg("%s: %s: forward failed: %s", sparge_device_name(dev), c->name, sparge_last_error());
     assert_int_equal(sparge_attention_forward(ref, &r.t[0].t, &r.t[1].t, &r.t[2].t, rm, &ap, &r.t[3].t, rlse), SPARGE_OK);

@@ -272,14 +272,10 @@ sparge_status sparge_cpu_backward(void *impl, const sparge_bwd_args *a)
                     if (!mk && cnt > allowed)
                         cnt = allowed;
                     for (int64_t c = 0; c < cnt; c++) {
-                        int64_t j = idx[c], nk = block_rows(j, bk, nks), ldk, ldv;
-                        if (c + 1 < cnt) {
-                            int64_t jn = idx[c + 1], nkn = block_rows(jn, bk, nks);
-                            prefetch_rows(kv, b, hk, k0 + jn * bk, nkn);
-                            prefetch_rows(vv, b, hk, k0 + jn * bk, nkn);
-                        }
-                        const float *kt = rows_f32(k_, kv, b, hk, k0 + j * bk, nk, kbuf, &ldk);
-                        const float *vt = rows_f32(k_, vv, b, hk, k0 + j * bk, nk, vbuf, &ldv);
+                        const float *kt, *vt;
+                        int64_t ldk, ldv;
+                        const int64_t j = idx[c], nk = kv_block_f32(k_, kv, vv, b, hk, k0, bk, nks, idx, c, cnt, kbuf, vbuf, &kt,
+                                                                    &ldk, &vt, &ldv);
                         block_grads(k_, &hd, i, ldt, D, lse + t0, kt, ldk, vt, ldv, nq, nk, pt, dst, diag, t0, j * bk);
                         k_->gemm(nq, D, nk, dst, 1, ldt, kt, ldk, acc, D, c > 0, NULL); /* dQ += dS K */
                     }

@@ -127,6 +127,24 @@ static inline void prefetch_rows(const sparge_view *x, int64_t b, int64_t h, int
         prefetch_span(row_ptr(x, b, h, n0 + r), bytes);
 }
 
+/* The K and V rows of kept key block idx[c] (of bk tokens; nks in the sequence, from token k0) as f32 tiles
+ * (kt, vt with leading dimensions ldk, ldv), the next kept block's rows prefetched. Returns the block's rows. */
+static inline int64_t kv_block_f32(const sparge_simd_ops *k_, const sparge_view *kv, const sparge_view *vv, int64_t b,
+                                   int64_t hk, int64_t k0, int64_t bk, int64_t nks, const int32_t *idx, int64_t c,
+                                   int64_t cnt, float *kbuf, float *vbuf, const float **kt, int64_t *ldk,
+                                   const float **vt, int64_t *ldv)
+{
+    const int64_t j = idx[c], nk = block_rows(j, bk, nks);
+    if (c + 1 < cnt) {
+        const int64_t jn = idx[c + 1], nkn = block_rows(jn, bk, nks);
+        prefetch_rows(kv, b, hk, k0 + jn * bk, nkn);
+        prefetch_rows(vv, b, hk, k0 + jn * bk, nkn);
+    }
+    *kt = rows_f32(k_, kv, b, hk, k0 + j * bk, nk, kbuf, ldk);
+    *vt = rows_f32(k_, vv, b, hk, k0 + j * bk, nk, vbuf, ldv);
+    return nk;
+}
+
 /* cpu-ref: rows [n0, n0 + rows) of (b, h) of x as contiguous doubles [rows×D], and back. */
 static inline void ref_gather(const sparge_view *x, int64_t b, int64_t h, int64_t n0, int64_t rows, double *out)
 {

@@ -143,14 +143,10 @@ sparge_status sparge_cpu_forward(void *impl, const sparge_fwd_args *a)
                 l[r] = 0.0f;
             }
             for (int64_t c = 0; c < cnt; c++) {
-                int64_t j = idx[c], nk = block_rows(j, bk, nks), ldk, ldv;
-                if (c + 1 < cnt) {
-                    int64_t jn = idx[c + 1], nkn = block_rows(jn, bk, nks);
-                    prefetch_rows(kv, b, hk, k0 + jn * bk, nkn);
-                    prefetch_rows(vv, b, hk, k0 + jn * bk, nkn);
-                }
-                const float *kt = rows_f32(k_, kv, b, hk, k0 + j * bk, nk, kbuf, &ldk);
-                const float *vt = rows_f32(k_, vv, b, hk, k0 + j * bk, nk, vbuf, &ldv);
+                const float *kt, *vt;
+                int64_t ldk, ldv;
+                const int64_t j = idx[c], nk = kv_block_f32(k_, kv, vv, b, hk, k0, bk, nks, idx, c, cnt, kbuf, vbuf, &kt,
+                                                            &ldk, &vt, &ldv);
                 k_->gemm(nk, nq, D, kt, ldk, 1, qt, ldt, st_, ldt, 0, NULL); /* Sᵀ = K (sQ)ᵀ */
                 if (a->causal && j >= d0)
                     sparge_cpu_causal_tile(st_, ldt, nk, nq, j * bk, i * bq, nks - nqs);

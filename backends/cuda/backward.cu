@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) bwd_prep_kernel(bwd_params p, int64_
     int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
     int part = threadIdx.x % group;
     int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad), b = bh / p.H, h = bh % p.H;
-    const bwd_seq sq = row < rows ? bwd_seq_of<VARLEN>(p, b) : bwd_seq{0, 0, 0, 0, 0};
+    const gpu_seq sq = row < rows ? gpu_seq_of<VARLEN>(p, b) : gpu_seq{0, 0, 0, 0, 0};
     bool real = row < rows && t < sq.nq;
     float sum = 0.0f;
     if (real) {
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) bwd_dq_convert_kernel(bwd_params p, 
     int bh = (int)(row / p.Nq_pad), t = (int)(row % p.Nq_pad), b = bh / p.H, h = bh % p.H;
     if (row >= rows)
         return;
-    const bwd_seq sq = bwd_seq_of<VARLEN>(p, b);
+    const gpu_seq sq = gpu_seq_of<VARLEN>(p, b);
     if (t >= sq.nq)
         return;
     const float4 *acc = (const float4 *)(p.dq_accum + row * D + part * 8);
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 
     const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
     const int bh = tile_id / p.Nkb, j = tile_id % p.Nkb, b = bh / p.H, h = bh % p.H;
-    const bwd_seq sq = bwd_seq_of<VARLEN>(p, b);
+    const gpu_seq sq = gpu_seq_of<VARLEN>(p, b);
     const int nq = sq.nq, nk = sq.nk, key0 = j * BN, diag = nk - nq;
     const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
     /* Dense causal: the query blocks before the first whose last query may attend key0 add nothing. */
@@ -496,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
     const int r0 = 16 * warp, g = frag_row(lane), c2 = frag_col(lane);
     const int tile_id = p.order ? p.order[blockIdx.x] : blockIdx.x;
     const int bh = tile_id / p.Nqb, i = tile_id % p.Nqb, b = bh / p.H, h = bh % p.H;
-    const bwd_seq sq = bwd_seq_of<VARLEN>(p, b);
+    const gpu_seq sq = gpu_seq_of<VARLEN>(p, b);
     const int nq = sq.nq, nk = sq.nk, q0 = i * kBlockQ, diag = nk - nq;
     const int32_t *list = p.counts ? p.indices + (int64_t)tile_id * p.Nkb : nullptr;
     int nsteps = (list ? p.counts[tile_id] : p.Nkb) * SUB;

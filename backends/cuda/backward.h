@@ -38,18 +38,6 @@ struct bwd_params {
                                    * [1, H, T, D] tensors; Nq, Nk are then the totals, Nqb the longest's blocks */
 };
 
-/* Sequence b as a backward kernel sees it: the tensors' batch index, its first query and key token, their counts.
- * Fixed length: batch b, the whole Nq and Nk. */
-struct bwd_seq {
-    int tb, q_off, k_off, nq, nk;
-};
-template <bool VARLEN> __device__ __forceinline__ bwd_seq bwd_seq_of(const bwd_params &p, int b)
-{
-    if (VARLEN)
-        return {0, p.seq_q[b], p.seq_k[b], p.seq_q[b + 1] - p.seq_q[b], p.seq_k[b + 1] - p.seq_k[b]};
-    return {b, 0, 0, p.Nq, p.Nk};
-}
-
 /* p.dq_done's two sides: one CTA's increment after its writes, ordered before them by a preceding barrier
  * (release at gpu scope is cumulative), and the load that orders the reads after it (acquire; a barrier after
  * it passes that on to the CTA). */

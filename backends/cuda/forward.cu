@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
     const int h = w.h, q0 = w.qblock * BLOCK_Q;
-    const fwd_seq sq = fwd_seq_of<VARLEN>(p, w.b);
+    const gpu_seq sq = gpu_seq_of<VARLEN>(p, w.b);
     if (VARLEN && q0 >= sq.nq) /* a row past its sequence */
         return;
     const int n_tiles = CAUSAL && !p.counts ? fwd_causal_tiles(p, sq, q0, w.n_tiles) : w.n_tiles;

@@ -37,28 +37,16 @@ __host__ __device__ constexpr int fwd_tile_dim(int D)
     return D % 8 || D <= 0 ? 0 : D <= 64 ? 64 : D <= 128 ? 128 : D == 256 ? 256 : 0;
 }
 
-/* The sequence of batch b (varlen: sequence b of the packed tensors) as a forward kernel sees it: the tensors' batch
- * index, the first query and key token, their counts, and K/V's head for query head h. */
-struct fwd_seq {
-    int tb, q_off, k_off, nq, nk;
-};
-template <bool VARLEN> __device__ __forceinline__ fwd_seq fwd_seq_of(const fwd_params &p, int b)
-{
-    if (VARLEN)
-        return {0, p.seq_q[b], p.seq_k[b], p.seq_q[b + 1] - p.seq_q[b], p.seq_k[b + 1] - p.seq_k[b]};
-    return {b, 0, 0, p.Nq, p.Nk};
-}
-
 /* The LSE's index of query row `row` of (b, h) = bh: [B, H, Nq], or [H, T] for packed varlen tensors. The fixed-length
  * form from bh alone: forming it from the sequence's fields cost the mma.sync forward 80 bytes of spills (ptxas). */
 template <bool VARLEN>
-__device__ __forceinline__ int64_t fwd_lse_index(const fwd_params &p, int bh, int h, const fwd_seq &s, int row)
+__device__ __forceinline__ int64_t fwd_lse_index(const fwd_params &p, int bh, int h, const gpu_seq &s, int row)
 {
     return VARLEN ? (int64_t)h * p.Nq + s.q_off + row : (int64_t)bh * p.Nq + row;
 }
 
 /* Dense causal: the 64-key tiles up to the last query's diagonal (of tiles, at most n_tiles). */
-__device__ __forceinline__ int fwd_causal_tiles(const fwd_params &p, const fwd_seq &s, int q0, int n_tiles)
+__device__ __forceinline__ int fwd_causal_tiles(const fwd_params &p, const gpu_seq &s, int q0, int n_tiles)
 {
     const int last = min(q0 + FWD_BLOCK_Q, s.nq) - 1 + s.nk - s.nq;
     return min(n_tiles, last / FWD_TILE_K + 1);

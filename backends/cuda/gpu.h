@@ -169,6 +169,19 @@ inline uint32_t gpu_kv_magic(int64_t group)
 }
 __device__ __forceinline__ int gpu_kv_head(int h, uint32_t magic) { return magic ? (int)__umulhi((unsigned)h, magic) : h; }
 
+/* Sequence b as an attention kernel sees it: the tensors' batch index, its first query and key token, their counts.
+ * Varlen (P's seq_q, seq_k: the B+1 token offsets of the sequences in packed [1, H, T, D] tensors): sequence b;
+ * fixed length: batch b, all of P's Nq and Nk. P is the forward's or the backward's parameter block. */
+struct gpu_seq {
+    int tb, q_off, k_off, nq, nk;
+};
+template <bool VARLEN, typename P> __device__ __forceinline__ gpu_seq gpu_seq_of(const P &p, int b)
+{
+    if (VARLEN)
+        return {0, p.seq_q[b], p.seq_k[b], p.seq_q[b + 1] - p.seq_q[b], p.seq_k[b + 1] - p.seq_k[b]};
+    return {b, 0, 0, p.Nq, p.Nk};
+}
+
 /* NaN by the bits: the CUDA build uses fast math. */
 __device__ __forceinline__ bool is_nan(float x) { return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u; }
 
