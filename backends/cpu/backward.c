@@ -274,8 +274,9 @@ sparge_status sparge_cpu_backward(void *impl, const sparge_bwd_args *a)
                     for (int64_t c = 0; c < cnt; c++) {
                         const float *kt, *vt;
                         int64_t ldk, ldv;
-                        const int64_t j = idx[c], nk = kv_block_f32(k_, kv, vv, b, hk, k0, bk, nks, idx, c, cnt, kbuf, vbuf, &kt,
-                                                                    &ldk, &vt, &ldv);
+                        const int64_t j = idx[c];
+                        const int64_t nk =
+                            kv_block_f32(k_, kv, vv, b, hk, k0, bk, nks, idx, c, cnt, kbuf, vbuf, &kt, &ldk, &vt, &ldv);
                         block_grads(k_, &hd, i, ldt, D, lse + t0, kt, ldk, vt, ldv, nq, nk, pt, dst, diag, t0, j * bk);
                         k_->gemm(nq, D, nk, dst, 1, ldt, kt, ldk, acc, D, c > 0, NULL); /* dQ += dS K */
                     }
