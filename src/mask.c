@@ -597,9 +597,10 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
     const int n = snprintf(json, sizeof json,
                            "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, "
                            "\"block_k\": %d, \"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
-                           "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
+                           "\"causal\": %s, \"varlen\": %s, \"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
                            (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk, (long long)head_dim,
-                           m->bq, m->bk, (long long)m->Nqb, (long long)m->Nkb, st.sparsity, sparge_dtype_name(dtype));
+                           m->bq, m->bk, (long long)m->Nqb, (long long)m->Nkb, st.sparsity, sparge_dtype_name(dtype),
+                           m->causal ? "true" : "false", mask->host_seq ? "true" : "false");
     const char *failed = NULL;
     int have_u8 = 0, have_js = 0; /* temporary files this call created */
     if ((s = to_host(mask, dense, m->dense, (int64_t)cells)))
