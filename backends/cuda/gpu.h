@@ -21,6 +21,7 @@ struct gpu_options {
     int dq;                            /* GPU_DQ_* */
     int bwd_no_overlap;                /* 1: the dK/dV pass waits for the whole dQ pass */
     int map_tile;                      /* GPU_MAP_*: the pooled-map logits kernel */
+    int experimental;                  /* 1: the tensor-core tier also takes the calls of cuda_supports' list */
 };
 
 constexpr int GPU_MAX_RETIRED = 48;
