@@ -9,7 +9,7 @@ set -euo pipefail
 
 usage() {
     cat <<EOF
-usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--no-peers] OUT_DIR
+usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--no-peers] [--shapes] OUT_DIR
 
   --build DIR  a build directory configured with the CUDA backend and built (default: the current directory)
   --gpu N      the CUDA device to use (default 0)
@@ -17,6 +17,11 @@ usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--
                backward: a check that everything runs, not a measurement
   --no-14b     skip the Wan2.1-14B rows (they need about 4 GiB of GPU memory)
   --no-peers   skip the PyTorch peers (they need python3 with torch and CUDA; PYTHON picks the interpreter)
+  --shapes     also the model shapes at the 1.3B token count: grouped K/V heads (H=32, Hkv=8) beside equal
+               heads, 4 packed sequences beside a batch of 4, block-causal, the tensor cores' experimental
+               head dims and backwards (experimental=on), and with the peers causal 95 % against
+               FlexAttention on the same causal block mask (prediction included) and dense D=64, 256 against
+               cuDNN
 Writes OUT_DIR/bench-*.csv (sparge bench), OUT_DIR/speed-video.{csv,md} and OUT_DIR/masks/ (exp_speed),
 OUT_DIR/peers-{forward,backward}.{csv,md} (experiments/peers/peer_bench.py), OUT_DIR/log/*.txt (each
 command's output) and OUT_DIR/summary.md. Exits 1 if a command failed; the others still run.
@@ -24,7 +29,7 @@ EOF
 }
 
 invocation="experiments/bench/gpu.sh${*:+ $*}"
-build=. gpu=0 quick=0 big=1 peers=1 out=
+build=. gpu=0 quick=0 big=1 peers=1 shapes=0 out=
 while [ $# -gt 0 ]; do
     case $1 in
     --build) [ $# -ge 2 ] || { usage >&2; exit 2; }; build=$2; shift 2 ;;
@@ -32,6 +37,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1; shift ;;
     --no-14b) big=0; shift ;;
     --no-peers) peers=0; shift ;;
+    --shapes) shapes=1; shift ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
     *) [ -z "$out" ] || { usage >&2; exit 2; }; out=$1; shift ;;
@@ -106,6 +112,21 @@ if [ "$big" = 1 ]; then
         "bench-14b-mask|${wan14[*]} --ops mask --sparsity 0.95,hybrid --reps 5"
     )
 fi
+if [ "$shapes" = 1 ]; then
+    # The same work in each pair: grouped heads read 8 K/V heads for 32 query heads; 4 packed sequences of 8190
+    # tokens against a batch of 4 (the dense level keeps every block of every sequence).
+    shape=(--dtype bf16 --settle "$settle" --sparsity dense,0.95 --reps "$reps"$w)
+    benches+=(
+        "bench-gqa|--B 1 --H 32 --kv-heads 8 --N 32760 --D 128 ${shape[*]}"
+        "bench-gqa-equal|--B 1 --H 32 --N 32760 --D 128 ${shape[*]}"
+        "bench-varlen|--B 1 --H 12 --N 32760 --varlen 8190,8190,8190,8190 --D 128 ${shape[*]}"
+        "bench-varlen-batch|--B 4 --H 12 --N 8190 --D 128 ${shape[*]}"
+        "bench-causal|--B 1 --H 12 --N 32760 --causal --D 128 ${shape[*]}"
+        "bench-causal-experimental|--B 1 --H 12 --N 32760 --causal --D 128 --ops bwd --option experimental=on ${shape[*]}"
+        "bench-d96-experimental|--B 1 --H 12 --N 32760 --D 96 --option experimental=on ${shape[*]}"
+        "bench-d256-experimental|--B 1 --H 12 --N 32760 --D 256 --ops mask,fwd --option experimental=on ${shape[*]}"
+    )
+fi
 for b in "${benches[@]}"; do
     name=${b%%|*} opts=${b#*|}
     # shellcheck disable=SC2086  # opts is a list of options
@@ -134,6 +155,16 @@ if [ "$peers" = 1 ]; then
         --csv "$out/peers-forward.csv" --md "$out/peers-forward.md"
     run peers-backward "${peer_cmd[@]}" --pass backward --reps "$reps_peers_bwd" "${warmup[@]}" "${flex_bwd[@]}" \
         --csv "$out/peers-backward.csv" --md "$out/peers-backward.md"
+fi
+if [ "$peers" = 1 ] && [ "$shapes" = 1 ]; then
+    # Top-k 0.04 under the causal rule keeps about 4.6 % of the attendable blocks at this shape.
+    shape_peers=("$py" "$src/experiments/peers/peer_bench.py" --device "$backend" --B 1 --H 12 --N 32760 --dtype bf16)
+    run peers-causal "${shape_peers[@]}" --D 128 --causal --levels 0.04:0 --pass forward --reps "$reps_peers" \
+        "${warmup[@]}" --csv "$out/peers-causal.csv" --md "$out/peers-causal.md"
+    for d in 64 256; do
+        run "peers-dense-d$d" "${shape_peers[@]}" --D "$d" --sparge --pass forward --reps "$reps_peers" "${warmup[@]}" \
+            --csv "$out/peers-dense-d$d.csv" --md "$out/peers-dense-d$d.md"
+    done
 fi
 
 # section TITLE NAME [NOTE...]: a Markdown section with the command NAME ran, its table, or why it is missing
@@ -190,6 +221,19 @@ gpu_name=$(nvidia-smi -i "$gpu" --query-gpu=name,driver_version,power.limit,cloc
         "Each sparse run alternates with a dense one; the median of runs timed one at a time."
     section "Peers in one process on the exported masks, forward" peers-forward
     section "Peers in one process on the exported masks, backward" peers-backward
+    if [ "$shapes" = 1 ]; then
+        section "Grouped K/V heads (H=32, Hkv=8)" bench-gqa
+        section "Equal heads (H=32), the same work" bench-gqa-equal
+        section "Four packed sequences of 8190 tokens" bench-varlen
+        section "A batch of four 8190-token sequences, the same work" bench-varlen-batch
+        section "Block-causal" bench-causal "Rates count the attendable (query, key) pairs only."
+        section "Block-causal backward on the tensor cores (experimental=on)" bench-causal-experimental
+        section "Head dim 96 on the tensor cores (experimental=on)" bench-d96-experimental
+        section "Head dim 256, forward on the tensor cores (experimental=on)" bench-d256-experimental
+        section "Causal 95 % against FlexAttention on the same causal block mask" peers-causal
+        section "Dense forward at D=64 against cuDNN" peers-dense-d64
+        section "Dense forward at D=256 against cuDNN" peers-dense-d256
+    fi
     if [ ${#failed[@]} -gt 0 ]; then
         echo
         echo "## Failed commands"
