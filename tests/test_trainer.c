@@ -620,7 +620,7 @@ static double *feature_rows(char dist, uint64_t first, int count)
 static void test_frechet_distance(void **state)
 {
     (void)state;
-    /* Jacobi: A v = λ v and orthonormal vectors on a random symmetric matrix */
+    /* LAPACK's dsyevd: A v = λ v, orthonormal vectors and ascending values on a random symmetric matrix */
     enum { N = 9 };
     double a[N * N], work[N * N], values[N], vectors[N * N];
     uint64_t s = 5;
@@ -628,7 +628,9 @@ static void test_frechet_distance(void **state)
         for (int j = 0; j <= i; j++)
             a[i * N + j] = a[j * N + i] = tr_normal(&s);
     memcpy(work, a, sizeof a);
-    tr_symmetric_eigen(work, N, values, vectors);
+    assert_int_equal(tr_symmetric_eigen(work, N, values, vectors), 0);
+    for (int k = 0; k + 1 < N; k++)
+        assert_true(values[k] <= values[k + 1]);
     for (int k = 0; k < N; k++)
         for (int i = 0; i < N; i++) {
             double av = 0, dot = 0;
