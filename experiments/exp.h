@@ -118,12 +118,15 @@ typedef struct {
     exp_st_tensor *tensors;
     uint64_t data_start; /* file offset of the data section */
     char path[512];
+    char *metadata; /* the __metadata__ object's JSON text, or NULL */
 } exp_st_file;
 
 /* Parse the header. Returns 0, or -1 with a message in err. */
 int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len);
 void exp_st_close(exp_st_file *f);
 const exp_st_tensor *exp_st_find(const exp_st_file *f, const char *name);
+/* The string value of key in the file's __metadata__ into out. Returns 0, or -1 when there is none. */
+int exp_st_metadata(const exp_st_file *f, const char *key, char *out, size_t cap);
 /* Read a tensor converted to f32 (malloc'd). Returns NULL with a message in err. */
 float *exp_st_read_f32(const exp_st_file *f, const exp_st_tensor *t, char *err, size_t err_len);
 /* Write n tensors, each 4-D or less, stored as dtype (f32 data converted). */
