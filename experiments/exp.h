@@ -209,6 +209,32 @@ int exp_equal_sparsity_rules(exp_session *s, double topk, double hybrid_k, exp_r
 /* Fills the session's per-row statistics (row_count, row_mass, row_err, row_ref_l1) for its mask. Returns 0 / -1. */
 int exp_row_stats(exp_session *s);
 
+/* ---------------------------------------------------------------- statistics (exp_stats.c) */
+
+/* n values: their mean and sample standard deviation (n − 1 denominator; NaN for n < 2). */
+typedef struct {
+    int n;
+    double mean, sd;
+} exp_summary;
+void exp_summarize(const double *x, int n, exp_summary *out);
+
+/* The regularized incomplete beta function I_x(a, b) (a, b > 0, x clamped to [0, 1]). */
+double exp_incomplete_beta(double a, double b, double x);
+/* Student's t with df degrees of freedom: P(|T| >= |t|), and the q-quantile (0.5 < q < 1). */
+double exp_t_two_sided_p(double t, double df);
+double exp_t_quantile(double q, double df);
+
+typedef enum { EXP_TEST_NONE = 0, EXP_TEST_WELCH, EXP_TEST_ONE_SAMPLE } exp_test_kind;
+/* The difference of two means a − b with its confidence interval [lo, hi] at `level` (e.g. 0.95) and the two-sided
+ * p of t: Welch's t-test when both groups have two values or more (Welch–Satterthwaite degrees of freedom), the
+ * one-sample test of the larger group against the single value of the other when one has one value, nothing
+ * (kind NONE, NaNs) when neither has two. */
+typedef struct {
+    exp_test_kind kind;
+    double diff, lo, hi, t, df, p;
+} exp_test;
+void exp_welch(const exp_summary *a, const exp_summary *b, double level, exp_test *out);
+
 /* ---------------------------------------------------------------- command line */
 
 /* An option is a row of a table: its name, what its value is, where the value goes and a line of help. Every
@@ -325,6 +351,8 @@ typedef struct exp_driver {
     int nfamilies;  /* the default --families: the first n of uniform,sink,video (0: all three) */
     int64_t tokens; /* the default --tokens (0: the generators') */
     int equal;      /* compares the rules at equal sparsity */
+    int own_only;   /* takes its own options and only --csv, --md, --quiet of the common ones (no synthetic inputs:
+                     * a driver of this kind does its work in run) */
     int (*run)(exp_opts *o);
     int (*each)(exp_opts *o, exp_input *in);
     int (*done)(exp_opts *o);
