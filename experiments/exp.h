@@ -74,6 +74,9 @@ typedef struct {
     int64_t B, H, N, D;
     float *q, *k, *v;
     char label[96];
+    /* the input's name in tables and plots: the family's, "uniform+hubs" where the uniform family has its hub rows
+     * (experiments/README.md), "file" for --input */
+    char name[32];
     /* with a sink overlay: requested sink share of each pooled row [B*H*Nqb],
      * negative for rows left without the overlay (NULL without sinks) */
     double *sink_share;

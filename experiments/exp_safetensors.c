@@ -494,6 +494,7 @@ int exp_load_qkv(const char *path, const char *const names[3], int bnhd, exp_qkv
         }
         const char *base = strrchr(path, '/');
         snprintf(x->label, sizeof x->label, "file %s", base ? base + 1 : path);
+        snprintf(x->name, sizeof x->name, "file");
     }
     for (int i = 0; i < 3; i++)
         free(raw[i]);

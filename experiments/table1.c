@@ -72,7 +72,7 @@ static int each(exp_opts *o, exp_input *in)
         exp_progress(o, "  %-6s k=%.4f p=%.4f sparsity %.4f rel.L1 %.4f", rule_name[rule], pt->k, pt->p, pt->sparsity,
                      pt->rel_l1);
         if (o->csv)
-            fprintf(o->csv, "%s,%llu,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.4f\n", exp_family_name(in->family),
+            fprintf(o->csv, "%s,%llu,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.4f\n", in->x.name,
                     (unsigned long long)in->g.seed, rule_name[rule], pt->k, pt->p, (long long)pt->kept, pt->sparsity,
                     pt->token_density, pt->mean_row_mass, pt->rel_l1, pt->rel_l2, paper_value(in->family, rule));
     }
