@@ -81,6 +81,16 @@ out:
     return rc;
 }
 
+/* The Top-k count of fraction k in a row of nkb blocks (docs/DESIGN.md §1: floor(k·Nkb + 1e-6), at least 1 when
+ * k > 0, at most Nkb). */
+static int64_t count_of(double k, int64_t nkb)
+{
+    if (k <= 0.0)
+        return 0;
+    int64_t n = (int64_t)floor(k * (double)nkb + 1e-6);
+    return n < 1 ? 1 : n > nkb ? nkb : n;
+}
+
 /* Total kept block pairs over every entry at (k, p); -1 on error. */
 static int64_t kept_total(entry *e, int n, double k, double p)
 {
@@ -283,8 +293,7 @@ static int run(exp_opts *o)
     /* the arms: Top-k's count per row sets the kept total the calibrated p's match */
     int64_t target = 0;
     for (int i = 0; i < n; i++) {
-        int64_t per = (int64_t)floor(arm_topk * (double)e[i].s.Nkb + 1e-6);
-        target += e[i].s.rows * (per < 1 ? 1 : per);
+        target += e[i].s.rows * count_of(arm_topk, e[i].s.Nkb);
     }
     double p_topp = arm_topp, k_h = arm_hybrid[0], p_h = arm_hybrid[1];
     int cal_topp = p_topp == 0.0, cal_hyb = p_h == 0.0;
@@ -330,8 +339,7 @@ static int run(exp_opts *o)
         if (exp_select(s, 0.0, p_h) < 0 ||
             exp_check(sparge_mask_get_csr(s->mask, alone.count, NULL, NULL, NULL), "sparge_mask_get_csr"))
             goto out;
-        int64_t n_topk = (int64_t)floor(arm_topk * (double)s->Nkb + 1e-6), n_h = (int64_t)floor(k_h * s->Nkb + 1e-6);
-        n_topk = n_topk < 1 ? 1 : n_topk;
+        int64_t n_topk = count_of(arm_topk, s->Nkb), n_h = count_of(k_h, s->Nkb);
         if (masks_out && e[i].t == mtime && mask_head < s->x->H && mask_batch < s->x->B)
             write_masks(&e[i], arms);
         for (int h = 0; h < s->x->H; h++) {
@@ -413,7 +421,7 @@ static int run(exp_opts *o)
     /* Markdown */
     FILE *md = o->md;
     const exp_session *s0 = &e[0].s;
-    int64_t n0 = (int64_t)floor(arm_topk * (double)s0->Nkb + 1e-6), nh0 = (int64_t)floor(k_h * s0->Nkb + 1e-6);
+    int64_t n0 = count_of(arm_topk, s0->Nkb), nh0 = count_of(k_h, s0->Nkb);
     fprintf(md, "Inputs: %d files of `%s` (%d layers × %d times), %lld×%lld block map per head (blocks %d×%d), "
                 "%lld heads, batch %lld.\n\n",
             n, dump_dir, nl, nt, (long long)s0->Nqb, (long long)s0->Nkb, e[0].block_q, e[0].block_k,
