@@ -118,13 +118,15 @@ tag="commit=$commit" # every run's log records it with its whole configuration
 # ---------------------------------------------------------------- runs
 
 # evaluate FILE TABLE ARM SEED KEY=VALUE...: one mode=eval row of the model, prefixed with its labels.
-# Every model is evaluated with the same held-out inputs (seed=0), whatever seed it was trained with.
+# Every model is evaluated with the same held-out inputs (seed=0), whatever seed it was trained with; the velocity
+# error is to the teacher where there is one (with --tables-only, for the null model, there may be none).
 evaluate() {
-    local file=$1 table=$2 arm=$3 seed=$4
+    local file=$1 table=$2 arm=$3 seed=$4 teacher=()
     shift 4
+    [ ! -f "$runs/teacher.safetensors" ] || teacher=(teacher="$runs/teacher.safetensors")
     # shellcheck disable=SC2086
     "$train" "$cfg" "${overrides[@]}" mode=eval device="$device" device_ops="$device_ops" seed=0 tag="$tag" \
-        teacher="$runs/teacher.safetensors" $eval_keys "$@" \
+        "${teacher[@]}" $eval_keys "$@" \
         >"$file.tmp" 2>"$file.err" || { echo "train.sh: evaluation failed ($file.err):" >&2; cat "$file.err" >&2; return 1; }
     { echo "table,arm,seed,$(sed -n 1p "$file.tmp")"; echo "$table,$arm,$seed,$(sed -n 2p "$file.tmp")"; } >"$file"
     rm -f "$file.tmp" "$file.err"
