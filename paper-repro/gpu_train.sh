@@ -23,7 +23,7 @@
 #   gpu_train.sh tables --state DIR [--out DIR]     (here) tables, statistics and plots of what is done
 #                                                   (default paper-repro/results/gpu)
 # Plan options, fixed at the first call on a state (DIR/plan.env): --teachers N (3) --seeds N (3)
-#   --sparsities LIST (0.95,0.9,0.8) --ft-steps N (1000) --min-steps N (8000) --max-steps N (60000)
+#   --sparsities LIST (0.95,0.9,0.8) --ft-steps N (1000) --min-steps N (8000) --max-steps N (30000)
 #   --window N (4000) --tol X (0.01)
 # A rehearsal on the CPU (paper-repro/README.md) replaces the machine's parts through the environment:
 #   GPU_TRAIN_CONFIG (gpu.cfg), GPU_TRAIN_DEVICE (cuda-generic:0), GPU_TRAIN_BINDIR (a build's experiments/ folder:
@@ -70,7 +70,7 @@ if [ ! -f "$state/plan.env" ]; then
         echo "sparsities=${plan_opt[sparsities]:-0.95,0.9,0.8}"
         echo "ft_steps=${plan_opt[ft-steps]:-1000}"
         echo "min_steps=${plan_opt[min-steps]:-8000}"
-        echo "max_steps=${plan_opt[max-steps]:-60000}"
+        echo "max_steps=${plan_opt[max-steps]:-30000}"
         echo "window=${plan_opt[window]:-4000}"
         echo "tol=${plan_opt[tol]:-0.01}"
     } >"$state/plan.env"
