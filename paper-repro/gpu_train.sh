@@ -27,7 +27,7 @@
 #   --window N (4000) --tol X (0.01)
 # A rehearsal on the CPU (paper-repro/README.md) replaces the machine's parts through the environment:
 #   GPU_TRAIN_CONFIG (gpu.cfg), GPU_TRAIN_DEVICE (cuda-generic:0), GPU_TRAIN_BINDIR (a build's experiments/ folder:
-#   no build), GPU_TRAIN_EVAL_KEYS, GPU_TRAIN_HELDOUT_KEYS, GPU_TRAIN_FT_KEYS (the sparge-train keys of evaluations,
+#   no build), GPU_TRAIN_CONFIGURE_FLAGS (the build's configure flags), GPU_TRAIN_EVAL_KEYS, GPU_TRAIN_HELDOUT_KEYS, GPU_TRAIN_FT_KEYS (the sparge-train keys of evaluations,
 #   held-out losses and fine-tunings), GPU_TRAIN_GUESS (seconds: the first estimate of every kind of job, before
 #   one has been timed).
 set -euo pipefail
@@ -252,7 +252,8 @@ build() {
         expdir=$GPU_TRAIN_BINDIR train=$GPU_TRAIN_BINDIR/trainer/sparge-train
         return 0
     fi
-    local bdir=$here/.build-gpu flags="--with-cuda --with-cuda-arch=90 --without-hip --with-blas" t0 stamp
+    local bdir=$here/.build-gpu flags=${GPU_TRAIN_CONFIGURE_FLAGS:-"--with-cuda --with-cuda-arch=90 --without-hip --with-blas"}
+    local t0 stamp
     t0=$(date +%s)
     if [ -n "$debs" ]; then # libraries the machine lacks, unpacked from .deb files (the CBLAS and LAPACKE, say)
         local p=/tmp/gpu-deps d
@@ -264,12 +265,12 @@ build() {
         export LD_LIBRARY_PATH=$p/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     fi
     export PATH=/usr/local/cuda/bin:$PATH
-    if [ ! -x "$top/configure" ]; then # generated files of the staging checkout, newer than their sources
-        tar -xzf "$state/autotools.tar.gz" -C "$top"
-        touch "$top/aclocal.m4"; sleep 1; touch "$top/configure" "$top/config.h.in"; sleep 1; touch "$top/Makefile.in"
-    fi
     stamp="$(cat "$state/commit.txt" 2>/dev/null) $flags"
     if [ ! -f "$bdir/.stamp" ] || [ "$(cat "$bdir/.stamp")" != "$stamp" ]; then
+        # the generated files of the staging checkout (this machine has no libtool for autoreconf), newer than
+        # their sources so that make does not try to regenerate them
+        tar -xzf "$state/autotools.tar.gz" -C "$top"
+        touch "$top/aclocal.m4"; sleep 1; touch "$top/configure" "$top/config.h.in"; sleep 1; touch "$top/Makefile.in"
         rm -rf "$bdir"
         mkdir -p "$bdir"
         # shellcheck disable=SC2086
