@@ -180,8 +180,11 @@ status() {
 
 # ---------------------------------------------------------------- stage (here)
 
-small_files() { # files of the state under 1 MiB, relative paths
-    (cd "$state" && find . -type f -size -1024k | sed 's|^\./||' | grep -v '^autotools.tar.gz$' | sort)
+# The state's files other than its large checkpoint files (relative paths): they travel in one archive; a checkpoint
+# file of 1 MiB or more travels as a file of its own.
+small_files() {
+    (cd "$state" && find . -type f ! \( -name '*.safetensors' -size +1023k \) ! -name autotools.tar.gz |
+        sed 's|^\./||' | sort)
 }
 
 stage() {
