@@ -203,7 +203,8 @@ static int common_options(exp_opts *o, exp_opt *t)
 static int all_options(exp_opts *o, exp_opt *t)
 {
     const exp_driver *d = o->driver;
-    memcpy(t, d->own, sizeof(exp_opt) * (size_t)d->nown);
+    if (d->nown) /* a driver without options of its own may leave own NULL */
+        memcpy(t, d->own, sizeof(exp_opt) * (size_t)d->nown);
     return d->nown + common_options(o, t + d->nown);
 }
 
