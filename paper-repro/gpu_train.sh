@@ -376,7 +376,8 @@ prep_job() { # I S
         target_sparsity="$s" attn=topp | sed -n 2p | cut -d, -f1)
     p_hyb=$(run_train "$log" mode=calibrate seed=0 init="$fin" eval_batches=2 calib_iters=20 batch=8 \
         target_sparsity="$s" attn=hybrid topk="$hybrid_k" | sed -n 2p | cut -d, -f1)
-    echo "$s,$p_topp,$hybrid_k,$p_hyb" >>"$d/calibration.csv"
+    { grep -v "^$s," "$d/calibration.csv" 2>/dev/null || true; echo "$s,$p_topp,$hybrid_k,$p_hyb"; } >"$d/calibration.new"
+    mv "$d/calibration.new" "$d/calibration.csv" # a repeated prep (after a failure) replaces its line
     evaluate "$state/results/$(job_id "prep:$i:$s").eval.csv" table6 "$ARM_FREE" 0 "$i" "$s" init="$fin" teacher="$fin" \
         attn=hybrid topk="$hybrid_k" topp="$p_hyb"
 }
