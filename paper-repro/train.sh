@@ -274,7 +274,7 @@ Top-p values were calibrated on the teacher so each rule starts at $target_spars
 column is what each model reaches after fine-tuning. Whether this teacher's attention lets the arms differ at all:
 discrim.md."
     stats_table6 "$out/table6.csv" "$f"
-    column_of "$out/table6.csv" arm velocity_rel_l2 frechet | sed 1d | grep -v "^$ARM_NULL," | means >"$out/table6.dat"
+    column_of "$out/table6.csv" arm velocity_rel_l2 frechet | grep -v "^$ARM_NULL," | means >"$out/table6.dat"
     plot train_table6.gp "$out/table6.png" "dat='$out/table6.dat'"
 }
 
