@@ -24,8 +24,8 @@ SANITY=(--sanity frechet:frechet_floor:log --sanity class_accuracy:ref_class_acc
 
 # The paper's statements, written at the top of each table's Markdown.
 PAPER_T3="Paper (Table 3, Wan2.1-1.3B, VBench): fine-tuning *full* attention with the diffusion loss on data unlike the
-pretraining data lowers the pretrained model's quality on every VBench score it reports. Our metrics are not VBench's
-and this repository holds no transcription of the paper's Table 3 values, so the comparison is by direction only.
+pretraining data lowers the pretrained model's generation quality. Our metrics are not VBench's and this repository
+holds no transcription of the paper's Table 3 values, so the comparison is by direction only.
 Here: the teacher trained on A, fine-tuned on B (blurred, noisy, colour-shifted, jerky), evaluated against A; the
 control arm (not in the paper) fine-tunes on A itself."
 PAPER_T6="Paper (Table 6, Wan2.1-1.3B at ≈ 95 % sparsity, VBench): the hybrid mask beats Top-k only and Top-p only,
