@@ -26,7 +26,6 @@ static const char md_header[] = "Paper operating points (each at its own sparsit
 
 static int each(exp_opts *o, exp_input *in)
 {
-    exp_family f = in->family;
     exp_session *s = &in->s;
     const exp_qkv *x = &in->x;
     for (int a = 0; a < EXP_RULES; a++) {
@@ -37,7 +36,7 @@ static int each(exp_opts *o, exp_input *in)
         fprintf(o->md, "| %s | %s | %.2f | %.2f | %.2f %% | %.3f | %.4f | %.4f |\n", x->label, ru->name, ru->k,
                 ru->p, 100.0 * pt.sparsity, pt.mean_row_mass, pt.rel_l1, pt.rel_l2);
         if (o->csv)
-            fprintf(o->csv, "%s,paper-arm,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f\n", exp_family_name(f),
+            fprintf(o->csv, "%s,paper-arm,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f\n", x->name,
                     ru->name, ru->k, ru->p, (long long)pt.kept, pt.sparsity, pt.token_density, pt.mean_row_mass,
                     pt.rel_l1, pt.rel_l2);
     }
@@ -64,7 +63,7 @@ static int each(exp_opts *o, exp_input *in)
             mean_err[r] += pt[r].rel_l1;
             b = pt[r].rel_l1 < pt[b].rel_l1 ? r : b;
             if (o->csv)
-                fprintf(o->csv, "%s,sweep,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f\n", exp_family_name(f),
+                fprintf(o->csv, "%s,sweep,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f\n", x->name,
                         names[r], pt[r].k, pt[r].p, (long long)pt[r].kept, pt[r].sparsity, pt[r].token_density,
                         pt[r].mean_row_mass, pt[r].rel_l1, pt[r].rel_l2);
         }

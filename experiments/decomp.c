@@ -165,7 +165,7 @@ static int each(exp_opts *o, exp_input *in)
                 a.n++;
                 if (tokens)
                     fprintf(tokens, "%s,%s,%lld,%lld,%.6f,%.6f,%.6e,%.6e,%.3e,%.6e,%.6e,%.6e\n",
-                            exp_family_name(in->family), rules[rule].name, (long long)bh, (long long)t, alpha,
+                            x->name, rules[rule].name, (long long)bh, (long long)t, alpha,
                             row_mass[r], me, pr, re, dropped_l1, renorm_l1, o_l1);
             }
         double nn = (double)a.n;
@@ -174,7 +174,7 @@ static int each(exp_opts *o, exp_input *in)
                 a.pred / a.o, a.resid / a.meas, a.resid_max, a.dropped / a.o, a.renorm / a.o);
         if (o->csv)
             fprintf(o->csv, "%s,%s,%.6f,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.3e,%.3e,%.6f,%.6f\n",
-                    exp_family_name(in->family), rules[rule].name, rules[rule].k, rules[rule].p, pt.sparsity,
+                    x->name, rules[rule].name, rules[rule].k, rules[rule].p, pt.sparsity,
                     (long long)a.n, a.alpha / nn, a.pooled / nn, a.meas / a.o, a.pred / a.o, a.resid / a.meas,
                     a.resid_max, a.dropped / a.o, a.renorm / a.o);
         exp_progress(o, "  %-6s α %.3f (pooled %.3f)  measured %.4f predicted %.4f residual %.1e",

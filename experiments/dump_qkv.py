@@ -22,10 +22,13 @@ Recipe for Wan2.1-T2V-1.3B with diffusers (self-attention is `blocks.<i>.attn1`)
     # then: experiments/exp_table1 --input dumps/blocks.15.attn1-call0.safetensors
 
 At 480p the self-attention sees N = 21*30*52 = 32760 tokens, 12 heads of D = 128.
-Self-test without any model download: `python3 dump_qkv.py --demo OUT_DIR`.
+Self-test without any model download: `python3 dump_qkv.py --demo OUT_DIR`
+(run with Debian's python3-torch 1.13 on the CPU: it writes two files that
+`exp_gen --input` and `exp_table1 --input` read; paper-repro/README.md).
 
-This script was written without PyTorch on the machine it was committed from:
-the demo is the check to run first on a machine that has it.
+Where it runs: on a machine with the model's weights and PyTorch. The lent GPU
+machine has no network (no model download) and a call carries at most 64 MiB
+(Wan2.1-1.3B's weights alone are ~2.6 GiB in bf16), so it cannot run there.
 """
 import argparse
 import contextlib
@@ -129,7 +132,17 @@ class _DemoAttention(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, n, c))
 
 
+def _reference_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """softmax(Q Kᵀ · scale) V, what torch >= 2.0 provides as F.scaled_dot_product_attention (no mask, no dropout)."""
+    if attn_mask is not None or dropout_p or is_causal:
+        raise NotImplementedError("the demo's stand-in attention takes no mask, dropout or causal flag")
+    s = query.shape[-1] ** -0.5 if scale is None else scale
+    return torch.softmax(query @ key.transpose(-2, -1) * s, dim=-1) @ value
+
+
 def _demo(out_dir):
+    if not hasattr(F, "scaled_dot_product_attention"):  # torch < 2.0: the demo brings the function the hooks wrap
+        F.scaled_dot_product_attention = _reference_sdpa
     torch.manual_seed(0)
     model = torch.nn.Sequential(_DemoAttention(), torch.nn.GELU(), _DemoAttention())
     x = torch.randn(1, 300, 128)

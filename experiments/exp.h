@@ -74,6 +74,9 @@ typedef struct {
     int64_t B, H, N, D;
     float *q, *k, *v;
     char label[96];
+    /* the input's name in tables and plots: the family's, "uniform+hubs" where the uniform family has its hub rows
+     * (experiments/README.md), "file" for --input */
+    char name[32];
     /* with a sink overlay: requested sink share of each pooled row [B*H*Nqb],
      * negative for rows left without the overlay (NULL without sinks) */
     double *sink_share;
@@ -118,12 +121,15 @@ typedef struct {
     exp_st_tensor *tensors;
     uint64_t data_start; /* file offset of the data section */
     char path[512];
+    char *metadata; /* the __metadata__ object's JSON text, or NULL */
 } exp_st_file;
 
 /* Parse the header. Returns 0, or -1 with a message in err. */
 int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len);
 void exp_st_close(exp_st_file *f);
 const exp_st_tensor *exp_st_find(const exp_st_file *f, const char *name);
+/* The string value of key in the file's __metadata__ into out. Returns 0, or -1 when there is none. */
+int exp_st_metadata(const exp_st_file *f, const char *key, char *out, size_t cap);
 /* Read a tensor converted to f32 (malloc'd). Returns NULL with a message in err. */
 float *exp_st_read_f32(const exp_st_file *f, const exp_st_tensor *t, char *err, size_t err_len);
 /* Write n tensors, each 4-D or less, stored as dtype (f32 data converted). */
@@ -205,6 +211,32 @@ int exp_equal_sparsity_rules(exp_session *s, double topk, double hybrid_k, exp_r
 
 /* Fills the session's per-row statistics (row_count, row_mass, row_err, row_ref_l1) for its mask. Returns 0 / -1. */
 int exp_row_stats(exp_session *s);
+
+/* ---------------------------------------------------------------- statistics (exp_stats.c) */
+
+/* n values: their mean and sample standard deviation (n − 1 denominator; NaN for n < 2). */
+typedef struct {
+    int n;
+    double mean, sd;
+} exp_summary;
+void exp_summarize(const double *x, int n, exp_summary *out);
+
+/* The regularized incomplete beta function I_x(a, b) (a, b > 0, x clamped to [0, 1]). */
+double exp_incomplete_beta(double a, double b, double x);
+/* Student's t with df degrees of freedom: P(|T| >= |t|), and the q-quantile (0.5 < q < 1). */
+double exp_t_two_sided_p(double t, double df);
+double exp_t_quantile(double q, double df);
+
+typedef enum { EXP_TEST_NONE = 0, EXP_TEST_WELCH, EXP_TEST_ONE_SAMPLE } exp_test_kind;
+/* The difference of two means a − b with its confidence interval [lo, hi] at `level` (e.g. 0.95) and the two-sided
+ * p of t: Welch's t-test when both groups have two values or more (Welch–Satterthwaite degrees of freedom), the
+ * one-sample test of the larger group against the single value of the other when one has one value, nothing
+ * (kind NONE, NaNs) when neither has two. */
+typedef struct {
+    exp_test_kind kind;
+    double diff, lo, hi, t, df, p;
+} exp_test;
+void exp_welch(const exp_summary *a, const exp_summary *b, double level, exp_test *out);
 
 /* ---------------------------------------------------------------- command line */
 
@@ -322,6 +354,8 @@ typedef struct exp_driver {
     int nfamilies;  /* the default --families: the first n of uniform,sink,video (0: all three) */
     int64_t tokens; /* the default --tokens (0: the generators') */
     int equal;      /* compares the rules at equal sparsity */
+    int own_only;   /* takes its own options and only --csv, --md, --quiet of the common ones (no synthetic inputs:
+                     * a driver of this kind does its work in run) */
     int (*run)(exp_opts *o);
     int (*each)(exp_opts *o, exp_input *in);
     int (*done)(exp_opts *o);

@@ -428,11 +428,13 @@ int exp_generate(const exp_gen_params *p, exp_qkv *out)
         exp_qkv_free(out);
         return -1;
     }
+    snprintf(out->name, sizeof out->name, "%s",
+             g.family == EXP_UNIFORM && g.sink_blocks > 0 ? "uniform+hubs" : exp_family_name(g.family));
     if (g.family == EXP_VIDEO)
         snprintf(out->label, sizeof out->label, "video %dx%dx%d%s", g.grid_t, g.grid_h, g.grid_w,
                  g.sink_blocks ? " + sinks" : "");
     else
-        snprintf(out->label, sizeof out->label, "%s N=%lld", exp_family_name(g.family), (long long)g.N);
+        snprintf(out->label, sizeof out->label, "%s N=%lld", out->name, (long long)g.N);
     return 0;
 }
 

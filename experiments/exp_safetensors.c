@@ -180,7 +180,34 @@ static size_t dtype_bytes(const char *d)
 void exp_st_close(exp_st_file *f)
 {
     free(f->tensors);
+    free(f->metadata);
     memset(f, 0, sizeof *f);
+}
+
+int exp_st_metadata(const exp_st_file *f, const char *key, char *out, size_t cap)
+{
+    if (!f->metadata)
+        return -1;
+    js j = {f->metadata, f->metadata + strlen(f->metadata)};
+    if (expect(&j, '{'))
+        return -1;
+    ws(&j);
+    if (j.p < j.end && *j.p == '}')
+        return -1;
+    for (;;) {
+        char name[128];
+        if (str(&j, name, sizeof name) || expect(&j, ':'))
+            return -1;
+        ws(&j);
+        if (!strcmp(name, key) && j.p < j.end && *j.p == '"')
+            return str(&j, out, cap);
+        if (skip_value(&j, 1))
+            return -1;
+        ws(&j);
+        if (j.p >= j.end || *j.p != ',')
+            return -1;
+        j.p++;
+    }
 }
 
 int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
@@ -231,8 +258,17 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
             if (str(&j, name, sizeof name) || expect(&j, ':'))
                 goto bad;
             if (!strcmp(name, "__metadata__")) {
+                ws(&j);
+                const char *from = j.p;
                 if (skip_value(&j, 1))
                     goto bad;
+                free(f->metadata);
+                if (!(f->metadata = malloc((size_t)(j.p - from) + 1))) {
+                    exp_fail(err, err_len, "%s: out of memory", path);
+                    goto out;
+                }
+                memcpy(f->metadata, from, (size_t)(j.p - from));
+                f->metadata[j.p - from] = 0;
             } else {
                 if (f->count == cap) {
                     cap = cap ? 2 * cap : 8;
@@ -458,6 +494,7 @@ int exp_load_qkv(const char *path, const char *const names[3], int bnhd, exp_qkv
         }
         const char *base = strrchr(path, '/');
         snprintf(x->label, sizeof x->label, "file %s", base ? base + 1 : path);
+        snprintf(x->name, sizeof x->name, "file");
     }
     for (int i = 0; i < 3; i++)
         free(raw[i]);

@@ -186,6 +186,13 @@ static int common_options(exp_opts *o, exp_opt *t)
          .excl = EXP_EXCL_MIN},
         {EXP_DBL("--hybrid-k", &o->hybrid_k, "K", 0.0, 1.0, "the hybrid's k there (its p is calibrated)")},
     };
+    if (o->driver->own_only) { /* outputs and --quiet only: the rest is about the synthetic families */
+        int n = 0;
+        for (int i = 0; i < EXP_COUNT(c); i++)
+            if (!strcmp(c[i].name, "--csv") || !strcmp(c[i].name, "--md") || !strcmp(c[i].name, "--quiet"))
+                t[n++] = c[i];
+        return n;
+    }
     memcpy(t, c, sizeof c);
     if (o->driver->equal)
         memcpy(t + EXP_COUNT(c), equal, sizeof equal);
@@ -196,7 +203,8 @@ static int common_options(exp_opts *o, exp_opt *t)
 static int all_options(exp_opts *o, exp_opt *t)
 {
     const exp_driver *d = o->driver;
-    memcpy(t, d->own, sizeof(exp_opt) * (size_t)d->nown);
+    if (d->nown) /* a driver without options of its own may leave own NULL */
+        memcpy(t, d->own, sizeof(exp_opt) * (size_t)d->nown);
     return d->nown + common_options(o, t + d->nown);
 }
 
@@ -415,7 +423,7 @@ void exp_usage(FILE *out, exp_opts *o)
         fprintf(out, "options of %s:\n", d->name);
         usage_lines(out, t, d->nown);
     }
-    fprintf(out, "common options (synthetic families: experiments/README.md):\n");
+    fprintf(out, d->own_only ? "output options:\n" : "common options (synthetic families: experiments/README.md):\n");
     usage_lines(out, t + d->nown, n - d->nown);
     fprintf(out, "  %-*s %s\n", NAME_WIDTH, "--help", "this text");
     if (d->ignores)

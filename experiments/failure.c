@@ -123,7 +123,7 @@ static int each(exp_opts *o, exp_input *in)
                 ke.err_num[slot] += err[r] * s->row_ref_l1[r];
                 ke.err_den[slot] += s->row_ref_l1[r];
                 if (rows)
-                    fprintf(rows, "%s,%s,%s,%lld,%lld,%s,%.4f,%d,%.6f,%.6f\n", exp_family_name(f), sname,
+                    fprintf(rows, "%s,%s,%s,%lld,%lld,%s,%.4f,%d,%.6f,%.6f\n", x->name, sname,
                             ru->name, (long long)(r / s->Nqb), (long long)(r % s->Nqb), kind,
                             x->sink_share ? x->sink_share[r] : -1.0, counts[r], mass[r], err[r]);
             }
@@ -138,7 +138,7 @@ static int each(exp_opts *o, exp_input *in)
                     100.0 * (double)ones / (double)s->rows, pt.rel_l1, kinds);
             if (o->csv)
                 fprintf(o->csv, "%s,%s,%s,%.6f,%.6f,%.6f,%.4f,%d,%d,%.6f,%.6f,%.6f,%.6f,%s,%.6f,%s,%.6f\n",
-                        exp_family_name(f), sname, ru->name, ru->k, ru->p, pt.sparsity, bmean, bmin, bmax, mmean,
+                        x->name, sname, ru->name, ru->k, ru->p, pt.sparsity, bmean, bmin, bmax, mmean,
                         mmin, (double)ones / (double)s->rows, pt.rel_l1, ka, ea, *kb ? kb : "-", eb);
             exp_progress(o, "  %-14s %-6s sparsity %.4f kept mass %.3f rel.L1 %.4f", sname, ru->name,
                          pt.sparsity, mmean, pt.rel_l1);

@@ -26,8 +26,9 @@ typedef struct {
     exp_point pt[RULES];
 } result;
 
-/* "Top-p < hybrid < Top-k"; "≈" joins values within 0.5 % of each other. */
-static const char *ordering(const double *v, char *buf, size_t len)
+/* "Top-p < hybrid < Top-k"; "≈" joins values within 0.5 % of each other, or, where pval is given (the p of each pair of
+ * rules' test over seeds), neighbours whose difference is not significant (p ≥ 0.05). */
+static const char *ordering(const double *v, const double (*pval)[RULES], char *buf, size_t len)
 {
     int idx[RULES] = {0, 1, 2};
     for (int a = 0; a < RULES; a++)
@@ -39,7 +40,8 @@ static const char *ordering(const double *v, char *buf, size_t len)
             }
     const char *sep[2];
     for (int i = 0; i < 2; i++)
-        sep[i] = v[idx[i + 1]] - v[idx[i]] <= 0.005 * v[idx[i + 1]] ? "≈" : "<";
+        sep[i] = pval ? (pval[idx[i]][idx[i + 1]] < 0.05 ? "<" : "≈")
+                      : v[idx[i + 1]] - v[idx[i]] <= 0.005 * v[idx[i + 1]] ? "≈" : "<";
     snprintf(buf, len, "%s %s %s %s %s", rule_name[idx[0]], sep[0], rule_name[idx[1]], sep[1], rule_name[idx[2]]);
     return buf;
 }
@@ -72,7 +74,7 @@ static int each(exp_opts *o, exp_input *in)
         exp_progress(o, "  %-6s k=%.4f p=%.4f sparsity %.4f rel.L1 %.4f", rule_name[rule], pt->k, pt->p, pt->sparsity,
                      pt->rel_l1);
         if (o->csv)
-            fprintf(o->csv, "%s,%llu,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.4f\n", exp_family_name(in->family),
+            fprintf(o->csv, "%s,%llu,%s,%.6f,%.6f,%lld,%.6f,%.6f,%.6f,%.6f,%.6f,%.4f\n", in->x.name,
                     (unsigned long long)in->g.seed, rule_name[rule], pt->k, pt->p, (long long)pt->kept, pt->sparsity,
                     pt->token_density, pt->mean_row_mass, pt->rel_l1, pt->rel_l2, paper_value(in->family, rule));
     }
@@ -90,19 +92,18 @@ static int done(exp_opts *o)
                 for (int si = 0; si < o->seeds; si++)
                     mean[rule] += res[fi * o->seeds + si].pt[rule].rel_l1 / o->seeds;
             fprintf(md, "| %s | %s | %.2f %% | %.4f | %.4f | %.4f | %s |\n", label[fi], row_label,
-                    100.0 * sparsity_target[fi], mean[0], mean[1], mean[2], ordering(mean, a, sizeof a));
+                    100.0 * sparsity_target[fi], mean[0], mean[1], mean[2], ordering(mean, NULL, a, sizeof a));
         }
         free(res);
         return 0;
     }
     /* Relative L1 scales with the value model (experiments/README.md); the ratio to Top-k does not. */
     fprintf(md, "| input | rule | k | p | sparsity | kept pooled mass | rel. L1 (ours) | rel. L2 (ours) "
-                "| rel. L1 (paper) | ÷ Top-k (ours) | ÷ Top-k (paper) |\n"
+                "| rel. L1 (paper) | ÷ Top-k (ours, per seed) | ÷ Top-k (paper) |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int fi = 0; fi < o->nfamilies; fi++)
         for (int rule = 0; rule < RULES; rule++) {
             double l1 = 0.0, l2 = 0.0, lo = INFINITY, hi = -INFINITY, sp = 0.0, mass = 0.0, k = 0.0, p = 0.0;
-            double l1_topk = 0.0;
             for (int si = 0; si < o->seeds; si++) {
                 const exp_point *pt = &res[fi * o->seeds + si].pt[rule];
                 l1 += pt->rel_l1 / o->seeds;
@@ -113,7 +114,6 @@ static int done(exp_opts *o)
                 p += pt->p / o->seeds;
                 lo = pt->rel_l1 < lo ? pt->rel_l1 : lo;
                 hi = pt->rel_l1 > hi ? pt->rel_l1 : hi;
-                l1_topk += res[fi * o->seeds + si].pt[EXP_TOPK].rel_l1 / o->seeds;
             }
             double paper = paper_value((exp_family)o->families[fi], rule);
             char pbuf[16] = "—", pratio[16] = "—", spread[48] = "";
@@ -123,10 +123,23 @@ static int done(exp_opts *o)
             }
             if (o->seeds > 1)
                 snprintf(spread, sizeof spread, " (%.4f–%.4f)", lo, hi);
-            fprintf(md, "| %s | %s | %.4f | %.4f | %.2f %% | %.3f | %.4f%s | %.4f | %s | %.3f | %s |\n", label[fi],
-                    rule_name[rule], k, p, 100.0 * sp, mass, l1, spread, l2, pbuf, l1 / l1_topk, pratio);
+            /* the ratio to Top-k per seed (the rules see the same input): its mean ± std over seeds */
+            double ratio[1000];
+            for (int si = 0; si < o->seeds; si++)
+                ratio[si] = res[fi * o->seeds + si].pt[rule].rel_l1 / res[fi * o->seeds + si].pt[EXP_TOPK].rel_l1;
+            exp_summary rs;
+            exp_summarize(ratio, o->seeds, &rs);
+            char rbuf[48];
+            if (o->seeds > 1 && rule != EXP_TOPK)
+                snprintf(rbuf, sizeof rbuf, "%.3f ± %.3f", rs.mean, rs.sd);
+            else
+                snprintf(rbuf, sizeof rbuf, "%.3f", rule == EXP_TOPK ? 1.0 : rs.mean);
+            fprintf(md, "| %s | %s | %.4f | %.4f | %.2f %% | %.3f | %.4f%s | %.4f | %s | %s | %s |\n", label[fi],
+                    rule_name[rule], k, p, 100.0 * sp, mass, l1, spread, l2, pbuf, rbuf, pratio);
         }
-    fprintf(md, "\nOrderings by mean rel. L1 (lower is better):\n\n");
+    fprintf(md, "\nOrderings by mean rel. L1 (lower is better); ÷ Top-k is each seed's ratio to Top-k on the same input, "
+                "mean ± std over seeds. Each pair of rules is compared by a one-sample t-test of the per-seed log "
+                "ratio: \"<\" where p < 0.05, \"≈\" (within seed noise) otherwise; with one seed, no test.\n\n");
     for (int fi = 0; fi < o->nfamilies; fi++) {
         double ours[RULES] = {0}, paper[RULES];
         int wins[RULES] = {0};
@@ -142,12 +155,30 @@ static int done(exp_opts *o)
                 best = r->pt[rule].rel_l1 < r->pt[best].rel_l1 ? rule : best;
             wins[best]++;
         }
-        char a[64], b[64];
+        char a[64], b[64], tests[256] = "";
+        double pv[RULES][RULES] = {{0}};
+        static const int pairs[3][2] = {{EXP_TOPP, EXP_TOPK}, {EXP_HYBRID, EXP_TOPK}, {EXP_HYBRID, EXP_TOPP}};
+        for (int q = 0; q < 3 && o->seeds > 1; q++) {
+            double lr[1000];
+            for (int si = 0; si < o->seeds; si++) {
+                const result *r = &res[fi * o->seeds + si];
+                lr[si] = log(r->pt[pairs[q][0]].rel_l1 / r->pt[pairs[q][1]].rel_l1);
+            }
+            exp_summary ls, zero = {1, 0.0, NAN};
+            exp_summarize(lr, o->seeds, &ls);
+            exp_test t;
+            exp_welch(&ls, &zero, 0.95, &t);
+            const char *rel = !(t.p < 0.05) ? "≈" : ls.mean < 0 ? "<" : ">";
+            pv[pairs[q][0]][pairs[q][1]] = pv[pairs[q][1]][pairs[q][0]] = t.p;
+            snprintf(tests + strlen(tests), sizeof tests - strlen(tests), "%s%s %s %s (p = %.2g)", q ? "; " : "",
+                     rule_name[pairs[q][0]], rel, rule_name[pairs[q][1]], t.p);
+        }
         fprintf(md, "- %s at %.2f %% sparsity: ours %s", label[fi], 100.0 * sparsity_target[fi],
-                ordering(ours, a, sizeof a));
+                ordering(ours, o->seeds > 1 ? (const double(*)[RULES])pv : NULL, a, sizeof a));
         if (!isnan(paper[0]))
-            fprintf(md, "; paper %s", ordering(paper, b, sizeof b));
-        fprintf(md, " (best per seed: Top-k %d, Top-p %d, hybrid %d of %d)\n", wins[0], wins[1], wins[2], o->seeds);
+            fprintf(md, "; paper %s", ordering(paper, NULL, b, sizeof b));
+        fprintf(md, " (best per seed: Top-k %d, Top-p %d, hybrid %d of %d)%s%s\n", wins[0], wins[1], wins[2], o->seeds,
+                o->seeds > 1 ? ". Pairwise: " : "", tests);
     }
     free(res);
     return 0;

@@ -1,10 +1,19 @@
-# SPARGE_BLAS: --with-blas[=yes|no] (default: guess), CBLAS for the trainer's GEMMs
-# (experiments/trainer). OpenBLAS through pkg-config first (Debian: libopenblas-dev), then any
-# library that links cblas_sgemm with a <cblas.h> (BLIS's libblis-dev, the reference libblas-dev).
-# Sets BLAS_CFLAGS, BLAS_LIBS and the conditional HAVE_BLAS; the library itself never needs it.
+# SPARGE_BLAS: --with-blas[=yes|no] (default: guess), CBLAS and LAPACK for the trainer (experiments/trainer):
+# cblas_sgemm for its GEMMs, LAPACK's dsyevd for the matrix square roots of its Fréchet distance.
+# CBLAS: OpenBLAS through pkg-config first (Debian: libopenblas-dev), then any library that links cblas_sgemm
+# with a <cblas.h> (BLIS's libblis-dev, the reference libblas-dev).
+# LAPACK: LAPACKE_dsyevd with <lapacke.h>, from the CBLAS library itself (upstream OpenBLAS exports LAPACKE),
+# else from liblapacke (pkg-config lapacke, then -llapacke; Debian: liblapacke-dev); failing that, LAPACK's
+# Fortran dsyevd_ in the CBLAS library (every OpenBLAS build carries LAPACK, Debian's too), declared by the
+# trainer itself. The trainer is built only when both are found.
+# Sets BLAS_CFLAGS (with -DSPARGE_TRAINER_LAPACKE=1 when LAPACKE is used), BLAS_LIBS and the conditional
+# HAVE_BLAS; the library itself never needs them.
 AC_DEFUN([SPARGE_BLAS], [
-  AC_ARG_WITH([blas], [AS_HELP_STRING([--with-blas], [CBLAS for sparge-train, e.g. OpenBLAS (default: guess)])],
+  AC_ARG_WITH([blas], [AS_HELP_STRING([--with-blas], [CBLAS and LAPACK for sparge-train, e.g. OpenBLAS (default: guess)])],
               [], [with_blas=guess])
+  AC_ARG_WITH([lapacke], [AS_HELP_STRING([--without-lapacke],
+              [call LAPACK's Fortran dsyevd_ even where LAPACKE is found (tests that path)])],
+              [], [with_lapacke=guess])
   have_blas=no
   sparge_blas_summary=no
   AS_IF([test "x$with_blas" != xno], [
@@ -19,11 +28,53 @@ AC_DEFUN([SPARGE_BLAS], [
       LIBS=$sparge_blas_save_LIBS
     ])
   ])
+  AS_IF([test "x$have_blas" = xyes], [
+    sparge_lapack=no
+    sparge_blas_save_LIBS=$LIBS
+    sparge_blas_save_CPPFLAGS=$CPPFLAGS
+    AS_IF([test "x$with_lapacke" != xno], [
+      LIBS="$BLAS_LIBS $sparge_blas_save_LIBS"
+      AC_MSG_CHECKING([for LAPACKE_dsyevd in the CBLAS library])
+      AC_LINK_IFELSE([AC_LANG_CALL([], [LAPACKE_dsyevd])],
+                     [AC_MSG_RESULT([yes]); sparge_lapack=lapacke; sparge_lapack_libs=],
+                     [AC_MSG_RESULT([no])])
+      AS_IF([test "x$sparge_lapack" = xno], [
+        PKG_CHECK_MODULES([LAPACKE], [lapacke], [sparge_lapacke_pc=yes], [sparge_lapacke_pc=no])
+        AS_IF([test "x$sparge_lapacke_pc" = xyes],
+              [sparge_lapacke_try="$LAPACKE_LIBS"], [sparge_lapacke_try="-llapacke"; LAPACKE_CFLAGS=])
+        LIBS="$sparge_lapacke_try $BLAS_LIBS $sparge_blas_save_LIBS"
+        AC_MSG_CHECKING([for LAPACKE_dsyevd in $sparge_lapacke_try])
+        AC_LINK_IFELSE([AC_LANG_CALL([], [LAPACKE_dsyevd])],
+                       [AC_MSG_RESULT([yes]); sparge_lapack=lapacke; sparge_lapack_libs=$sparge_lapacke_try],
+                       [AC_MSG_RESULT([no])])
+      ])
+      AS_IF([test "x$sparge_lapack" = xlapacke], [
+        CPPFLAGS="$LAPACKE_CFLAGS $BLAS_CFLAGS $CPPFLAGS"
+        AC_CHECK_HEADER([lapacke.h], [], [sparge_lapack=no])
+        CPPFLAGS=$sparge_blas_save_CPPFLAGS
+      ])
+    ])
+    AS_IF([test "x$sparge_lapack" = xno], [
+      LIBS="$BLAS_LIBS $sparge_blas_save_LIBS"
+      AC_MSG_CHECKING([for LAPACK's Fortran dsyevd_ in the CBLAS library])
+      AC_LINK_IFELSE([AC_LANG_CALL([], [dsyevd_])],
+                     [AC_MSG_RESULT([yes]); sparge_lapack=fortran],
+                     [AC_MSG_RESULT([no])])
+    ])
+    LIBS=$sparge_blas_save_LIBS
+    AS_CASE([$sparge_lapack],
+      [lapacke], [BLAS_CFLAGS="$BLAS_CFLAGS $LAPACKE_CFLAGS -DSPARGE_TRAINER_LAPACKE=1"
+                  BLAS_LIBS="$sparge_lapack_libs $BLAS_LIBS"
+                  sparge_blas_summary="$sparge_blas_summary, LAPACKE (${sparge_lapack_libs:-in the CBLAS library})"],
+      [fortran], [sparge_blas_summary="$sparge_blas_summary, LAPACK dsyevd_ (Fortran interface)"],
+      [have_blas=no
+       sparge_blas_summary="no (CBLAS found, but no LAPACK dsyevd)"])
+  ])
   AS_IF([test "x$with_blas" = xyes && test "x$have_blas" = xno],
-        [AC_MSG_ERROR([--with-blas was given but no CBLAS was found (apt-get install libopenblas-dev)])])
+        [AC_MSG_ERROR([--with-blas was given but no CBLAS with LAPACK was found (apt-get install libopenblas-dev liblapacke-dev)])])
   AS_IF([test "x$have_blas" = xno && test "x$with_blas" = xno], [sparge_blas_summary="no (disabled)"],
         [test "x$have_blas" = xno],
-        [SPARGE_WARN([no CBLAS found: sparge-train and its test are not built (apt-get install libopenblas-dev)])])
+        [SPARGE_WARN([no CBLAS with LAPACK found: sparge-train and its tests are not built (apt-get install libopenblas-dev liblapacke-dev)])])
   AC_SUBST([BLAS_CFLAGS])
   AC_SUBST([BLAS_LIBS])
   AM_CONDITIONAL([HAVE_BLAS], [test "x$have_blas" = xyes])

@@ -1,7 +1,9 @@
 /* Tests of the experiment helpers (experiments/exp.h): the input generators'
  * statistics, the calibration to equal sparsity, the safetensors reader and
- * writer, the error decomposition the drivers report, and the drivers' option
- * parser and input loop. */
+ * writer, the error decomposition the drivers report, the drivers' option
+ * parser and input loop, the statistics, and the exp_stats and exp_discrim
+ * drivers (run from the build directory, as make check does). */
+#define _POSIX_C_SOURCE 200809L /* popen, mkdir */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -10,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -404,6 +407,11 @@ static void test_safetensors_handmade(void **state)
     exp_st_file f;
     assert_int_equal(exp_st_open(path, &f, err, sizeof err), 0);
     assert_int_equal(f.count, 1);
+    char value[16];
+    assert_int_equal(exp_st_metadata(&f, "format", value, sizeof value), 0);
+    assert_string_equal(value, "pt");
+    assert_int_equal(exp_st_metadata(&f, "nested", value, sizeof value), -1); /* not a string */
+    assert_int_equal(exp_st_metadata(&f, "absent", value, sizeof value), -1);
     float *x = exp_st_read_f32(&f, &f.tensors[0], err, sizeof err);
     assert_non_null(x);
     assert_true(x[0] == 1.0f && x[1] == -3.0f);
@@ -603,6 +611,16 @@ static void test_parse_refused(void **state)
     reset(&o, &plain);
     assert_int_equal(parse_line(&o, "--topk 0.1", err, sizeof err), -1);
     assert_non_null(strstr(err, "unknown option '--topk'"));
+    /* a driver of its own options takes only the outputs and --quiet of the common ones */
+    exp_driver own = test_driver;
+    own.own_only = 1;
+    reset(&o, &own);
+    assert_int_equal(parse_line(&o, "--int 2 --quiet --md /dev/null", err, sizeof err), 0);
+    assert_true(o.quiet && t_int == 2);
+    fclose(o.md);
+    reset(&o, &own);
+    assert_int_equal(parse_line(&o, "--tokens 5", err, sizeof err), -1);
+    assert_non_null(strstr(err, "unknown option '--tokens'"));
 }
 
 /* --help stops at once: the defaults it shows are untouched by values before it. */
@@ -746,6 +764,211 @@ static void test_driver_loop(void **state)
     assert_int_equal(exp_main(&d, 3, bad), 2);
 }
 
+/* Student's t and Welch's test against published values: t quantiles of tables, the incomplete beta's closed forms,
+ * and a two-sample example worked by hand. */
+static void test_statistics(void **state)
+{
+    (void)state;
+    /* I_x(1, 1) = x; I_x(a, 1) = x^a; I_x(1, b) = 1 − (1 − x)^b */
+    assert_true(fabs(exp_incomplete_beta(1, 1, 0.3) - 0.3) < 1e-12);
+    assert_true(fabs(exp_incomplete_beta(2.5, 1, 0.4) - pow(0.4, 2.5)) < 1e-12);
+    assert_true(fabs(exp_incomplete_beta(1, 3.5, 0.7) - (1 - pow(0.3, 3.5))) < 1e-12);
+    /* two-sided p of t with 1 df is 1 − 2 atan(|t|)/π (Cauchy) */
+    assert_true(fabs(exp_t_two_sided_p(1.7, 1) - (1 - 2 * atan(1.7) / 3.141592653589793)) < 1e-12);
+    /* 97.5 % quantiles (tables): df 1 12.7062, 2 4.3027, 4 2.7764, 10 2.2281, 100 1.9840 */
+    const double df[5] = {1, 2, 4, 10, 100}, q[5] = {12.7062, 4.3027, 2.7764, 2.2281, 1.9840};
+    for (int i = 0; i < 5; i++)
+        assert_true(fabs(exp_t_quantile(0.975, df[i]) - q[i]) < 5e-4);
+    /* a = {1, 2, 3, 4}, b = {3, 5, 7}: means 2.5 and 5, variances 5/3 and 4; se² = 5/12 + 4/3 = 1.75,
+     * t = −2.5/√1.75 = −1.8898, df = 1.75² / ((5/12)²/3 + (4/3)²/2) = 3.063 */
+    const double a[4] = {1, 2, 3, 4}, b[3] = {3, 5, 7};
+    exp_summary sa, sb;
+    exp_summarize(a, 4, &sa);
+    exp_summarize(b, 3, &sb);
+    assert_true(fabs(sa.sd - sqrt(5.0 / 3)) < 1e-12 && sb.n == 3);
+    exp_test t;
+    exp_welch(&sa, &sb, 0.95, &t);
+    assert_int_equal(t.kind, EXP_TEST_WELCH);
+    assert_true(fabs(t.t + 2.5 / sqrt(1.75)) < 1e-9);
+    assert_true(fabs(t.df - 1.75 * 1.75 / (25.0 / 144 / 3 + 16.0 / 9 / 2)) < 1e-9);
+    assert_true(t.p > 0.1 && t.p < 0.2 && t.lo < t.diff && t.diff < t.hi && t.lo < 0 && t.hi > 0);
+    /* the interval is the quantile times the standard error around the difference */
+    assert_true(fabs((t.hi - t.diff) - exp_t_quantile(0.975, t.df) * sqrt(1.75)) < 1e-6);
+    /* one value against a group: the one-sample test; one value each: no test */
+    const double c = 10.0;
+    exp_summary sc;
+    exp_summarize(&c, 1, &sc);
+    exp_welch(&sa, &sc, 0.95, &t);
+    assert_int_equal(t.kind, EXP_TEST_ONE_SAMPLE);
+    assert_true(fabs(t.df - 3) < 1e-12 && fabs(t.t - (2.5 - 10) / (sa.sd / 2)) < 1e-9 && t.p < 0.01);
+    exp_welch(&sc, &sc, 0.95, &t);
+    assert_int_equal(t.kind, EXP_TEST_NONE);
+    assert_true(isnan(t.p));
+}
+
+/* Runs a driver of the build directory; returns its output (NULL when the program is not there). */
+static char *run_program(const char *command)
+{
+    FILE *p = popen(command, "r");
+    if (!p)
+        return NULL;
+    size_t cap = 1 << 16, len = 0;
+    char *out = malloc(cap);
+    assert_non_null(out);
+    len = fread(out, 1, cap - 1, p);
+    out[len] = 0;
+    int rc = pclose(p);
+    if (rc) {
+        fail_msg("'%s' failed (status %d): %s", command, rc, out);
+    }
+    return out;
+}
+
+/* exp_stats on a table made here: the means, the Welch verdicts (a clear difference holds, a small one is within
+ * noise, a reversed one is opposite), and a sample metric that fails its sanity check gets no verdict. */
+static void test_stats_driver(void **state)
+{
+    (void)state;
+    const char *program = "experiments/exp_stats";
+    if (access(program, X_OK)) {
+        print_message("%s not found from this directory: not run here\n", program);
+        return;
+    }
+    char csv[256], md[256], claims[256], cmd[2048];
+    snprintf(csv, sizeof csv, "%s", tmp_path("stats_in"));
+    snprintf(md, sizeof md, "%s", tmp_path("stats_md"));
+    snprintf(claims, sizeof claims, "%s", tmp_path("stats_claims"));
+    FILE *f = fopen(csv, "w");
+    assert_non_null(f);
+    fprintf(f, "table,arm,seed,loss,accuracy,ref_accuracy\n"
+               "t,teacher,0,1.00,0.26,1.0\nt,null,0,9.0,0.25,1.0\nother,x,0,5,5,5\n"
+               "t,good,1,0.50,0.3,1\nt,good,2,0.52,0.3,1\nt,good,3,0.51,0.3,1\n"
+               "t,close,1,0.49,0.3,1\nt,close,2,0.56,0.3,1\nt,close,3,0.50,0.3,1\n"
+               "t,bad,1,2.0,0.3,1\nt,bad,2,2.1,0.3,1\nt,bad,3,2.2,0.3,1\n");
+    fclose(f);
+    snprintf(cmd, sizeof cmd,
+             "%s --in %s --table t --metrics loss,accuracy --reference teacher --null null "
+             "--sanity accuracy:ref_accuracy --claim 'loss|good|<|bad|clear' --claim 'loss|good|<|close|small' "
+             "--claim 'loss|bad|<|good|reversed' --claim 'accuracy|good|>|teacher|acc' "
+             "--claim 'loss|good|~5%%|close|match' --md %s --csv %s",
+             program, csv, md, claims);
+    free(run_program(cmd));
+    f = fopen(claims, "r");
+    assert_non_null(f);
+    char line[1024], verdicts[5][64];
+    assert_non_null(fgets(line, sizeof line, f));
+    assert_non_null(strstr(line, "verdict"));
+    for (int i = 0; i < 5; i++) {
+        assert_non_null(fgets(line, sizeof line, f));
+        line[strcspn(line, "\n")] = 0;
+        snprintf(verdicts[i], sizeof verdicts[i], "%s", strrchr(line, ',') + 1);
+    }
+    fclose(f);
+    assert_string_equal(verdicts[0], "holds");
+    assert_string_equal(verdicts[1], "within noise");
+    assert_string_equal(verdicts[2], "opposite");
+    assert_string_equal(verdicts[3], "uninformative metric: no verdict"); /* the teacher is at chance */
+    assert_string_equal(verdicts[4], "inconclusive");
+    f = fopen(md, "r");
+    assert_non_null(f);
+    char text[8192] = "";
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = 0;
+    fclose(f);
+    assert_non_null(strstr(text, "| good | 3 | 0.51 ± 0.01"));
+    assert_non_null(strstr(text, "**uninformative**"));
+    assert_null(strstr(text, "| x |")); /* another table's row */
+    unlink(csv), unlink(md), unlink(claims);
+}
+
+/* Writes Q/K/V of x as a one-file dump with its manifest into dir. */
+static void write_dump(const char *dir, const exp_qkv *x, int block_q, int block_k)
+{
+    char path[512], err[640];
+    snprintf(path, sizeof path, "%s/L00_t0.500.safetensors", dir);
+    const char *names[3] = {"q", "k", "v"};
+    const float *data[3] = {x->q, x->k, x->v};
+    int nd[3] = {4, 4, 4};
+    int64_t shapes[3][8] = {{x->B, x->H, x->N, x->D}, {x->B, x->H, x->N, x->D}, {x->B, x->H, x->N, x->D}};
+    assert_int_equal(exp_st_write(path, 3, names, data, nd, (const int64_t(*)[8])shapes, SPARGE_F32, NULL, err,
+                                  sizeof err),
+                     0);
+    snprintf(path, sizeof path, "%s/manifest.csv", dir);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fprintf(f, "file,layer,t,batch,heads,tokens,head_dim,block_q,block_k\nL00_t0.500.safetensors,0,0.5,%lld,%lld,%lld,"
+               "%lld,%d,%d\n",
+            (long long)x->B, (long long)x->H, (long long)x->N, (long long)x->D, block_q, block_k);
+    fclose(f);
+}
+
+/* One column of the only data row of a CSV text. */
+static double csv_value(const char *text, const char *name)
+{
+    const char *row = strchr(text, '\n') + 1;
+    int col = 0;
+    for (const char *h = text; h < row; col++) {
+        size_t len = strcspn(h, ",\n");
+        if (len == strlen(name) && !strncmp(h, name, len))
+            break;
+        h += len + 1;
+    }
+    for (int i = 0; i < col; i++)
+        row = strchr(row, ',') + 1;
+    return strtod(row, NULL);
+}
+
+/* exp_discrim on two dumps made here: flat rows (Q = 0), where Top-k and Top-p keep the same blocks, and sink rows,
+ * where Top-p keeps fewer blocks than Top-k on strong-sink rows. A hybrid whose floor is Top-k's count must leave
+ * nothing to its Top-p at equal sparsity (the floor binds on every row: the hybrid is Top-k); with half that floor on
+ * flat rows the floor never binds and the hybrid is Top-p. */
+static void test_discrim_driver(void **state)
+{
+    (void)state;
+    const char *program = "experiments/exp_discrim";
+    if (access(program, X_OK)) {
+        print_message("%s not found from this directory: not run here\n", program);
+        return;
+    }
+    char dir[256], cmd[1024];
+    snprintf(dir, sizeof dir, "%s", tmp_path("discrim"));
+    unlink(dir);
+    assert_int_equal(mkdir(dir, 0700), 0);
+    for (int kind = 0; kind < 2; kind++) {
+        exp_gen_params p = small(kind ? EXP_SINK : EXP_UNIFORM);
+        p.H = 1, p.N = 1024, p.block_q = 64, p.block_k = 16, p.sink_blocks = kind;
+        exp_qkv x;
+        assert_int_equal(exp_generate(&p, &x), 0);
+        if (!kind)
+            memset(x.q, 0, sizeof(float) * (size_t)(x.B * x.H * x.N * x.D)); /* flat pooled rows */
+        write_dump(dir, &x, 64, 16);
+        exp_qkv_free(&x);
+        for (int half = 0; half < 2; half++) {
+            snprintf(cmd, sizeof cmd,
+                     "%s --dump %s --topk 0.125 --hybrid %s,0 --quiet --md /dev/null --csv /dev/stdout", program, dir,
+                     half ? "0.0625" : "0.125");
+            char *out = run_program(cmd);
+            double entropy = csv_value(out, "entropy"), d_kp = csv_value(out, "distance_topk_topp");
+            double d_hk = csv_value(out, "distance_hybrid_topk"), d_hp = csv_value(out, "distance_hybrid_topp");
+            double binds = csv_value(out, "hybrid_floor_binds"), fewer = csv_value(out, "topp_rows_fewer");
+            double sp_k = csv_value(out, "topk_sparsity"), sp_p = csv_value(out, "topp_sparsity");
+            print_message("%s rows, hybrid floor %s Top-k's: entropy %.4f, distances Top-k/Top-p %.3f, hybrid/Top-k "
+                          "%.3f, hybrid/Top-p %.3f; Top-p below n on %.2f of rows, floor binds on %.2f\n",
+                          kind ? "sink" : "flat", half ? "half" : "all of", entropy, d_kp, d_hk, d_hp, fewer, binds);
+            assert_true(fabs(sp_k - 0.875) < 1e-9 && fabs(sp_p - 0.875) < 0.01); /* equal sparsity */
+            if (!half)
+                assert_true(binds == 1.0 && d_hk == 0.0);
+            if (!kind)
+                assert_true(entropy > 0.9999 && d_kp == 0.0 && fewer == 0.0 && (!half || (binds == 0.0 && d_hp == 0.0)));
+            else
+                assert_true(entropy < 0.95 && d_kp > 0.05 && fewer > 0.1);
+            free(out);
+        }
+    }
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -766,6 +989,9 @@ int main(void)
         cmocka_unit_test(test_usage),
         cmocka_unit_test(test_parse_outputs),
         cmocka_unit_test(test_driver_loop),
+        cmocka_unit_test(test_statistics),
+        cmocka_unit_test(test_stats_driver),
+        cmocka_unit_test(test_discrim_driver),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

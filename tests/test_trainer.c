@@ -14,6 +14,7 @@
 
 #include <cmocka.h>
 
+#include "exp.h"
 #include "trainer.h"
 
 static sparge_device *open_device(const char *name)
@@ -60,10 +61,10 @@ static double loss_of(grad_case *g)
 /* Every parameter tensor: the directional derivative along its gradient and its two largest
  * entries against central differences of the (double-accumulated) loss. The model is f32, so
  * the tolerance allows f32 rounding of the forward divided by the step. */
-static void check_gradients(tr_attn_mode mode)
+static void check_gradients(tr_attn_mode mode, int adaln_single)
 {
     tr_config c = tiny_config();
-    c.attn = mode, c.topk = 0.25, c.topp = 0.5;
+    c.attn = mode, c.topk = 0.25, c.topp = 0.5, c.adaln_single = adaln_single;
     sparge_device *dev = open_device("cpu-ref");
     char err[512];
     grad_case g = {0};
@@ -143,8 +144,8 @@ static void check_gradients(tr_attn_mode mode)
         }
         free(saved);
     }
-    print_message("gradient check (%s): worst rel. error %.2e along gradients, %.2e on entries\n",
-                  tr_attn_mode_name(mode), worst_dir, worst_entry);
+    print_message("gradient check (%s%s): worst rel. error %.2e along gradients, %.2e on entries\n",
+                  tr_attn_mode_name(mode), adaln_single ? ", adaln=single" : "", worst_dir, worst_entry);
     free(grad);
     free(g.x), free(g.target), free(g.u), free(g.du);
     tr_model_free(g.m);
@@ -154,13 +155,20 @@ static void check_gradients(tr_attn_mode mode)
 static void test_gradient_dense(void **state)
 {
     (void)state;
-    check_gradients(TR_ATTN_DENSE);
+    check_gradients(TR_ATTN_DENSE, 0);
+}
+
+/* adaln=single: one modulation weight for every block (its gradient the sum of the blocks'), a bias per block */
+static void test_gradient_adaln_single(void **state)
+{
+    (void)state;
+    check_gradients(TR_ATTN_HYBRID, 1);
 }
 
 static void test_gradient_hybrid_mask(void **state)
 {
     (void)state;
-    check_gradients(TR_ATTN_HYBRID);
+    check_gradients(TR_ATTN_HYBRID, 0);
 }
 
 /* Diffusion loss on a fixed held-out batch before and after 40 AdamW steps on A. */
@@ -397,7 +405,7 @@ static void test_resume_and_distillation(void **state)
     /* evaluation of the 6-step model against itself as the teacher: dense has no velocity error,
      * Top-k some; Euler samples and the reference videos give finite statistics */
     tr_config e = tiny_config();
-    e.eval = 1, e.sample_steps = 4;
+    e.mode = TR_MODE_EVAL, e.sample_steps = 4;
     snprintf(e.init, sizeof e.init, "%s", full);
     snprintf(e.teacher, sizeof e.teacher, "%s", full);
     tr_eval_result r;
@@ -419,6 +427,198 @@ static void test_resume_and_distillation(void **state)
     rmdir(dir);
     free(dir);
     free(a), free(b);
+}
+
+/* Checkpoints split into shards and runs stopped by time_limit: 6 steps in one run equal 1 + 1 + 4 steps through
+ * sharded checkpoints, bit for bit; weights-only checkpoints (save_optimizer=0) load as init= but not as resume=. */
+static void test_sharded_resume(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.log_every = 100, c.adaln_single = 1, c.steps = 6;
+    char err[512], full[256], part[256], shard[1100], weights[256];
+    char *dir = temp_dir();
+    snprintf(full, sizeof full, "%s/full.safetensors", dir);
+    snprintf(part, sizeof part, "%s/part.safetensors", dir);
+    snprintf(weights, sizeof weights, "%s/weights.safetensors", dir);
+    snprintf(c.out, sizeof c.out, "%s", full);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    /* every run stops after its first step: the limit is always past at the first step boundary */
+    c.time_limit = 1e-9, c.ckpt_shard_mib = 0.02;
+    snprintf(c.out, sizeof c.out, "%s", part);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    snprintf(c.resume, sizeof c.resume, "%s", part);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    sparge_device *dev = open_device("cpu");
+    tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_non_null(m);
+    tr_adamw opt;
+    assert_int_equal(tr_adamw_init(&opt, m, err, sizeof err), 0);
+    assert_int_equal(tr_checkpoint_load(part, m, &opt, err, sizeof err), 0);
+    assert_int_equal(opt.step, 2);
+    exp_st_file index;
+    char list[1024];
+    assert_int_equal(exp_st_open(part, &index, err, sizeof err), 0);
+    assert_int_equal(index.count, 0);
+    assert_int_equal(exp_st_metadata(&index, "shards", list, sizeof list), 0);
+    exp_st_close(&index);
+    int shards = 0;
+    for (char *name = strtok(list, ","); name; name = strtok(NULL, ","), shards++) {
+        snprintf(shard, sizeof shard, "%s/%s", dir, name);
+        FILE *f = fopen(shard, "rb");
+        assert_non_null(f);
+        fseek(f, 0, SEEK_END);
+        assert_true(ftell(f) <= (long)(0.02 * 1048576));
+        fclose(f);
+    }
+    print_message("sharded checkpoint: %d shards of at most 0.02 MiB (%zu parameters with their moments)\n", shards,
+                  tr_model_num_params(m));
+    assert_true(shards > 1);
+    c.time_limit = 0;
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    float *a = load_params(&c, full), *b = load_params(&c, part);
+    assert_memory_equal(a, b, tr_model_num_params(m) * sizeof(float));
+    /* weights only */
+    tr_config w = c;
+    w.save_optimizer = 0, w.ckpt_shard_mib = 0;
+    snprintf(w.out, sizeof w.out, "%s", weights);
+    assert_int_equal(tr_train(&w, err, sizeof err), 0); /* resumed at its last step: no step, the weights written */
+    assert_int_equal(tr_checkpoint_load(weights, m, &opt, err, sizeof err), -1);
+    assert_int_equal(tr_checkpoint_load(weights, m, NULL, err, sizeof err), 0);
+    assert_memory_equal(tr_model_params(m), a, tr_model_num_params(m) * sizeof(float));
+    /* a model without adaln=single cannot load it */
+    tr_config blockwise = c;
+    blockwise.adaln_single = 0;
+    tr_model *other = tr_model_create(&blockwise, c.batch, dev, err, sizeof err);
+    assert_int_equal(tr_checkpoint_load(weights, other, NULL, err, sizeof err), -1);
+    assert_non_null(strstr(err, "blocks.0.adaLN.weight"));
+    tr_model_free(other);
+    free(a), free(b);
+    tr_adamw_free(&opt);
+    tr_model_free(m);
+    sparge_device_close(dev);
+    char command[600];
+    snprintf(command, sizeof command, "rm -rf '%s'", dir);
+    assert_int_equal(system(command), 0);
+    free(dir);
+}
+
+/* mode=calibrate finds the p whose held-out sparsity is the target, for Top-p and for the hybrid (whose p need not
+ * be below Top-p's: each layer's mask changes the next layers' inputs). */
+static void test_calibrate(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.frames = 4, c.height = 8, c.width = 8, c.dim = 24, c.block_q = 8, c.block_k = 4, c.eval_batches = 2;
+    char err[512], path[256];
+    char *dir = temp_dir();
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    sparge_device *dev = open_device("cpu");
+    tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_non_null(m);
+    randomize(tr_model_params(m), tr_model_num_params(m), 41, 0.3);
+    assert_int_equal(tr_checkpoint_save(path, m, NULL, &c, err, sizeof err), 0);
+    tr_model_free(m);
+    sparge_device_close(dev);
+    snprintf(c.init, sizeof c.init, "%s", path);
+    c.mode = TR_MODE_CALIBRATE, c.target_sparsity = 0.6;
+    double p, sp, p_h, sp_h;
+    c.attn = TR_ATTN_TOPP;
+    if (tr_calibrate(&c, &p, &sp, err, sizeof err))
+        fail_msg("%s", err);
+    c.attn = TR_ATTN_HYBRID, c.topk = 0.25;
+    assert_int_equal(tr_calibrate(&c, &p_h, &sp_h, err, sizeof err), 0);
+    print_message("calibrated to sparsity 0.6: Top-p p %.6f (sparsity %.4f), hybrid k 0.25 p %.6f (%.4f)\n", p, sp,
+                  p_h, sp_h);
+    assert_true(p > 0 && p < 1 && fabs(sp - 0.6) < 0.03);
+    assert_true(p_h >= 0 && p_h < 1 && fabs(sp_h - 0.6) < 0.03);
+    c.attn = TR_ATTN_TOPK;
+    assert_int_equal(tr_calibrate(&c, &p, &sp, err, sizeof err), -1);
+    unlink(path);
+    rmdir(dir);
+    free(dir);
+}
+
+typedef struct {
+    int layer;
+    float *qkv;
+    size_t n;
+} capture;
+
+static int capture_layer(void *ctx, int layer, const float *qkv, char *err, size_t err_len)
+{
+    (void)err, (void)err_len;
+    capture *c = ctx;
+    if (layer == c->layer)
+        memcpy(c->qkv, qkv, c->n * sizeof(float));
+    return 0;
+}
+
+/* mode=dump writes every layer's Q/K/V at every time in the layout exp_* --input reads: the values of the model's
+ * qkv activation on the first held-out batch at that time. */
+static void test_dump(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    char err[512], path[256], file[600];
+    char *dir = temp_dir();
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    sparge_device *dev = open_device("cpu");
+    tr_model *m = tr_model_create(&c, c.batch, dev, err, sizeof err);
+    assert_non_null(m);
+    randomize(tr_model_params(m), tr_model_num_params(m), 51, 0.3);
+    assert_int_equal(tr_checkpoint_save(path, m, NULL, &c, err, sizeof err), 0);
+    snprintf(c.init, sizeof c.init, "%s", path);
+    snprintf(c.dump_dir, sizeof c.dump_dir, "%s/qkv", dir);
+    snprintf(c.dump_times, sizeof c.dump_times, "0.2,0.8");
+    c.mode = TR_MODE_DUMP;
+    if (tr_dump(&c, err, sizeof err))
+        fail_msg("%s", err);
+    snprintf(file, sizeof file, "%s/manifest.csv", c.dump_dir);
+    FILE *f = fopen(file, "r");
+    assert_non_null(f);
+    char line[256];
+    int lines = 0;
+    while (fgets(line, sizeof line, f))
+        lines++;
+    fclose(f);
+    assert_int_equal(lines, 1 + 2 * c.depth);
+    /* layer 1 at t = 0.8 against a forward of the same batch with a hook on the model */
+    const tr_dims *d = tr_model_dims(m);
+    size_t per = (size_t)c.batch * d->T * d->H * d->W * d->C;
+    float *x0 = malloc(per * sizeof(float)), *eps = malloc(per * sizeof(float)), *xt = malloc(per * sizeof(float));
+    float t[2];
+    int y[2];
+    tr_config held_out = c;
+    tr_make_batch(&held_out, d, 1000000000, x0, y, t, eps, xt);
+    t[0] = t[1] = 0.8f;
+    for (size_t j = 0; j < per; j++)
+        xt[j] = (1.0f - t[0]) * x0[j] + t[0] * eps[j];
+    capture cap = {1, malloc((size_t)c.batch * d->N * 3 * d->d * sizeof(float)), (size_t)c.batch * d->N * 3 * d->d};
+    tr_model_set_qkv_hook(m, capture_layer, &cap);
+    assert_int_equal(tr_model_forward(m, xt, t, y, NULL, err, sizeof err), 0);
+    snprintf(file, sizeof file, "%s/L01_t0.800.safetensors", c.dump_dir);
+    const char *names[3] = {"q", "k", "v"};
+    exp_qkv x;
+    assert_int_equal(exp_load_qkv(file, names, 0, &x), 0);
+    assert_true(x.B == c.batch && x.H == c.heads && x.N == d->N && x.D == d->hd);
+    for (int b = 0; b < c.batch; b++)
+        for (int h = 0; h < c.heads; h++)
+            for (int n = 0; n < d->N; n++)
+                for (int e = 0; e < d->hd; e++) {
+                    size_t src = ((size_t)b * d->N + n) * 3 * d->d + (size_t)h * d->hd + e;
+                    size_t dst = (((size_t)b * c.heads + h) * d->N + n) * d->hd + e;
+                    assert_true(x.q[dst] == cap.qkv[src] && x.k[dst] == cap.qkv[src + d->d] &&
+                                x.v[dst] == cap.qkv[src + 2 * d->d]);
+                }
+    exp_qkv_free(&x);
+    free(cap.qkv), free(x0), free(eps), free(xt);
+    tr_model_free(m);
+    sparge_device_close(dev);
+    char command[600];
+    snprintf(command, sizeof command, "rm -rf '%s'", dir);
+    assert_int_equal(system(command), 0);
+    free(dir);
 }
 
 /* With only the final bias non-zero the velocity is constant, so Euler integration from t = 1 to
@@ -506,6 +706,27 @@ static void test_data(void **state)
                   sb.temporal_change, sb.temporal_jitter, sb.mean_c0);
     assert_true(sb.temporal_jitter > 1.5 * sa.temporal_jitter);
     assert_true(fabs(sb.mean_c0 - sa.mean_c0) > 0.1);
+    /* rich scenes: pure functions of (seed, index) too, unlike the simple ones, and their class is the pan's
+     * direction, which the recognizer reads off the frame differences */
+    tr_data_sample_scene('A', TR_SCENE_RICH, 7, 3, T, H, W, C, 4, a, &la);
+    tr_data_sample_scene('A', TR_SCENE_RICH, 7, 3, T, H, W, C, 4, b, &lb);
+    assert_memory_equal(a, b, n * sizeof(float));
+    tr_data_sample('A', 7, 3, T, H, W, C, 4, b, &lb);
+    assert_memory_not_equal(a, b, n * sizeof(float));
+    int correct = 0, rich_labels[4] = {0};
+    for (int i = 0; i < 100; i++) {
+        tr_motion mo;
+        tr_data_sample_scene(i % 2 ? 'B' : 'A', TR_SCENE_RICH, 1, 3000000000ull + (uint64_t)i, T, H, W, C, 4, a, &la);
+        for (size_t j = 0; j < n; j++)
+            assert_true(isfinite(a[j]) && fabsf(a[j]) < 3.0f);
+        tr_motion_estimate(a, T, H, W, C, 4, &mo);
+        correct += i % 2 == 0 && mo.label == la;
+        rich_labels[la]++;
+    }
+    print_message("recognizer on rich A scenes, 8x16x16x3, 4 classes: %.2f of 50\n", correct / 50.0);
+    assert_true(correct >= 40);
+    for (int k = 0; k < 4; k++)
+        assert_true(rich_labels[k] > 10);
     free(a), free(b);
 }
 
@@ -620,7 +841,7 @@ static double *feature_rows(char dist, uint64_t first, int count)
 static void test_frechet_distance(void **state)
 {
     (void)state;
-    /* Jacobi: A v = λ v and orthonormal vectors on a random symmetric matrix */
+    /* LAPACK's dsyevd: A v = λ v, orthonormal vectors and ascending values on a random symmetric matrix */
     enum { N = 9 };
     double a[N * N], work[N * N], values[N], vectors[N * N];
     uint64_t s = 5;
@@ -628,7 +849,9 @@ static void test_frechet_distance(void **state)
         for (int j = 0; j <= i; j++)
             a[i * N + j] = a[j * N + i] = tr_normal(&s);
     memcpy(work, a, sizeof a);
-    tr_symmetric_eigen(work, N, values, vectors);
+    assert_int_equal(tr_symmetric_eigen(work, N, values, vectors), 0);
+    for (int k = 0; k + 1 < N; k++)
+        assert_true(values[k] <= values[k + 1]);
     for (int k = 0; k < N; k++)
         for (int i = 0; i < N; i++) {
             double av = 0, dot = 0;
@@ -718,7 +941,7 @@ static void test_eval_scores(void **state)
 {
     (void)state;
     tr_config c = tiny_config();
-    c.frames = 4, c.height = 8, c.width = 8, c.classes = 4, c.eval = 1, c.sample_steps = 2, c.eval_batches = 3;
+    c.frames = 4, c.height = 8, c.width = 8, c.classes = 4, c.mode = TR_MODE_EVAL, c.sample_steps = 2, c.eval_batches = 3;
     char err[512], path[256];
     char *dir = temp_dir();
     snprintf(path, sizeof path, "%s/init.safetensors", dir);
@@ -795,6 +1018,22 @@ static void test_config(void **state)
     c.heads = 5;
     assert_int_equal(tr_config_check(&c, err, sizeof err), -1);
     assert_non_null(strstr(err, "heads"));
+    /* the run's record reads back as the same configuration */
+    tr_config r, back;
+    tr_config_defaults(&r);
+    assert_int_equal(tr_config_set(&r, "adaln=single", err, sizeof err), 0);
+    assert_int_equal(tr_config_set(&r, "scene=rich", err, sizeof err), 0);
+    assert_int_equal(tr_config_set(&r, "mode=dump", err, sizeof err), 0);
+    assert_int_equal(tr_config_set(&r, "tag=commit=abc123", err, sizeof err), 0);
+    assert_int_equal(tr_config_set(&r, "lr=0.1", err, sizeof err), 0);
+    assert_int_equal(tr_config_set(&r, "scene=fancy", err, sizeof err), -1);
+    char record[8192];
+    tr_config_string(&r, record, sizeof record);
+    tr_config_defaults(&back);
+    for (char *kv = strtok(record, " "); kv; kv = strtok(NULL, " "))
+        if (tr_config_set(&back, kv, err, sizeof err))
+            fail_msg("%s", err);
+    assert_memory_equal(&r, &back, sizeof r);
     char cfg[] = "/tmp/test_trainer_cfg_XXXXXX";
     int fd = mkstemp(cfg);
     assert_true(fd >= 0);
@@ -815,6 +1054,10 @@ int main(void)
         cmocka_unit_test(test_data),
         cmocka_unit_test(test_gradient_dense),
         cmocka_unit_test(test_gradient_hybrid_mask),
+        cmocka_unit_test(test_gradient_adaln_single),
+        cmocka_unit_test(test_sharded_resume),
+        cmocka_unit_test(test_calibrate),
+        cmocka_unit_test(test_dump),
         cmocka_unit_test(test_euler_sampler),
         cmocka_unit_test(test_staged_attention),
         cmocka_unit_test(test_checkpoint_roundtrip),

@@ -55,6 +55,11 @@ struct tr_model {
     double topk, topp;
     int frozen, masks_valid, measure_error;
     double last_sparsity, last_l1;
+    int adaln_single;
+    /* tr_model_set_qkv_hook */
+    tr_qkv_hook hook;
+    void *hook_ctx;
+    float *hook_buf; /* host copy of one layer's qkv activation */
 };
 
 static int sparge_failed(sparge_status s, char *err, size_t len, const char *what)
@@ -96,9 +101,16 @@ static void build_layout(tr_model *m)
     add_linear(m, "t_embedder.mlp0", d->F, d->d);
     add_linear(m, "t_embedder.mlp2", d->d, d->d);
     add_tensor(m, "y_embedder.weight", d->K, d->d, 0);
+    if (m->adaln_single) /* one weight for every block's modulation; the biases stay per block */
+        add_tensor(m, "adaLN_single.weight", 6 * d->d, d->d, 1);
     for (int l = 0; l < d->L; l++) {
         snprintf(pre, sizeof pre, "blocks.%d.adaLN", l);
-        add_linear(m, pre, d->d, 6 * d->d);
+        if (m->adaln_single) {
+            char name[64];
+            snprintf(name, sizeof name, "%s.bias", pre);
+            add_tensor(m, name, 6 * d->d, 0, 0);
+        } else
+            add_linear(m, pre, d->d, 6 * d->d);
         snprintf(pre, sizeof pre, "blocks.%d.attn.qkv", l);
         add_linear(m, pre, d->d, 3 * d->d);
         snprintf(pre, sizeof pre, "blocks.%d.attn.proj", l);
@@ -118,9 +130,11 @@ static void bind_params(tr_model *m)
     m->x_emb_w = P(m, &i), m->x_emb_b = P(m, &i);
     m->t_w1 = P(m, &i), m->t_b1 = P(m, &i), m->t_w2 = P(m, &i), m->t_b2 = P(m, &i);
     m->y_emb = P(m, &i);
+    float *shared = m->adaln_single ? P(m, &i) : NULL;
     for (int l = 0; l < m->dm.L; l++) {
         block_params *b = &m->blk[l];
-        b->ada_w = P(m, &i), b->ada_b = P(m, &i), b->qkv_w = P(m, &i), b->qkv_b = P(m, &i);
+        b->ada_w = shared ? shared : P(m, &i);
+        b->ada_b = P(m, &i), b->qkv_w = P(m, &i), b->qkv_b = P(m, &i);
         b->proj_w = P(m, &i), b->proj_b = P(m, &i), b->fc1_w = P(m, &i), b->fc1_b = P(m, &i);
         b->fc2_w = P(m, &i), b->fc2_b = P(m, &i);
     }
@@ -270,6 +284,7 @@ tr_model *tr_model_create(const tr_config *c, int B, sparge_device *dev, char *e
     d->L = c->depth, d->K = c->classes;
     m->block_q = c->block_q, m->block_k = c->block_k;
     m->bf16 = !strcmp(c->attn_dtype, "bf16");
+    m->adaln_single = c->adaln_single;
     m->dev = dev;
     if (!(m->ops = create_ops(c, dev, err, err_len))) {
         free(m);
@@ -337,6 +352,7 @@ void tr_model_free(tr_model *m)
     for (int i = 0; i < 5; i++)
         if (staged[i])
             sparge_free(m->dev, staged[i]);
+    free(m->hook_buf);
     if (m->ops) {
         float *owned[3] = {m->params, m->grads, m->acts};
         for (int i = 0; i < 3; i++)
@@ -394,6 +410,12 @@ void tr_model_set_attention(tr_model *m, tr_attn_mode mode, double topk, double 
 }
 
 void tr_model_freeze_masks(tr_model *m, int frozen) { m->frozen = frozen; }
+
+void tr_model_set_qkv_hook(tr_model *m, tr_qkv_hook hook, void *ctx)
+{
+    m->hook = hook;
+    m->hook_ctx = ctx;
+}
 
 int tr_model_mask_dense(const tr_model *m, int layer, uint8_t *host, char *err, size_t err_len)
 {
@@ -587,7 +609,17 @@ int tr_model_forward(tr_model *m, const float *x, const float *t, const int *y, 
         o->layernorm_forward(o, a->xhat1, a->rstd1, a->x_in, BN, D);
         o->modulate_forward(o, a->h1, a->xhat1, a->mod, a->mod + D, ms, B, N, D);
         o->linear_forward(o, a->qkv, a->h1, p->qkv_w, p->qkv_b, BN, D, 3 * D);
-        if (o->error(o, err, err_len) || attention_forward(m, l, err, err_len))
+        if (o->error(o, err, err_len))
+            return -1;
+        if (m->hook) {
+            size_t bytes = (size_t)BN * 3 * D * sizeof(float);
+            if (!m->hook_buf && !(m->hook_buf = malloc(bytes)))
+                return exp_fail(err, err_len, "forward: out of memory for the Q/K/V hook");
+            o->download(o, m->hook_buf, a->qkv, bytes);
+            if (o->error(o, err, err_len) || m->hook(m->hook_ctx, l, m->hook_buf, err, err_len))
+                return -1;
+        }
+        if (attention_forward(m, l, err, err_len))
             return -1;
         o->linear_forward(o, a->proj, a->att, p->proj_w, p->proj_b, BN, D, D);
         o->gated_add(o, a->x_mid, a->x_in, a->mod + 2 * D, a->proj, ms, B, N, D);

@@ -1,7 +1,8 @@
 /* sparge-train: train the tiny video DiT (README.md beside this file).
  *   sparge-train [CONFIG.cfg] [key=value ...]
  * Arguments apply in order (a config file, then key=value overrides). mode=eval prints one CSV
- * row of held-out metrics of init= (README.md, "Evaluation") instead of training. */
+ * row of held-out metrics of init= (README.md, "Evaluation") instead of training; mode=calibrate
+ * prints the Top-p p for target_sparsity; mode=dump writes Q/K/V per layer to dump_dir. */
 #include <stdio.h>
 #include <string.h>
 
@@ -27,7 +28,23 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (cfg.eval) {
+    if (cfg.mode == TR_MODE_CALIBRATE) {
+        double p, sparsity;
+        if (tr_calibrate(&cfg, &p, &sparsity, err, sizeof err)) {
+            fprintf(stderr, "sparge-train: %s\n", err);
+            return 1;
+        }
+        printf("p,sparsity\n%.6f,%.6f\n", p, sparsity);
+        return 0;
+    }
+    if (cfg.mode == TR_MODE_DUMP) {
+        if (tr_dump(&cfg, err, sizeof err)) {
+            fprintf(stderr, "sparge-train: %s\n", err);
+            return 1;
+        }
+        return 0;
+    }
+    if (cfg.mode == TR_MODE_EVAL) {
         tr_eval_result r;
         if (tr_evaluate(&cfg, &r, err, sizeof err)) {
             fprintf(stderr, "sparge-train: %s\n", err);

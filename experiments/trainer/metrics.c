@@ -1,12 +1,21 @@
 /* VBench-like metrics of sparge-train (README.md, "Evaluation"): a fixed motion/class
  * recognizer for distribution A, a fixed per-video feature vector, the Fréchet distance between
- * two feature sets (own Jacobi eigen-solver), and the imaging-quality and temporal-consistency
+ * two feature sets (matrix square roots through LAPACK's dsyevd), and the imaging-quality and temporal-consistency
  * scores. Nothing here is learned; everything is a pure function of the videos. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "trainer.h"
+
+#ifdef SPARGE_TRAINER_LAPACKE
+#include <lapacke.h>
+#else
+/* LAPACK's Fortran interface (m4/sparge_blas.m4 found it without LAPACKE): column-major, arguments by reference,
+ * the hidden lengths of the two CHARACTER arguments last. */
+void dsyevd_(const char *jobz, const char *uplo, const int *n, double *a, const int *lda, double *w, double *work,
+             const int *lwork, int *iwork, const int *liwork, int *info, size_t jobz_len, size_t uplo_len);
+#endif
 
 static const double TWO_PI = 6.283185307179586;
 
@@ -308,43 +317,38 @@ void tr_feature_scales(const double *reference, int n, int dims, double *scale)
 
 /* ---------------------------------------------------------------- Fréchet distance */
 
-void tr_symmetric_eigen(double *a, int n, double *values, double *vectors)
+int tr_symmetric_eigen(double *a, int n, double *values, double *vectors)
 {
+#ifdef SPARGE_TRAINER_LAPACKE
+    /* row-major: on return a[i·n + k] is component i of eigenvector k */
+    int info = LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', n, a, n, values);
+    if (info)
+        return -1;
+    memcpy(vectors, a, (size_t)n * n * sizeof(double));
+    return 0;
+#else
+    /* a is symmetric, so its row-major array is also the column-major one; on return column k of the
+     * column-major array (a[k·n + i]) is eigenvector k */
+    int lwork = -1, liwork = -1, iw = 0, info = 0;
+    double w = 0;
+    dsyevd_("V", "U", &n, a, &n, values, &w, &lwork, &iw, &liwork, &info, 1, 1); /* workspace query */
+    if (info)
+        return -1;
+    lwork = (int)w, liwork = iw;
+    double *work = malloc((size_t)lwork * sizeof(double));
+    int *iwork = malloc((size_t)liwork * sizeof(int));
+    if (work && iwork)
+        dsyevd_("V", "U", &n, a, &n, values, work, &lwork, iwork, &liwork, &info, 1, 1);
+    int ok = work && iwork && !info;
+    free(work);
+    free(iwork);
+    if (!ok)
+        return -1;
     for (int i = 0; i < n; i++)
-        for (int j = 0; j < n; j++)
-            vectors[i * n + j] = i == j;
-    for (int sweep = 0; sweep < 100; sweep++) {
-        double off = 0, diag = 0;
-        for (int i = 0; i < n; i++)
-            for (int j = 0; j < n; j++)
-                *(i == j ? &diag : &off) += a[i * n + j] * a[i * n + j];
-        if (off <= 1e-30 * diag)
-            break;
-        for (int p = 0; p < n; p++)
-            for (int q = p + 1; q < n; q++) {
-                double apq = a[p * n + q];
-                if (apq == 0)
-                    continue;
-                /* rotation that zeroes a[p][q] (Golub & Van Loan, symmetric Schur decomposition) */
-                double theta = (a[q * n + q] - a[p * n + p]) / (2 * apq);
-                double t = (theta >= 0 ? 1 : -1) / (fabs(theta) + sqrt(theta * theta + 1));
-                double c = 1 / sqrt(t * t + 1), s = t * c;
-                for (int k = 0; k < n; k++) { /* columns p, q */
-                    double akp = a[k * n + p], akq = a[k * n + q];
-                    a[k * n + p] = c * akp - s * akq, a[k * n + q] = s * akp + c * akq;
-                }
-                for (int k = 0; k < n; k++) { /* rows p, q */
-                    double apk = a[p * n + k], aqk = a[q * n + k];
-                    a[p * n + k] = c * apk - s * aqk, a[q * n + k] = s * apk + c * aqk;
-                }
-                for (int k = 0; k < n; k++) {
-                    double vkp = vectors[k * n + p], vkq = vectors[k * n + q];
-                    vectors[k * n + p] = c * vkp - s * vkq, vectors[k * n + q] = s * vkp + c * vkq;
-                }
-            }
-    }
-    for (int i = 0; i < n; i++)
-        values[i] = a[i * n + i];
+        for (int k = 0; k < n; k++)
+            vectors[i * n + k] = a[k * n + i];
+    return 0;
+#endif
 }
 
 /* Mean and covariance (n − 1 denominator; zero for one sample) of standardized features. */
@@ -395,7 +399,10 @@ double tr_frechet_distance(const double *a, int na, const double *b, int nb, int
         result += (ma[j] - mb[j]) * (ma[j] - mb[j]) + ca[j * dims + j] + cb[j * dims + j];
     /* Σa^½ = V diag(√λ) Vᵀ (tiny negative eigenvalues of a PSD matrix clamped to 0) */
     memcpy(tmp, ca, d2 * sizeof(double));
-    tr_symmetric_eigen(tmp, dims, val, vec);
+    if (tr_symmetric_eigen(tmp, dims, val, vec)) {
+        free(buf);
+        return NAN;
+    }
     for (int i = 0; i < dims; i++)
         for (int j = 0; j < dims; j++) {
             double s = 0;
@@ -409,7 +416,10 @@ double tr_frechet_distance(const double *a, int na, const double *b, int nb, int
     for (int i = 0; i < dims; i++) /* symmetrize the rounding */
         for (int j = 0; j < i; j++)
             prod[i * dims + j] = prod[j * dims + i] = 0.5 * (prod[i * dims + j] + prod[j * dims + i]);
-    tr_symmetric_eigen(prod, dims, val, vec);
+    if (tr_symmetric_eigen(prod, dims, val, vec)) {
+        free(buf);
+        return NAN;
+    }
     for (int j = 0; j < dims; j++)
         result -= 2 * sqrt(fmax(0, val[j]));
     free(buf);

@@ -1,11 +1,14 @@
 /* Configuration, seeded randomness, AdamW, batches, losses, checkpoints, the Euler sampler and
  * the training loop of sparge-train. */
+#define _POSIX_C_SOURCE 200809L /* mkdir */
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <sys/stat.h>
 
 #include "exp.h"
 #include "trainer.h"
@@ -26,7 +29,10 @@ void tr_config_defaults(tr_config *c)
     c->steps = 100, c->batch = 4, c->log_every = 10, c->ckpt_every = 0, c->warmup = 0;
     c->lr = 3e-4, c->beta1 = 0.9, c->beta2 = 0.999, c->adam_eps = 1e-8, c->weight_decay = 0.0, c->grad_clip = 1.0;
     c->seed = 0, c->data_seed = 1;
+    c->save_optimizer = 1;
     c->sample_steps = 20, c->eval_batches = 2;
+    c->target_sparsity = 0.95, c->calib_iters = 20;
+    snprintf(c->dump_times, sizeof c->dump_times, "0.1,0.5,0.9");
 }
 
 const char *tr_attn_mode_name(tr_attn_mode m)
@@ -35,7 +41,7 @@ const char *tr_attn_mode_name(tr_attn_mode m)
     return m >= 0 && m <= TR_ATTN_TOPP ? names[m] : "?";
 }
 
-typedef enum { K_INT, K_DOUBLE, K_U64, K_STRING, K_ATTN, K_LOSS, K_DATA, K_MODE } key_kind;
+typedef enum { K_INT, K_DOUBLE, K_U64, K_STRING, K_ATTN, K_LOSS, K_DATA, K_MODE, K_SCENE, K_ADALN } key_kind;
 typedef struct {
     const char *name;
     key_kind kind;
@@ -54,8 +60,24 @@ static const key_def KEYS[] = {
     KEY(seed, K_U64),         KEY(data_seed, K_U64),   KEY(init, K_STRING),       KEY(teacher, K_STRING),
     KEY(resume, K_STRING),    KEY(out, K_STRING),      KEY(log, K_STRING),        KEY(sample_steps, K_INT),
     KEY(eval_batches, K_INT), KEY(stage_attention, K_INT), KEY(device_ops, K_INT),
-    KEY(tf32, K_INT),         KEY(attn_dtype, K_STRING), {"mode", K_MODE, offsetof(tr_config, eval), sizeof(int)},
+    KEY(tf32, K_INT),         KEY(attn_dtype, K_STRING), KEY(mode, K_MODE),        KEY(scene, K_SCENE),
+    {"adaln", K_ADALN, offsetof(tr_config, adaln_single), sizeof(int)}, KEY(time_limit, K_DOUBLE),
+    KEY(ckpt_shard_mib, K_DOUBLE), KEY(save_optimizer, K_INT), KEY(tag, K_STRING),
+    KEY(target_sparsity, K_DOUBLE), KEY(calib_iters, K_INT), KEY(dump_dir, K_STRING), KEY(dump_times, K_STRING),
 };
+
+static const char *const MODE_NAMES[] = {"train", "eval", "calibrate", "dump"};
+static const char *const SCENE_NAMES[] = {"simple", "rich"};
+static const char *const ADALN_NAMES[] = {"block", "single"};
+
+/* The index of val among n names, or -1. */
+static int name_index(const char *val, const char *const *names, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(val, names[i]))
+            return i;
+    return -1;
+}
 #undef KEY
 
 static char *trim(char *s)
@@ -133,11 +155,18 @@ int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_le
             }
             return exp_fail(err, err_len, "data=%s: expected A or B", val);
         case K_MODE:
-            if (!strcmp(val, "train") || !strcmp(val, "eval")) {
-                c->eval = !strcmp(val, "eval");
-                return 0;
-            }
-            return exp_fail(err, err_len, "mode=%s: expected train or eval", val);
+        case K_SCENE:
+        case K_ADALN: {
+            const char *const *names = k->kind == K_MODE ? MODE_NAMES : k->kind == K_SCENE ? SCENE_NAMES : ADALN_NAMES;
+            int n = k->kind == K_MODE ? 4 : 2, v = name_index(val, names, n);
+            if (v < 0)
+                return exp_fail(err, err_len, "%s=%s: expected %s", key, val,
+                                k->kind == K_MODE    ? "train, eval, calibrate or dump"
+                                : k->kind == K_SCENE ? "simple or rich"
+                                                     : "block or single");
+            *(int *)field = v;
+            return 0;
+        }
         }
     }
     return exp_fail(err, err_len, "unknown key '%s' (README.md lists the keys)", key);
@@ -198,13 +227,49 @@ int tr_config_check(const tr_config *c, char *err, size_t err_len)
                                       "sample_steps >= 1, eval_batches >= 1");
     if (!(c->lr >= 0) || c->beta1 < 0 || c->beta1 >= 1 || c->beta2 < 0 || c->beta2 >= 1 || !(c->adam_eps > 0))
         return exp_fail(err, err_len, "lr >= 0, beta1/beta2 in [0, 1), adam_eps > 0");
+    if (c->time_limit < 0 || c->ckpt_shard_mib < 0 || (c->save_optimizer != 0 && c->save_optimizer != 1))
+        return exp_fail(err, err_len, "time_limit >= 0, ckpt_shard_mib >= 0, save_optimizer 0 or 1");
+    if (!(c->target_sparsity >= 0 && c->target_sparsity < 1) || c->calib_iters < 1 || c->calib_iters > 60)
+        return exp_fail(err, err_len, "target_sparsity=%g calib_iters=%d: in [0, 1) and [1, 60]", c->target_sparsity,
+                        c->calib_iters);
     return 0;
 }
 
 void tr_config_model_string(const tr_config *c, char *out, size_t len)
 {
-    snprintf(out, len, "frames=%d height=%d width=%d channels=%d dim=%d heads=%d depth=%d classes=%d mlp_ratio=%d",
-             c->frames, c->height, c->width, c->channels, c->dim, c->heads, c->depth, c->classes, c->mlp_ratio);
+    snprintf(out, len, "frames=%d height=%d width=%d channels=%d dim=%d heads=%d depth=%d classes=%d mlp_ratio=%d%s",
+             c->frames, c->height, c->width, c->channels, c->dim, c->heads, c->depth, c->classes, c->mlp_ratio,
+             c->adaln_single ? " adaln=single" : "");
+}
+
+void tr_config_string(const tr_config *c, char *out, size_t len)
+{
+    size_t at = 0;
+    out[0] = 0;
+    for (size_t i = 0; i < sizeof KEYS / sizeof KEYS[0] && at + 1 < len; i++) {
+        const key_def *k = &KEYS[i];
+        const char *field = (const char *)c + k->offset;
+        char v[600];
+        switch (k->kind) {
+        case K_INT: snprintf(v, sizeof v, "%d", *(const int *)field); break;
+        case K_DOUBLE: { /* the shortest of %.15g and %.17g that reads back exactly */
+            double x = *(const double *)field;
+            snprintf(v, sizeof v, "%.15g", x);
+            if (strtod(v, NULL) != x)
+                snprintf(v, sizeof v, "%.17g", x);
+            break;
+        }
+        case K_U64: snprintf(v, sizeof v, "%llu", (unsigned long long)*(const uint64_t *)field); break;
+        case K_STRING:
+        case K_DATA: snprintf(v, sizeof v, "%s", field); break;
+        case K_ATTN: snprintf(v, sizeof v, "%s", tr_attn_mode_name(c->attn)); break;
+        case K_LOSS: snprintf(v, sizeof v, "%s", c->loss == TR_LOSS_VD ? "vd" : "diffusion"); break;
+        case K_MODE: snprintf(v, sizeof v, "%s", MODE_NAMES[c->mode]); break;
+        case K_SCENE: snprintf(v, sizeof v, "%s", SCENE_NAMES[c->scene]); break;
+        case K_ADALN: snprintf(v, sizeof v, "%s", ADALN_NAMES[c->adaln_single]); break;
+        }
+        at += (size_t)snprintf(out + at, len - at, "%s%s=%s", i ? " " : "", k->name, v);
+    }
 }
 
 /* ---------------------------------------------------------------- randomness */
@@ -296,8 +361,8 @@ void tr_make_batch(const tr_config *cfg, const tr_dims *dm, int64_t step, float 
     size_t per = (size_t)dm->T * dm->H * dm->W * dm->C;
     uint64_t s = tr_mix(cfg->seed * 0x100000001b3ull ^ tr_mix((uint64_t)step));
     for (int b = 0; b < cfg->batch; b++) {
-        tr_data_sample(cfg->data[0], cfg->data_seed, (uint64_t)step * cfg->batch + b, dm->T, dm->H, dm->W, dm->C,
-                       dm->K, x0 + b * per, &y[b]);
+        tr_data_sample_scene(cfg->data[0], cfg->scene, cfg->data_seed, (uint64_t)step * cfg->batch + b, dm->T, dm->H,
+                             dm->W, dm->C, dm->K, x0 + b * per, &y[b]);
         t[b] = (float)tr_uniform(&s);
         for (size_t i = 0; i < per; i++) {
             size_t j = b * per + i;
@@ -320,6 +385,28 @@ double tr_mse(const float *u, const float *target, size_t n, float *du)
 }
 
 /* ---------------------------------------------------------------- checkpoints */
+
+/* JSON string contents of s (quotes and backslashes escaped, control characters dropped) into out. */
+static void json_escape(const char *s, char *out, size_t cap)
+{
+    size_t n = 0;
+    for (; *s && n + 2 < cap; s++) {
+        if ((unsigned char)*s < 0x20)
+            continue;
+        if (*s == '"' || *s == '\\')
+            out[n++] = '\\';
+        out[n++] = *s;
+    }
+    out[n] = 0;
+}
+
+/* The path of shard i (1-based) of n beside the index file path: "dir/name.safetensors" -> "dir/name-i-of-n.safetensors". */
+static void shard_path(const char *path, int i, int n, char *out, size_t cap)
+{
+    size_t len = strlen(path), ext = strlen(".safetensors");
+    int has_ext = len > ext && !strcmp(path + len - ext, ".safetensors");
+    snprintf(out, cap, "%.*s-%d-of-%d.safetensors", (int)(has_ext ? len - ext : len), path, i, n);
+}
 
 int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const tr_config *c, char *err,
                        size_t err_len)
@@ -366,10 +453,57 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
         ndims[n - 1] = 1;
         shapes[n - 1][0] = 1;
     }
-    char model[400], meta[600];
+    char model[400], tag[600], meta[6000];
     tr_config_model_string(c, model, sizeof model);
-    snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\"}", model);
-    rc = exp_st_write(path, n, names, data, ndims, (const int64_t(*)[8])shapes, SPARGE_F32, meta, err, err_len);
+    json_escape(c->tag, tag, sizeof tag);
+    /* shards: consecutive tensors, each file's data and header (at most 2 KiB plus 256 bytes a tensor) within the
+     * limit */
+    double limit = c->ckpt_shard_mib * 1048576.0, used = 0;
+    size_t total = 0;
+    for (int k = 0; k < n; k++)
+        total += 4 * (size_t)shapes[k][0] * (size_t)(ndims[k] == 2 ? shapes[k][1] : 1);
+    if (c->ckpt_shard_mib <= 0 || (double)total + 2048.0 + 256.0 * n <= limit) {
+        snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"tag\":\"%s\"}", model, tag);
+        rc = exp_st_write(path, n, names, data, ndims, (const int64_t(*)[8])shapes, SPARGE_F32, meta, err, err_len);
+        goto out;
+    }
+    int *first = calloc((size_t)n + 1, sizeof *first), shards = 0, count = 0;
+    if (!first) {
+        exp_fail(err, err_len, "%s: out of memory", path);
+        goto out;
+    }
+    for (int k = 0; k < n; k++) {
+        double bytes = 4.0 * (double)shapes[k][0] * (double)(ndims[k] == 2 ? shapes[k][1] : 1);
+        if (bytes + 2048.0 + 256.0 > limit) {
+            free(first);
+            exp_fail(err, err_len, "%s: tensor '%s' (%.0f bytes) does not fit in a shard of ckpt_shard_mib=%g", path,
+                     names[k], bytes, c->ckpt_shard_mib);
+            goto out;
+        }
+        if (!shards || used + bytes + 2048.0 + 256.0 * (count + 1) > limit)
+            first[shards++] = k, used = 0, count = 0;
+        used += bytes, count++;
+    }
+    first[shards] = n;
+    char list[4096] = "", file[600];
+    for (int i = 0; i < shards; i++) {
+        shard_path(path, i + 1, shards, file, sizeof file);
+        const char *base = strrchr(file, '/') ? strrchr(file, '/') + 1 : file;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? "," : "", base);
+        snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"shard\":\"%d/%d\"}", model, i + 1,
+                 shards);
+        count = first[i + 1] - first[i];
+        if (exp_st_write(file, count, names + first[i], data + first[i], ndims + first[i],
+                         (const int64_t(*)[8])(shapes + first[i]), SPARGE_F32, meta, err, err_len)) {
+            free(first);
+            goto out;
+        }
+    }
+    free(first);
+    /* the index last: a checkpoint is complete once it names its shards */
+    snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"tag\":\"%s\",\"shards\":\"%s\"}",
+             model, tag, list);
+    rc = exp_st_write(path, 0, NULL, NULL, NULL, NULL, SPARGE_F32, meta, err, err_len);
 out:
     free(host);
     free(names);
@@ -380,17 +514,61 @@ out:
     return rc;
 }
 
-/* Reads tensor `name` of the model's shape into dst. */
-static int read_tensor(const exp_st_file *f, const char *name, const tr_param *p, float *dst, char *err,
-                       size_t err_len)
+/* A checkpoint's files: the one file, or the shards an index file names. */
+typedef struct {
+    exp_st_file f[64];
+    int n;
+} ckpt_files;
+
+static void ckpt_close(ckpt_files *c)
 {
-    const exp_st_tensor *t = exp_st_find(f, name);
+    for (int i = 0; i < c->n; i++)
+        exp_st_close(&c->f[i]);
+    c->n = 0;
+}
+
+static int ckpt_open(const char *path, ckpt_files *c, char *err, size_t err_len)
+{
+    c->n = 0;
+    exp_st_file index;
+    if (exp_st_open(path, &index, err, err_len))
+        return -1;
+    char list[4096];
+    if (exp_st_metadata(&index, "shards", list, sizeof list)) {
+        c->f[c->n++] = index; /* one file */
+        return 0;
+    }
+    exp_st_close(&index);
+    const char *slash = strrchr(path, '/');
+    int dir_len = slash ? (int)(slash - path + 1) : 0;
+    for (char *name = strtok(list, ","); name; name = strtok(NULL, ",")) {
+        char file[1024];
+        snprintf(file, sizeof file, "%.*s%s", dir_len, path, name);
+        if (c->n == (int)(sizeof c->f / sizeof c->f[0]) || exp_st_open(file, &c->f[c->n], err, err_len)) {
+            if (c->n == (int)(sizeof c->f / sizeof c->f[0]))
+                exp_fail(err, err_len, "%s: more than %d shards", path, c->n);
+            ckpt_close(c);
+            return -1;
+        }
+        c->n++;
+    }
+    return c->n ? 0 : exp_fail(err, err_len, "%s: an index that names no shards", path);
+}
+
+/* Reads tensor `name` of the model's shape into dst. */
+static int read_tensor(const ckpt_files *c, const char *path, const char *name, const tr_param *p, float *dst,
+                       char *err, size_t err_len)
+{
+    const exp_st_tensor *t = NULL;
+    const exp_st_file *f = NULL;
+    for (int i = 0; i < c->n && !t; i++)
+        t = exp_st_find(f = &c->f[i], name);
     if (!t)
-        return exp_fail(err, err_len, "%s: no tensor '%s'", f->path, name);
+        return exp_fail(err, err_len, "%s: no tensor '%s'", path, name);
     int64_t want1 = p->ndim == 2 ? p->shape[1] : 0, got1 = t->ndim == 2 ? t->shape[1] : 0;
     if (t->ndim != p->ndim || t->shape[0] != p->shape[0] || got1 != want1)
         return exp_fail(err, err_len,
-                        "%s: tensor '%s' has another shape than this model's [%lld%s%lld] (other config?)", f->path,
+                        "%s: tensor '%s' has another shape than this model's [%lld%s%lld] (other config?)", path,
                         name, (long long)p->shape[0], p->ndim == 2 ? "," : "", (long long)want1);
     float *v = exp_st_read_f32(f, t, err, err_len);
     if (!v)
@@ -402,9 +580,13 @@ static int read_tensor(const exp_st_file *f, const char *name, const tr_param *p
 
 int tr_checkpoint_load(const char *path, tr_model *m, tr_adamw *opt, char *err, size_t err_len)
 {
-    exp_st_file f;
-    if (exp_st_open(path, &f, err, err_len))
+    ckpt_files *files = malloc(sizeof *files);
+    if (!files)
+        return exp_fail(err, err_len, "%s: out of memory", path);
+    if (ckpt_open(path, files, err, err_len)) {
+        free(files);
         return -1;
+    }
     size_t n = tr_model_num_params(m);
     float *staged = malloc(n * sizeof(float) * (opt ? 3 : 1));
     int rc = -1;
@@ -416,17 +598,17 @@ int tr_checkpoint_load(const char *path, tr_model *m, tr_adamw *opt, char *err, 
     for (int i = 0; i < tr_model_num_tensors(m); i++) {
         const tr_param *p = tr_model_tensor(m, i);
         char name[80];
-        if (read_tensor(&f, p->name, p, staged + p->offset, err, err_len))
+        if (read_tensor(files, path, p->name, p, staged + p->offset, err, err_len))
             goto out;
         for (int copy = 1; opt && copy < 3; copy++) {
             snprintf(name, sizeof name, "adamw.%c.%s", copy == 1 ? 'm' : 'v', p->name);
-            if (read_tensor(&f, name, p, staged + copy * n + p->offset, err, err_len))
+            if (read_tensor(files, path, name, p, staged + copy * n + p->offset, err, err_len))
                 goto out;
         }
     }
     if (opt) {
         const tr_param step_shape = {"train.step", 1, {1, 0}, 0, 1, 0};
-        if (read_tensor(&f, "train.step", &step_shape, &step, err, err_len))
+        if (read_tensor(files, path, "train.step", &step_shape, &step, err, err_len))
             goto out;
     }
     if (tr_model_set_params(m, staged, err, err_len))
@@ -441,7 +623,8 @@ int tr_checkpoint_load(const char *path, tr_model *m, tr_adamw *opt, char *err, 
     rc = 0;
 out:
     free(staged);
-    exp_st_close(&f);
+    ckpt_close(files);
+    free(files);
     return rc;
 }
 
@@ -479,6 +662,17 @@ typedef struct {
 static void make_train_batch(const tr_config *cfg, const tr_dims *d, int64_t step, train_batch *b)
 {
     tr_make_batch(cfg, d, step, b->x0, b->y, b->t, b->eps, b->xt);
+}
+
+/* The run's record on stderr (the log): every key, the tag (commit) among them. */
+static void print_record(const tr_config *cfg)
+{
+    char *line = malloc(16384);
+    if (!line)
+        return;
+    tr_config_string(cfg, line, 16384);
+    fprintf(stderr, "sparge-train: config %s\n", line);
+    free(line);
 }
 
 int tr_train(const tr_config *cfg, char *err, size_t err_len)
@@ -543,11 +737,15 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
         if (!opt.step)
             fprintf(log, "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s,gemm_ms,other_ms\n");
     }
+    print_record(cfg);
     fprintf(stderr, "sparge-train: %zu parameters, %d tokens, attn=%s (%s) loss=%s data=%s device=%s (%s), ops=%s%s\n",
             tr_model_num_params(student), d->N, tr_attn_mode_name(cfg->attn), cfg->attn_dtype,
             cfg->loss == TR_LOSS_VD ? "vd" : "diffusion", cfg->data, sparge_device_name(dev),
             sparge_device_description(dev), tr_model_ops(student)->name,
             strcmp(tr_model_ops(student)->name, "cuda") ? "" : cfg->tf32 ? " (TF32 GEMMs)" : " (fp32 GEMMs)");
+    if (opt.step)
+        fprintf(stderr, "sparge-train: resumed at step %lld of %d\n", (long long)opt.step, cfg->steps);
+    const double t_start = exp_now();
     double window_loss = 0, window_ms = 0, window_part[TR_PARTS] = {0};
     int window = 0;
     for (int64_t step = opt.step; step < cfg->steps; step++) {
@@ -609,10 +807,15 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
                 window_part[i] = 0;
         }
         if (cfg->out[0] && cfg->ckpt_every && (step + 1) % cfg->ckpt_every == 0 &&
-            tr_checkpoint_save(cfg->out, student, &opt, cfg, err, err_len))
+            tr_checkpoint_save(cfg->out, student, cfg->save_optimizer ? &opt : NULL, cfg, err, err_len))
             goto out;
+        if (cfg->time_limit > 0 && step + 1 < cfg->steps && exp_now() - t_start >= cfg->time_limit) {
+            fprintf(stderr, "sparge-train: time_limit %g s reached: stopped at step %lld of %d\n", cfg->time_limit,
+                    (long long)step + 1, cfg->steps);
+            break;
+        }
     }
-    if (cfg->out[0] && tr_checkpoint_save(cfg->out, student, &opt, cfg, err, err_len))
+    if (cfg->out[0] && tr_checkpoint_save(cfg->out, student, cfg->save_optimizer ? &opt : NULL, cfg, err, err_len))
         goto out;
     rc = 0;
 out:
@@ -741,7 +944,8 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
     }
     for (int r = 0; r < n_ref; r++) { /* the reference set: real A videos at indices no stream reaches */
         int label;
-        tr_data_sample('A', cfg->data_seed, (1ull << 62) + (uint64_t)r, d->T, d->H, d->W, d->C, d->K, x0, &label);
+        tr_data_sample_scene('A', cfg->scene, cfg->data_seed, (1ull << 62) + (uint64_t)r, d->T, d->H, d->W, d->C,
+                             d->K, x0, &label);
         if (tr_video_features(x0, d->T, d->H, d->W, d->C, ref_f + (size_t)r * TR_FEATURES)) {
             exp_fail(err, err_len, "video features: out of memory");
             goto out;
@@ -757,6 +961,207 @@ out:
     free(buf);
     tr_model_free(teacher);
     tr_model_free(model);
+    sparge_device_close(dev);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- calibration */
+
+/* The model of init= on cfg's device, for the modes that only run forwards. */
+static tr_model *open_model(const tr_config *cfg, sparge_device **dev, char *err, size_t err_len)
+{
+    if (tr_config_check(cfg, err, err_len))
+        return NULL;
+    if (!cfg->init[0]) {
+        exp_fail(err, err_len, "mode=%s needs a model: init=CKPT", cfg->mode == TR_MODE_DUMP ? "dump" : "calibrate");
+        return NULL;
+    }
+    sparge_status s = sparge_device_open(cfg->device, dev);
+    if (s) {
+        exp_fail(err, err_len, "device %s: %s: %s", cfg->device, sparge_status_name(s), sparge_last_error());
+        return NULL;
+    }
+    tr_model *m = tr_model_create(cfg, cfg->batch, *dev, err, err_len);
+    if (!m || tr_checkpoint_load(cfg->init, m, NULL, err, err_len)) {
+        tr_model_free(m);
+        sparge_device_close(*dev);
+        *dev = NULL;
+        return NULL;
+    }
+    return m;
+}
+
+/* Mean mask sparsity of m over the held-out batches (x_t, t, y of each, one after the other in xt, t, y). */
+static int held_out_sparsity(tr_model *m, const tr_config *cfg, const float *xt, const float *t, const int *y,
+                             size_t per_batch, double *sparsity, char *err, size_t err_len)
+{
+    *sparsity = 0;
+    for (int i = 0; i < cfg->eval_batches; i++) {
+        if (tr_model_forward(m, xt + i * per_batch, t + (size_t)i * cfg->batch, y + (size_t)i * cfg->batch, NULL, err,
+                             err_len))
+            return -1;
+        *sparsity += tr_model_last_sparsity(m) / cfg->eval_batches;
+    }
+    return 0;
+}
+
+/* p on a grid of 1e-6 (the grid paper-repro/train.sh's calibration used). */
+static double grid6(double p) { return round(p * 1e6) / 1e6; }
+
+int tr_calibrate(const tr_config *cfg, double *p_out, double *sparsity_out, char *err, size_t err_len)
+{
+    if (cfg->attn != TR_ATTN_TOPP && cfg->attn != TR_ATTN_HYBRID)
+        return exp_fail(err, err_len, "mode=calibrate finds Top-p's p: attn=topp or attn=hybrid (with its topk)");
+    sparge_device *dev = NULL;
+    tr_model *m = open_model(cfg, &dev, err, err_len);
+    if (!m)
+        return -1;
+    print_record(cfg);
+    const tr_dims *d = tr_model_dims(m);
+    size_t per = (size_t)cfg->batch * d->T * d->H * d->W * d->C, nb = (size_t)cfg->eval_batches;
+    float *buf = malloc((3 * nb * per + 2 * nb * cfg->batch) * sizeof(float));
+    int rc = -1;
+    if (!buf) {
+        exp_fail(err, err_len, "calibration: out of memory");
+        goto out;
+    }
+    float *x0 = buf, *eps = buf + nb * per, *xt = buf + 2 * nb * per, *t = buf + 3 * nb * per;
+    int *y = (int *)(t + nb * cfg->batch);
+    tr_config held_out = *cfg; /* the held-out inputs of mode=eval */
+    snprintf(held_out.data, sizeof held_out.data, "A");
+    for (size_t i = 0; i < nb; i++)
+        tr_make_batch(&held_out, d, 1000000000 + (int64_t)i, x0 + i * per, y + i * cfg->batch, t + i * cfg->batch,
+                      eps + i * per, xt + i * per);
+    double lo = 0, hi = 1, k = cfg->attn == TR_ATTN_HYBRID ? cfg->topk : 0, sp;
+    for (int it = 0; it < cfg->calib_iters; it++) {
+        double p = grid6((lo + hi) / 2);
+        tr_model_set_attention(m, cfg->attn, k, p);
+        if (held_out_sparsity(m, cfg, xt, t, y, per, &sp, err, err_len))
+            goto out;
+        fprintf(stderr, "calibrate: p %.6f sparsity %.4f\n", p, sp);
+        if (sp > cfg->target_sparsity) /* sparsity falls as p grows */
+            lo = p;
+        else
+            hi = p;
+    }
+    *p_out = grid6((lo + hi) / 2);
+    tr_model_set_attention(m, cfg->attn, k, *p_out);
+    if (held_out_sparsity(m, cfg, xt, t, y, per, sparsity_out, err, err_len))
+        goto out;
+    rc = 0;
+out:
+    free(buf);
+    tr_model_free(m);
+    sparge_device_close(dev);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- Q/K/V dumps */
+
+typedef struct {
+    const tr_config *cfg;
+    const tr_dims *d;
+    double time;
+    FILE *manifest;
+    float *q, *k, *v; /* [B, heads, N, hd] */
+} dump_ctx;
+
+static int dump_layer(void *ctx, int layer, const float *qkv, char *err, size_t err_len)
+{
+    dump_ctx *c = ctx;
+    const tr_dims *d = c->d;
+    size_t hd = (size_t)d->hd;
+    for (int b = 0; b < d->B; b++)
+        for (int h = 0; h < d->nh; h++)
+            for (int n = 0; n < d->N; n++) {
+                const float *src = qkv + ((size_t)b * d->N + n) * 3 * d->d + (size_t)h * hd; /* [B, N, 3, heads, hd] */
+                size_t at = (((size_t)b * d->nh + h) * d->N + n) * hd;
+                memcpy(c->q + at, src, hd * sizeof(float));
+                memcpy(c->k + at, src + d->d, hd * sizeof(float));
+                memcpy(c->v + at, src + 2 * d->d, hd * sizeof(float));
+            }
+    char name[64], path[700], meta[2048], tag[600];
+    snprintf(name, sizeof name, "L%02d_t%.3f.safetensors", layer, c->time);
+    snprintf(path, sizeof path, "%s/%s", c->cfg->dump_dir, name);
+    json_escape(c->cfg->tag, tag, sizeof tag);
+    snprintf(meta, sizeof meta,
+             "{\"format\":\"sparge-train-qkv\",\"layer\":\"%d\",\"t\":\"%.6g\",\"block_q\":\"%d\",\"block_k\":\"%d\","
+             "\"init\":\"%s\",\"tag\":\"%s\"}",
+             layer, c->time, c->cfg->block_q, c->cfg->block_k, strrchr(c->cfg->init, '/') ? strrchr(c->cfg->init, '/') + 1
+                                                                                            : c->cfg->init,
+             tag);
+    const char *names[3] = {"q", "k", "v"};
+    const float *data[3] = {c->q, c->k, c->v};
+    int ndims[3] = {4, 4, 4};
+    int64_t shapes[3][8] = {{d->B, d->nh, d->N, d->hd}, {d->B, d->nh, d->N, d->hd}, {d->B, d->nh, d->N, d->hd}};
+    if (exp_st_write(path, 3, names, data, ndims, (const int64_t(*)[8])shapes, SPARGE_F32, meta, err, err_len))
+        return -1;
+    fprintf(c->manifest, "%s,%d,%.6g,%d,%d,%d,%d,%d,%d\n", name, layer, c->time, d->B, d->nh, d->N, d->hd,
+            c->cfg->block_q, c->cfg->block_k);
+    return 0;
+}
+
+int tr_dump(const tr_config *cfg, char *err, size_t err_len)
+{
+    if (!cfg->dump_dir[0])
+        return exp_fail(err, err_len, "mode=dump needs dump_dir=DIR");
+    double times[32];
+    int ntimes = 0;
+    char list[sizeof cfg->dump_times];
+    snprintf(list, sizeof list, "%s", cfg->dump_times);
+    for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
+        char *end;
+        double t = strtod(tok, &end);
+        if (end == tok || *end || !(t >= 0 && t <= 1) || ntimes == 32)
+            return exp_fail(err, err_len, "dump_times=%s: up to 32 comma-separated times in [0, 1]", cfg->dump_times);
+        times[ntimes++] = t;
+    }
+    if (!ntimes)
+        return exp_fail(err, err_len, "dump_times is empty");
+    if (mkdir(cfg->dump_dir, 0777) && errno != EEXIST)
+        return exp_fail(err, err_len, "%s: cannot create: %s", cfg->dump_dir, strerror(errno));
+    sparge_device *dev = NULL;
+    tr_model *m = open_model(cfg, &dev, err, err_len);
+    if (!m)
+        return -1;
+    print_record(cfg);
+    const tr_dims *d = tr_model_dims(m);
+    size_t per = (size_t)cfg->batch * d->T * d->H * d->W * d->C, qkv = (size_t)cfg->batch * d->N * d->d;
+    float *buf = malloc((3 * per + 3 * qkv + cfg->batch) * sizeof(float));
+    int *y = malloc((size_t)cfg->batch * sizeof(int)), rc = -1;
+    char path[700];
+    snprintf(path, sizeof path, "%s/manifest.csv", cfg->dump_dir);
+    dump_ctx c = {cfg, d, 0, fopen(path, "w"), NULL, NULL, NULL};
+    if (!buf || !y || !c.manifest) {
+        exp_fail(err, err_len, !c.manifest ? "%s: cannot create" : "dump: out of memory", path);
+        goto out;
+    }
+    fprintf(c.manifest, "file,layer,t,batch,heads,tokens,head_dim,block_q,block_k\n");
+    float *x0 = buf, *eps = buf + per, *xt = buf + 2 * per, *t = buf + 3 * per + 3 * qkv;
+    c.q = buf + 3 * per, c.k = c.q + qkv, c.v = c.k + qkv; /* each [B, heads, N, hd] = B·N·dim values */
+    tr_config held_out = *cfg; /* the first held-out batch of mode=eval, at each of the times */
+    snprintf(held_out.data, sizeof held_out.data, "A");
+    tr_make_batch(&held_out, d, 1000000000, x0, y, t, eps, xt);
+    tr_model_set_qkv_hook(m, dump_layer, &c);
+    for (int i = 0; i < ntimes; i++) {
+        c.time = times[i];
+        size_t video = per / cfg->batch;
+        for (int b = 0; b < cfg->batch; b++) {
+            t[b] = (float)times[i];
+            for (size_t j = b * video; j < (b + 1) * video; j++)
+                xt[j] = (1.0f - t[b]) * x0[j] + t[b] * eps[j];
+        }
+        if (tr_model_forward(m, xt, t, y, NULL, err, err_len))
+            goto out;
+        fprintf(stderr, "dump: t = %.3f, %d layers written to %s\n", times[i], d->L, cfg->dump_dir);
+    }
+    rc = 0;
+out:
+    if (c.manifest)
+        fclose(c.manifest);
+    free(buf);
+    free(y);
+    tr_model_free(m);
     sparge_device_close(dev);
     return rc;
 }

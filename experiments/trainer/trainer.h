@@ -18,11 +18,17 @@
 
 typedef enum { TR_ATTN_DENSE = 0, TR_ATTN_HYBRID, TR_ATTN_TOPK, TR_ATTN_TOPP } tr_attn_mode;
 typedef enum { TR_LOSS_DIFFUSION = 0, TR_LOSS_VD } tr_loss_kind;
+/* train; eval: held-out metrics of init=; calibrate: the Top-p of attn= (topp, or hybrid with its topk) that gives
+ * target_sparsity on held-out inputs; dump: the model's Q/K/V per layer at dump_times into dump_dir */
+typedef enum { TR_MODE_TRAIN = 0, TR_MODE_EVAL, TR_MODE_CALIBRATE, TR_MODE_DUMP } tr_mode;
+typedef enum { TR_SCENE_SIMPLE = 0, TR_SCENE_RICH } tr_scene;
 
 typedef struct {
     /* model */
     int frames, height, width, channels; /* video [T, H, W, C], patches 1x2x2 */
     int dim, heads, depth, classes, mlp_ratio;
+    int adaln_single; /* adaln=single: every block's adaLN modulation shares one weight and keeps its own bias
+                       * (PixArt-α's adaLN-single); adaln=block (0): a weight per block, as DiT */
     /* attention */
     tr_attn_mode attn;
     double topk, topp;
@@ -38,6 +44,7 @@ typedef struct {
     /* training */
     tr_loss_kind loss;
     char data[8]; /* "A" or "B" */
+    tr_scene scene; /* scene=simple (one disc over a static texture) or rich (several objects, camera pan) */
     int steps, batch, log_every, ckpt_every, warmup; /* warmup: linear LR warm-up steps */
     double lr, beta1, beta2, adam_eps, weight_decay, grad_clip;
     uint64_t seed;      /* init, noise and timesteps */
@@ -47,10 +54,18 @@ typedef struct {
     char resume[512];  /* checkpoint to resume (weights, AdamW moments, step) */
     char out[512];     /* checkpoint written every ckpt_every steps and at the end; "" = none */
     char log[512];     /* CSV log; "" = none */
-    /* evaluation (mode=eval) */
-    int eval;          /* 0: train, 1: evaluate init= (and teacher=) */
+    double time_limit;     /* seconds: training stops at the first step boundary past it, checkpoint written (0: none) */
+    double ckpt_shard_mib; /* checkpoints above this size are split into shards of at most it (0: one file) */
+    int save_optimizer;    /* 1 (default): checkpoints hold the AdamW moments and step (resume=); 0: weights only */
+    char tag[256];         /* free text (e.g. the commit) printed with the configuration and kept in checkpoints */
+    /* evaluation, calibration and dumps */
+    tr_mode mode;
     int sample_steps;  /* Euler steps */
     int eval_batches;  /* held-out batches of `batch` videos */
+    double target_sparsity; /* mode=calibrate */
+    int calib_iters;        /* mode=calibrate: bisection steps */
+    char dump_dir[512];     /* mode=dump: where the files go */
+    char dump_times[128];   /* mode=dump: comma-separated diffusion times in [0, 1] */
 } tr_config;
 
 void tr_config_defaults(tr_config *c);
@@ -62,6 +77,8 @@ int tr_config_load(tr_config *c, const char *path, char *err, size_t err_len);
 int tr_config_check(const tr_config *c, char *err, size_t err_len);
 /* One line "frames=8 height=16 ..." of the model keys (stored in checkpoints). */
 void tr_config_model_string(const tr_config *c, char *out, size_t len);
+/* Every key as "key=value" separated by spaces (the run's record in its log). */
+void tr_config_string(const tr_config *c, char *out, size_t len);
 const char *tr_attn_mode_name(tr_attn_mode m);
 
 /* ---------------------------------------------------------------- model */
@@ -119,6 +136,10 @@ int tr_model_init(tr_model *m, uint64_t seed, char *err, size_t err_len);
  * last predicted masks are reused: the gradient check needs a fixed mask). */
 void tr_model_set_attention(tr_model *m, tr_attn_mode mode, double topk, double topp);
 void tr_model_freeze_masks(tr_model *m, int frozen);
+/* Called on every forward with each block's Q/K/V before its attention: qkv is a host array [B, N, 3, heads, hd]
+ * (the model's qkv activation). Returns 0, or -1 with a message (the forward then fails). */
+typedef int (*tr_qkv_hook)(void *ctx, int layer, const float *qkv, char *err, size_t err_len);
+void tr_model_set_qkv_hook(tr_model *m, tr_qkv_hook hook, void *ctx);
 /* The last predicted mask of block `layer` as a host dense uint8 [B, heads, Nqb, Nkb]. */
 int tr_model_mask_dense(const tr_model *m, int layer, uint8_t *host, char *err, size_t err_len);
 /* Mean block sparsity over the blocks of the last forward (0 for dense). */
@@ -157,6 +178,10 @@ void tr_model_zero_grad(tr_model *m);
  * be regenerated alone. Its class (the motion pattern) is written to *label. */
 void tr_data_sample(char dist, uint64_t seed, uint64_t index, int T, int H, int W, int C, int classes, float *video,
                     int *label);
+/* The same in either kind of scene (tr_data_sample is scene=simple). Rich scenes: the texture pans in the class's
+ * direction and three objects move over it with their own velocities (README.md, "Data"). */
+void tr_data_sample_scene(char dist, tr_scene scene, uint64_t seed, uint64_t index, int T, int H, int W, int C,
+                          int classes, float *video, int *label);
 
 /* Statistics used by the tests and the metrics, means over the video: |horizontal pixel
  * difference| (sharpness, raised by noise too), |frame difference| (temporal change),
@@ -202,11 +227,12 @@ void tr_feature_mean(const double *features, int n, int dims, double *mean);
 /* Per-feature standardization scale: the std over the reference rows (1 for a constant feature). */
 void tr_feature_scales(const double *reference, int n, int dims, double *scale);
 /* Fréchet distance ‖μa − μb‖² + Tr(Σa + Σb − 2(Σa^½ Σb Σa^½)^½) of two sets of feature rows, each
- * feature divided by scale[j] first (NULL: none); in double, ≥ 0. NaN for an empty set. */
+ * feature divided by scale[j] first (NULL: none); in double, ≥ 0. NaN for an empty set or when LAPACK fails. */
 double tr_frechet_distance(const double *a, int na, const double *b, int nb, int dims, const double *scale);
-/* Cyclic Jacobi eigen-decomposition of the symmetric n×n matrix a (destroyed): values[n], and
- * the eigenvectors as the columns of vectors[n×n]. */
-void tr_symmetric_eigen(double *a, int n, double *values, double *vectors);
+/* Eigen-decomposition of the symmetric n×n row-major matrix a (destroyed) by LAPACK's dsyevd (through LAPACKE,
+ * or its Fortran interface where configure found no LAPACKE): values[n] ascending, and the eigenvectors as the
+ * columns of vectors[n×n]. Returns 0, or -1 when LAPACK reports a failure or is out of memory. */
+int tr_symmetric_eigen(double *a, int n, double *values, double *vectors);
 /* Imaging quality of one video in [0, 1] against the reference set's mean feature vector:
  * min(1, g/g_ref) · g_ref / (g_ref + max(0, σ − σ_ref)), g = TR_FEAT_GRADIENT_RMS (blur lowers
  * it), σ = TR_FEAT_NOISE_SIGMA (noise above the reference's lowers the score). */
@@ -278,5 +304,14 @@ typedef struct {
 /* Size of the fixed reference set of the Fréchet distance and of the imaging-quality reference. */
 #define TR_EVAL_REFERENCE_VIDEOS 256
 int tr_evaluate(const tr_config *cfg, tr_eval_result *out, char *err, size_t err_len);
+
+/* mode=calibrate: bisection (calib_iters steps, p on a 1e-6 grid) for the p of attn= (topp, or hybrid with its
+ * topk) whose mean mask sparsity over the eval_batches held-out batches of mode=eval is target_sparsity; *p_out
+ * and the sparsity it gives. Returns 0, or -1 with a message. */
+int tr_calibrate(const tr_config *cfg, double *p_out, double *sparsity_out, char *err, size_t err_len);
+/* mode=dump: the first held-out batch of mode=eval at each of dump_times, through init= under cfg's attention;
+ * every block's Q, K, V before its attention go to dump_dir/Lll_tT.TTT.safetensors (tensors q, k, v, F32
+ * [batch, heads, tokens, head_dim], the layout exp_* --input reads), listed in dump_dir/manifest.csv. */
+int tr_dump(const tr_config *cfg, char *err, size_t err_len);
 
 #endif

@@ -3,10 +3,12 @@
 # csv: family,kind,rule,k,p,kept_blocks,sparsity,token_density,mean_row_mass,rel_l1,rel_l2
 set terminal term size 1500,480 font ",10"
 set output out
+# families: the inputs' names in the CSV's first column (run.sh passes those present)
+if (!exists("families")) families = "uniform+hubs sink video"
+nf = words(families)
 set datafile separator ","
-set multiplot layout 1,3 title "Output error vs. sparsity (lines: equal-sparsity sweep; " . \
+set multiplot layout 1,nf title "Output error vs. sparsity (lines: equal-sparsity sweep; " . \
     "symbols: paper arms Top-k 0.05, Top-p 0.4, hybrid 0.03/0.2)"
-families = "uniform sink video"
 rules = "Top-k Top-p hybrid"
 colors = "#1f77b4 #d62728 #2ca02c"
 # rows of one (family, kind, rule), so that lines join only that series' points
@@ -18,7 +20,7 @@ set format y "%g"
 set xlabel "sparsity (%)"
 set ylabel "rel. L1 of the output"
 set key bottom right
-do for [f = 1:3] {
+do for [f = 1:nf] {
   fam = word(families, f)
   set title fam
   plot for [r = 1:3] sel(fam, "sweep", word(rules, r)) using (100*$7):10 \

@@ -12,6 +12,6 @@ set offsets 0.6, 0.6, 0, 0
 set bmargin 7
 set title "velocity rel. L2 to the full-attention teacher (held-out A)"
 plot dat using 0:2:3:xtic(1) with boxerrorbars lc rgb "#1f77b4" notitle
-set title "Fréchet distance of Euler samples to real A videos"
+set title "Fréchet distance of Euler samples to real A videos (informative? table6.md, sanity)"
 plot dat using 0:4:5:xtic(1) with boxerrorbars lc rgb "#d62728" notitle
 unset multiplot
