@@ -25,15 +25,28 @@ typedef struct {
     double topk, topp;
     double tol; /* 0: the dtype's */
     const char *options;
-    int quick;
+    int quick;        /* 1: every expansion is in the quick grid; QUICK(dts, lays): those expansions only */
+    int64_t kv_heads; /* 0: as many as Q */
+    int causal;
+    const char *seqs; /* varlen: "100,257,40" (Q and K alike) or "90,300/150,260" (Q's, then K's); B, Nq and Nk
+                       * are then the count and the totals */
 } row;
 
+#define QUICK(dts, lays) (2 | (dts) << 2 | (lays) << 5)
+
 #define ROW(label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, opts, quick)                                       \
-    {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, opts, quick}
+    {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, opts, quick, 0, 0, NULL}
 /* A shape masked (hybrid k = 0.1, p = 0.5: a few blocks per row) and dense. */
 #define PAIR(label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, opts, quick)                                            \
     ROW(label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, 0.1, 0.5, opts, quick),                                        \
         ROW(label "-dense", (ops) & FB, B, H, Nq, Nk, D, bq, bk, dts, lays, 0.0, 0.0, opts, quick)
+/* Grouped K/V heads (hkv), block-causal masks and packed variable-length sequences (sparge_mask_layout). */
+#define LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, k, p, causal, seqs, quick)                           \
+    {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, NULL, quick, hkv, causal, seqs}
+/* Such a fixed-length shape masked and dense (varlen needs a mask, so a varlen row has no dense twin). */
+#define LPAIR(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, causal, quick, dense_quick)                         \
+    LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, 0.1, 0.5, causal, NULL, quick),                          \
+        LROW(label "-dense", (ops) & FB, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, 0.0, 0.0, causal, NULL, dense_quick)
 /* The tensor-core shapes of the grid (D 64 and 128, blocks 128 x 64 and 128 x 128) under one option set. */
 #define TC_SHAPES(label, ops, opts)                                                                                    \
     PAIR(label "-300", ops, 2, 3, 300, 300, 64, 128, 64, F16 | BF16, BHND, opts, 0),                                   \
@@ -49,6 +62,15 @@ static const row rows[] = {
     ROW("d96", ALL, 1, 2, 200, 333, 96, 128, 64, ALL_DT, BOTH, 0.1, 0.5, NULL, 1),
     ROW("topk-small", ALL, 1, 2, 200, 150, 64, 128, 64, ALL_DT, BOTH, 0.5, 0.0, NULL, 1),
     ROW("small-dense", FB, 1, 2, 200, 150, 64, 128, 64, ALL_DT, BOTH, 0.0, 0.0, NULL, 1),
+    /* Grouped K/V heads, causal and varlen at sizes the grad mode takes, one dtype and layout of each in the quick
+     * grid: GQA 4/2 and MQA 4/1; causal with Nq < Nk (bottom-right) and bq != bk, masked and dense; three packed
+     * sequences, one shorter than a block; the three together. */
+    LROW("gqa-small", ALL, 1, 4, 2, 200, 150, 64, 128, 64, ALL_DT, BOTH, 0.1, 0.5, 0, NULL, QUICK(BF16, BHND)),
+    LROW("mqa-small", ALL, 1, 4, 1, 200, 150, 64, 128, 64, ALL_DT, BOTH, 0.5, 0.0, 0, NULL, QUICK(F16, BNHD)),
+    LPAIR("causal-small", ALL, 1, 2, 0, 150, 260, 64, 64, 32, ALL_DT, BOTH, 1, QUICK(F32, BNHD), QUICK(BF16, BHND)),
+    LROW("varlen-small", ALL, 0, 2, 0, 0, 0, 64, 64, 32, ALL_DT, BOTH, 0.2, 0.5, 0, "90,30,70", QUICK(F16, BHND)),
+    LROW("varlen-causal-gqa-small", ALL, 0, 4, 2, 0, 0, 64, 64, 32, ALL_DT, BOTH, 0.2, 0.4, 1, "80,40,50/100,50,60",
+         QUICK(BF16, BNHD)),
 
     /* The full grid: several B·H, ragged tails, Nq ≠ Nk, D from 32 to 256, masked and dense. */
     PAIR("one-tile", ALL, 1, 1, 128, 128, 64, 128, 64, ALL_DT, BOTH, NULL, 0),
@@ -123,11 +145,71 @@ static const row rows[] = {
     ROW("map-64x64-d36", MASK, 1, 3, 1000, 1000, 36, 128, 64, F32, BOTH, 0.03, 0.2, "map_tile=64x64", 0),
     ROW("map-f16x3", MASK, 1, 3, 1000, 1000, 128, 128, 64, F32 | BF16, BOTH, 0.03, 0.2, "map_tile=f16x3", 0),
     ROW("map-f16x3-d36", MASK, 1, 3, 1000, 1000, 36, 128, 64, F32, BOTH, 0.03, 0.2, "map_tile=f16x3", 0),
+
+    /* Grouped K/V heads: GQA 4/2 and MQA 4/1 at the tensor-core shapes, masked and dense (f32: the small rows). */
+    LPAIR("gqa", ALL, 2, 4, 2, 300, 300, 64, 128, 64, F16 | BF16, BOTH, 0, 0, 0),
+    LPAIR("mqa-d128", ALL, 1, 4, 1, 260, 390, 128, 128, 128, F16 | BF16, BOTH, 0, 0, 0),
+    /* Block-causal: Nq = Nk ragged, Nq < Nk (bottom-right), bq < bk (several query blocks on one diagonal key
+     * block) and bq > bk (several diagonal key blocks per row), D 64 and 128, masked and dense, with grouped heads. */
+    LPAIR("causal", ALL, 1, 2, 0, 300, 300, 64, 128, 64, F16 | BF16, BOTH, 1, 0, 0),
+    LPAIR("causal-bottom-right", ALL, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BOTH, 1, 0, 0),
+    LROW("causal-64x128", ALL, 1, 2, 0, 260, 390, 64, 64, 128, F16 | BF16, BOTH, 0.1, 0.5, 1, NULL, 0),
+    LPAIR("causal-d128", ALL, 2, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 1, 0, 0),
+    LPAIR("causal-gqa-d128", ALL, 1, 4, 2, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 1, 0, 0),
+    /* Packed sequences (one shorter than a block): Q and K alike, K's own lengths with MQA at D = 128, causal with
+     * GQA, and causal with MQA at D = 96 (the tensor-core tier's refusal, the next tier's run). */
+    LROW("varlen", ALL, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0, "100,257,40,190", 0),
+    LROW("varlen-qk-mqa", ALL, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BOTH, 0.2, 0.5, 0, "90,300,50/150,260,120",
+         0),
+    LROW("varlen-causal-gqa", ALL, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
+         "200,129,40,300/260,129,64,300", 0),
+    LROW("varlen-causal-d96", ALL, 0, 2, 1, 0, 0, 96, 128, 64, ALL_DT, BHND, 0.1, 0.5, 1, "100,257,40,190", 0),
+    /* strict=on: a chained device whose first tier does not take these must refuse them cleanly */
+    {"strict-causal-gqa", ALL, 1, 4, 300, 300, 64, 128, 64, BF16, BHND, 0.1, 0.5, 0.0, "strict=on", 0, 2, 1, NULL},
 };
 enum { ROWS = sizeof rows / sizeof rows[0] };
 
 static check_case table[ROWS * 6];
 static int table_len = -1;
+
+/* Parses a comma-separated list of sequence lengths into cu (offsets from 0); returns the count, or 0 if malformed
+ * or longer than CHECK_MAX_SEQ. *end points past the list. */
+static int parse_lengths(const char *s, int32_t *cu, const char **end)
+{
+    int n = 0;
+    cu[0] = 0;
+    for (;;) {
+        char *e;
+        const long v = strtol(s, &e, 10);
+        if (e == s || v <= 0 || n == CHECK_MAX_SEQ)
+            return 0;
+        cu[n + 1] = cu[n] + (int32_t)v;
+        n++;
+        s = e;
+        if (*s != ',')
+            break;
+        s++;
+    }
+    *end = s;
+    return n;
+}
+
+/* A row's varlen sequences into c (B, Nq, Nk the count and totals). 0 if malformed. */
+static int expand_seqs(const row *w, check_case *c)
+{
+    const char *end;
+    c->nseq = parse_lengths(w->seqs, c->cu_q, &end);
+    if (!c->nseq)
+        return 0;
+    if (*end == '/') {
+        if (parse_lengths(end + 1, c->cu_k, &end) != c->nseq)
+            return 0;
+    } else {
+        memcpy(c->cu_k, c->cu_q, sizeof c->cu_q);
+    }
+    c->B = c->nseq, c->Nq = c->cu_q[c->nseq], c->Nk = c->cu_k[c->nseq];
+    return *end == 0;
+}
 
 static void expand_table(void)
 {
@@ -141,6 +223,7 @@ static void expand_table(void)
                 if (!(w->dtypes & (1u << dt)) || !(w->layouts & (1u << lay)))
                     continue;
                 check_case *c = &table[table_len++];
+                memset(c, 0, sizeof *c);
                 snprintf(c->name, sizeof c->name, "%s/%s/%s", w->label, sparge_dtype_name((sparge_dtype)dt),
                          lay ? "bnhd" : "bhnd");
                 c->ops = w->ops;
@@ -151,7 +234,14 @@ static void expand_table(void)
                 c->topk = w->topk, c->topp = w->topp;
                 c->tol = w->tol;
                 c->options = w->options;
-                c->quick = w->quick;
+                c->quick = w->quick == 1 ||
+                           ((w->quick & 2) && (w->quick >> 2 & (1 << dt)) && (w->quick >> 5 & (1 << lay)));
+                c->kv_heads = w->kv_heads == w->H ? 0 : w->kv_heads;
+                c->causal = w->causal;
+                if (w->seqs && !expand_seqs(w, c)) { /* a mistake in the table: the case fails at once */
+                    c->B = 0;
+                    c->nseq = 0;
+                }
             }
 }
 
@@ -169,8 +259,69 @@ const check_case *check_case_get(int i)
 
 static int is_dense(const check_case *c) { return c->topk == 0.0 && c->topp == 0.0; }
 static double tolerance(const check_case *c) { return c->tol > 0.0 ? c->tol : sparge_dtype_tolerance(c->dtype); }
-static int64_t nqb(const check_case *c) { return (c->Nq + c->bq - 1) / c->bq; }
-static int64_t nkb(const check_case *c) { return (c->Nk + c->bk - 1) / c->bk; }
+static int64_t hkv(const check_case *c) { return c->kv_heads > 0 ? c->kv_heads : c->H; }
+/* The tensors' batch: one packed batch when varlen. */
+static int64_t tbatch(const check_case *c) { return c->nseq ? 1 : c->B; }
+
+/* Sequence b: its first query and key tokens in the tensors' N and its lengths (fixed length: batch b). */
+static void seq_of(const check_case *c, int64_t b, int64_t *q0, int64_t *nq, int64_t *k0, int64_t *nk)
+{
+    if (c->nseq) {
+        *q0 = c->cu_q[b], *nq = c->cu_q[b + 1] - c->cu_q[b];
+        *k0 = c->cu_k[b], *nk = c->cu_k[b + 1] - c->cu_k[b];
+    } else {
+        *q0 = *k0 = 0, *nq = c->Nq, *nk = c->Nk;
+    }
+}
+
+/* The longest sequence's tokens (fixed length: Nq, Nk): what the mask's rows are laid out for. */
+static int64_t longest(const check_case *c, int keys)
+{
+    int64_t n = 0, q0, nq, k0, nk;
+    for (int64_t b = 0; b < (c->nseq ? c->nseq : 1); b++) {
+        seq_of(c, b, &q0, &nq, &k0, &nk);
+        n = (keys ? nk : nq) > n ? (keys ? nk : nq) : n;
+    }
+    return n;
+}
+
+/* The mask's query and key blocks per row and column (varlen: the longest sequence's). */
+static int64_t nqb(const check_case *c) { return (longest(c, 0) + c->bq - 1) / c->bq; }
+static int64_t nkb(const check_case *c) { return (longest(c, 1) + c->bk - 1) / c->bk; }
+
+/* The row rule, written here from its definition (sparge.h, sparge_mask_layout): query block i of sequence b may
+ * attend key blocks [0, *allowed); causal, bottom-right aligned: the key blocks holding key t + nk − nq for one of
+ * its queries t, *d0..*d1, are always kept and none after them is allowed. 0 for a row past its sequence's query
+ * blocks (it keeps nothing). */
+static int row_rule(const check_case *c, int64_t b, int64_t i, int64_t *allowed, int64_t *d0, int64_t *d1)
+{
+    int64_t q0, nq, k0, nk;
+    seq_of(c, b, &q0, &nq, &k0, &nk);
+    *d0 = 1, *d1 = 0, *allowed = (nk + c->bk - 1) / c->bk;
+    if (i * c->bq >= nq)
+        return 0;
+    if (c->causal) {
+        const int64_t first = i * c->bq, last = (first + c->bq < nq ? first + c->bq : nq) - 1;
+        *d0 = (first + nk - nq) / c->bk;
+        *d1 = (last + nk - nq) / c->bk;
+        *allowed = *d1 + 1;
+    }
+    return 1;
+}
+
+/* sparge_mask_create_ex's layout of c (cu_seqlens point into c). */
+static sparge_mask_layout layout_of(const check_case *c)
+{
+    return (sparge_mask_layout){.B = c->B, .H = c->H, .Nq = c->Nq, .Nk = c->Nk, .block_q = c->bq, .block_k = c->bk,
+                                .causal = c->causal, .cu_seqlens_q = c->nseq ? c->cu_q : NULL,
+                                .cu_seqlens_k = c->nseq ? c->cu_k : NULL};
+}
+
+static sparge_status create_mask(sparge_device *dev, const check_case *c, sparge_mask **m)
+{
+    const sparge_mask_layout l = layout_of(c);
+    return sparge_mask_create_ex(dev, &l, m);
+}
 
 /* ---------------------------------------------------------------- random inputs */
 
@@ -448,7 +599,8 @@ static int rows_aligned(const sparge_tensor *t)
 
 /* A mask's selection on the host. */
 typedef struct {
-    int64_t BH, Nqb, Nkb;
+    int64_t BH, H, Nqb, Nkb;
+    int varlen;
     uint8_t *dense;
     int32_t *cnt, *idx;   /* CSR */
     int32_t *tcnt, *tidx; /* the transpose, or NULL */
@@ -471,7 +623,7 @@ static int mask_fetch(outcome *o, const sparge_mask *m, mask_host *h, int transp
     memset(h, 0, sizeof *h);
     if (!ok(o, "sparge_mask_get_shape", sparge_mask_get_shape(m, &ms)))
         return 0;
-    h->BH = ms.B * ms.H, h->Nqb = ms.Nqb, h->Nkb = ms.Nkb;
+    h->BH = ms.B * ms.H, h->H = ms.H, h->Nqb = ms.Nqb, h->Nkb = ms.Nkb, h->varlen = ms.varlen;
     const size_t cells = (size_t)(h->BH * h->Nqb * h->Nkb);
     h->dense = malloc(cells);
     h->cnt = malloc((size_t)(h->BH * h->Nqb) * sizeof(int32_t));
@@ -491,16 +643,32 @@ static int mask_fetch(outcome *o, const sparge_mask *m, mask_host *h, int transp
 }
 
 /* docs/DESIGN.md §2.2's invariants: every row keeps ≥ 1 block, the dense view holds 0 and 1, the CSR lists the
- * dense view's blocks ascending then −1, and the transpose lists exactly the kept pairs the same way. */
-static void check_wellformed(outcome *o, const char *what, const mask_host *h)
+ * dense view's blocks ascending then −1, and the transpose lists exactly the kept pairs the same way. With the case
+ * (lay, may be NULL) also its layout's: a row keeps its diagonal blocks and nothing after its allowed blocks, and a
+ * row past its sequence keeps nothing (without the case, a varlen mask's rows may be empty). */
+static void check_wellformed(outcome *o, const char *what, const mask_host *h, const check_case *lay)
 {
     for (int64_t r = 0; r < h->BH * h->Nqb; r++) {
         const uint8_t *d = h->dense + r * h->Nkb;
         const int32_t *list = h->idx + r * h->Nkb;
-        int64_t c = 0;
+        int64_t c = 0, allowed = h->Nkb, d0 = 1, d1 = 0;
+        const int in_seq = lay ? row_rule(lay, r / (h->H * h->Nqb), r % h->Nqb, &allowed, &d0, &d1) : 1;
+        if (!in_seq)
+            allowed = 0;
         for (int64_t j = 0; j < h->Nkb; j++) {
             if (d[j] > 1) {
                 failf(o, "%s: dense view holds %d at row %lld block %lld", what, d[j], (long long)r, (long long)j);
+                return;
+            }
+            if (d[j] && j >= allowed) {
+                failf(o, "%s: row %lld keeps block %lld, %s", what, (long long)r, (long long)j,
+                      !in_seq ? "but the row lies past its sequence" : lay->causal ? "after its causal diagonal"
+                                                                                   : "past its sequence's keys");
+                return;
+            }
+            if (!d[j] && j >= d0 && j <= d1) {
+                failf(o, "%s: row %lld drops block %lld, one of its diagonal blocks %lld..%lld", what, (long long)r,
+                      (long long)j, (long long)d0, (long long)d1);
                 return;
             }
             if (d[j] && list[c++] != j) {
@@ -509,7 +677,7 @@ static void check_wellformed(outcome *o, const char *what, const mask_host *h)
                 return;
             }
         }
-        if (h->cnt[r] != c || c < 1) {
+        if (h->cnt[r] != c || (c < 1 && in_seq && !(h->varlen && !lay))) {
             failf(o, "%s: row %lld: count %d, the dense view keeps %lld", what, (long long)r, h->cnt[r], (long long)c);
             return;
         }
@@ -562,16 +730,44 @@ static int by_rank(const void *a, const void *b)
     return (x->j > y->j) - (x->j < y->j);
 }
 
-/* docs/DESIGN.md §2.2: a row of the reference's map whose selection (kept blocks) was within rounding of going
- * the other way: the kept-th and next ordered values within 1e-5 (relative), or a prefix sum within 1e-5 of p. */
-static int close_call(const float *map_row, int64_t n, double p, int64_t kept)
+/* §1.6's Top-k count over n blocks. */
+static int64_t topk_count(double k, int64_t n)
 {
-    ranked *order = malloc((size_t)n * sizeof *order);
-    if (!order)
+    if (!(k > 0.0))
         return 0;
+    const int64_t c = (int64_t)floor(k * (double)n + 1e-6);
+    return c < 1 ? 1 : c > n ? n : c;
+}
+
+/* docs/DESIGN.md §2.2: a row of the reference's map (its first n blocks: those the row may attend) whose selection
+ * (kept blocks) was within rounding of going the other way: the kept-th and next ordered values within 1e-5
+ * (relative), or a prefix sum within 1e-5 of p. kept < 0: the count Top-k ∪ Top-p selects with k and p on the
+ * row, for a causal row whose kept blocks include diagonal blocks added after the selection. */
+static int close_call(const float *map_row, int64_t n, double k, double p, int64_t kept)
+{
+    ranked *order = malloc((size_t)(n > 0 ? n : 1) * sizeof *order);
+    if (!order || n <= 0) {
+        free(order);
+        return 0;
+    }
     for (int64_t j = 0; j < n; j++)
         order[j] = (ranked){map_row[j], j};
     qsort(order, (size_t)n, sizeof *order, by_rank);
+    if (kept < 0) {
+        int64_t np = 0;
+        if (p > 0.0) {
+            double sum = 0.0;
+            np = n;
+            for (int64_t t = 0; t < n; t++)
+                if ((sum += order[t].v) >= p) {
+                    np = t + 1;
+                    break;
+                }
+        }
+        kept = topk_count(k, n);
+        kept = kept > np ? kept : np;
+        kept = kept > 1 ? kept : 1;
+    }
     int close = 0;
     if (kept >= 1 && kept < n) {
         const double x = order[kept - 1].v, y = order[kept].v;
@@ -589,18 +785,24 @@ static int close_call(const float *map_row, int64_t n, double p, int64_t kept)
 }
 
 /* Compares the device's selection with cpu-ref's row by row. With map (cpu-ref's pooled map) a differing row is
- * accepted when it was a close call (counted in *close_rows); without, the selections must be identical. */
+ * accepted when it was a close call (counted in *close_rows); without, the selections must be identical. With the
+ * case (lay, may be NULL) a row's call is judged over the blocks it may attend, and a causal row's at the count its
+ * selection (k, p) made before its diagonal blocks were added. */
 static void compare_selection(outcome *o, const char *what, const mask_host *got, const mask_host *want,
-                              const float *map, double p, int64_t *close_rows)
+                              const float *map, double k, double p, int64_t *close_rows, const check_case *lay)
 {
     for (int64_t r = 0; r < want->BH * want->Nqb; r++) {
         const uint8_t *g = got->dense + r * want->Nkb, *w = want->dense + r * want->Nkb;
         if (!memcmp(g, w, (size_t)want->Nkb))
             continue;
-        int64_t kept = 0;
+        int64_t kept = 0, n = want->Nkb, d0, d1;
         for (int64_t j = 0; j < want->Nkb; j++)
             kept += w[j];
-        if (!map || !close_call(map + r * want->Nkb, want->Nkb, p, kept)) {
+        if (lay && !row_rule(lay, r / (want->H * want->Nqb), r % want->Nqb, &n, &d0, &d1))
+            n = 0;
+        if (lay && lay->causal)
+            kept = -1;
+        if (!map || !close_call(map + r * want->Nkb, n, k, p, kept)) {
             int64_t gk = 0;
             for (int64_t j = 0; j < want->Nkb; j++)
                 gk += g[j];
@@ -620,12 +822,12 @@ int check_mask(const sparge_mask *m, const sparge_mask *want, const float *map, 
     int64_t close = 0;
     memset(&o, 0, sizeof o);
     if (mask_fetch(&o, m, &got, 1)) {
-        check_wellformed(&o, "mask", &got);
+        check_wellformed(&o, "mask", &got, NULL);
         if (want && !o.failed && mask_fetch(&o, want, &ref, 0)) {
             if (ref.BH != got.BH || ref.Nqb != got.Nqb || ref.Nkb != got.Nkb)
                 failf(&o, "the masks have different shapes");
             else
-                compare_selection(&o, "mask", &got, &ref, map, p, &close);
+                compare_selection(&o, "mask", &got, &ref, map, NAN, p, &close, NULL);
             mask_host_free(&ref);
         }
         mask_host_free(&got);
@@ -643,7 +845,9 @@ typedef struct {
     sparge_device *dev;
     const char *first;   /* its first tier */
     int strict_case;     /* the case sets strict itself */
-    const uint8_t *ones; /* a selection keeping every block: the poison of a mask a call writes */
+    const uint8_t *ones; /* a selection keeping every block the case's layout allows: the poison of a mask a call
+                          * writes */
+    int64_t cells;       /* its length */
 } target;
 
 /* The arguments of any op call. */
@@ -654,13 +858,33 @@ typedef struct {
     float *lse;
     sparge_mask *mask;
     const sparge_mask_params *mp;
-    int block, det;
+    int block, det, causal;
+    const int32_t *cu;  /* pool: varlen offsets, each sequence pooled on its own into consecutive rows of out */
+    int nseq;
 } op_args;
+
+/* A view of tokens [n0, n0 + n) of x. */
+static sparge_tensor rows_of(const sparge_tensor *x, int64_t n0, int64_t n)
+{
+    sparge_tensor v = *x;
+    v.data = (char *)x->data + n0 * x->stride[2] * (int64_t)sparge_dtype_size(x->dtype);
+    v.shape[2] = n;
+    return v;
+}
 
 static sparge_status call_pool(const void *p)
 {
     const op_args *a = p;
-    return sparge_pool(a->dev, a->q, a->block, a->out[0]);
+    if (!a->nseq)
+        return sparge_pool(a->dev, a->q, a->block, a->out[0]);
+    sparge_status s = SPARGE_OK;
+    for (int64_t b = 0, r0 = 0; !s && b < a->nseq; b++) {
+        const int64_t n = a->cu[b + 1] - a->cu[b], nb = (n + a->block - 1) / a->block;
+        sparge_tensor x = rows_of(a->q, a->cu[b], n), out = rows_of(a->out[0], r0, nb);
+        s = sparge_pool(a->dev, &x, a->block, &out);
+        r0 += nb;
+    }
+    return s;
 }
 
 static sparge_status call_map(const void *p)
@@ -681,16 +905,18 @@ static sparge_status call_select(const void *p)
     return sparge_mask_select(a->dev, a->map, a->mp, a->mask);
 }
 
+/* A causal case asks for causal attention in the params too (a masked call may repeat its mask's flag). */
 static sparge_status call_forward(const void *p)
 {
     const op_args *a = p;
-    return sparge_attention_forward(a->dev, a->q, a->k, a->v, a->mask, NULL, a->out[0], a->lse);
+    const sparge_attn_params ap = {0.0f, 0, a->causal};
+    return sparge_attention_forward(a->dev, a->q, a->k, a->v, a->mask, &ap, a->out[0], a->lse);
 }
 
 static sparge_status call_backward(const void *p)
 {
     const op_args *a = p;
-    const sparge_attn_params ap = {0.0f, a->det, 0};
+    const sparge_attn_params ap = {0.0f, a->det, a->causal};
     return sparge_attention_backward(a->dev, a->q, a->k, a->v, a->o, a->d_o, a->lse, a->mask, &ap, a->out[0],
                                      a->out[1], a->out[2]);
 }
@@ -716,7 +942,7 @@ static int poison(outcome *o, const target *t, const op_run *r)
 }
 
 /* After a refusal: a message, the outputs still poisoned and the mask as it was. */
-static void check_untouched(outcome *o, const op_run *r, const char *when)
+static void check_untouched(outcome *o, const target *t, const op_run *r, const char *when)
 {
     if (!sparge_last_error()[0])
         failf(o, "%s refused%s without a message", r->what, when);
@@ -727,8 +953,8 @@ static void check_untouched(outcome *o, const op_run *r, const char *when)
         }
     mask_host h;
     if (r->mask && mask_fetch(o, r->mask, &h, 0)) {
-        for (int64_t i = 0; i < h.BH * h.Nqb * h.Nkb; i++)
-            if (h.dense[i] != 1) {
+        for (int64_t i = 0; i < h.BH * h.Nqb * h.Nkb && i < t->cells; i++)
+            if (h.dense[i] != t->ones[i]) {
                 failf(o, "%s refused%s but changed the mask", r->what, when);
                 break;
             }
@@ -754,7 +980,7 @@ static void check_strict_refusal(outcome *o, const target *t, const op_run *r, c
             failf(o, "%s with strict=on: %s (%s), not a refusal (%s runs it without)", r->what, sparge_status_name(s),
                   sparge_last_error(), tier);
         } else {
-            check_untouched(o, r, " with strict=on");
+            check_untouched(o, t, r, " with strict=on");
             notef(o, "strict=on refuses the %s", r->what);
         }
     }
@@ -789,7 +1015,7 @@ static int run_op(outcome *o, const target *t, const op_run *r)
     }
     if (tier)
         failf(o, "%s refused although sparge_device_supports named tier %s: %s", r->what, tier, msg);
-    check_untouched(o, r, "");
+    check_untouched(o, t, r, "");
     if (!strstr(o->refused, r->what)) {
         size_t n = strlen(o->refused);
         snprintf(o->refused + n, sizeof o->refused - n, "%s%s (%s)", n ? "; " : "", r->what, msg);
@@ -797,11 +1023,13 @@ static int run_op(outcome *o, const target *t, const op_run *r)
     return 0;
 }
 
-/* The description of an attention call on c with tensors ts. */
+/* The description of an attention call on c with tensors ts (as sparge_op_desc says: varlen, the sequences and
+ * the longest one's tokens). */
 static sparge_op_desc attention_desc(sparge_op op, const check_case *c, ctensor *const *ts, int n, int masked, int det)
 {
-    sparge_op_desc d = {.op = op, .dtype = c->dtype, .head_dim = c->D, .B = c->B, .H = c->H, .Nq = c->Nq, .Nk = c->Nk,
-                        .rows_aligned = 1, .deterministic = det};
+    sparge_op_desc d = {.op = op, .dtype = c->dtype, .head_dim = c->D, .B = c->B, .H = c->H, .Nq = longest(c, 0),
+                        .Nk = longest(c, 1), .rows_aligned = 1, .deterministic = det, .kv_heads = hkv(c),
+                        .causal = c->causal, .varlen = c->nseq > 0};
     if (masked)
         d.block_q = c->bq, d.block_k = c->bk;
     for (int i = 0; i < n; i++)
@@ -846,7 +1074,45 @@ static void reference_free(reference *R)
 
 static sparge_mask_params mask_params(const check_case *c)
 {
-    return (sparge_mask_params){c->bq, c->bk, c->topk, c->topp, 0.0f, 0};
+    return (sparge_mask_params){c->bq, c->bk, c->topk, c->topp, 0.0f, c->causal};
+}
+
+/* Rows of the pooled means (varlen: each sequence's blocks, one after the other). */
+static int64_t pooled_rows(const check_case *c, int keys)
+{
+    const int block = keys ? c->bk : c->bq;
+    int64_t n = 0, q0, nq, k0, nk;
+    if (!c->nseq)
+        return keys ? nkb(c) : nqb(c);
+    for (int64_t b = 0; b < c->nseq; b++) {
+        seq_of(c, b, &q0, &nq, &k0, &nk);
+        n += ((keys ? nk : nq) + block - 1) / block;
+    }
+    return n;
+}
+
+/* The arguments of pooling x (Q or K of c) into out. */
+static op_args pool_args(const check_case *c, sparge_device *dev, const sparge_tensor *x, sparge_tensor *out, int keys)
+{
+    return (op_args){.dev = dev, .q = x, .out = {out}, .block = keys ? c->bk : c->bq,
+                     .cu = c->nseq ? (keys ? c->cu_k : c->cu_q) : NULL, .nseq = c->nseq};
+}
+
+/* The descriptions of the mask prediction and selection on c (sparge_op_desc: varlen, the sequences and the
+ * longest one's tokens or blocks). */
+static sparge_op_desc predict_desc(const check_case *c, const sparge_tensor *q, const sparge_tensor *k)
+{
+    return (sparge_op_desc){.op = SPARGE_OP_MASK_PREDICT, .dtype = c->dtype, .head_dim = c->D, .block_q = c->bq,
+                            .block_k = c->bk, .B = c->B, .H = c->H, .Nq = longest(c, 0), .Nk = longest(c, 1),
+                            .rows_aligned = rows_aligned(q) && rows_aligned(k), .kv_heads = hkv(c),
+                            .causal = c->causal, .varlen = c->nseq > 0};
+}
+
+static sparge_op_desc select_desc(const check_case *c, const sparge_tensor *map)
+{
+    return (sparge_op_desc){.op = SPARGE_OP_MASK_SELECT, .dtype = SPARGE_F32, .B = c->B, .H = c->H, .Nq = nqb(c),
+                            .Nk = nkb(c), .rows_aligned = rows_aligned(map), .causal = c->causal,
+                            .varlen = c->nseq > 0};
 }
 
 /* cpu-ref's selection of c's mask on its own pooled map, through sparge_mask_select. */
@@ -857,8 +1123,7 @@ static void reference_select(const check_case *c, sparge_device *ref, reference 
     ctensor map;
     sparge_mask *m = NULL;
     if (ct_alloc(o, &map, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, c->B, c->H, nqb(c), nkb(c))) &&
-        ct_put(o, &map, R->pred_map) &&
-        ok(o, "sparge_mask_create", sparge_mask_create(ref, c->B, c->H, c->Nq, c->Nk, c->bq, c->bk, &m)) &&
+        ct_put(o, &map, R->pred_map) && ok(o, "sparge_mask_create_ex", create_mask(ref, c, &m)) &&
         ok(o, "sparge_mask_select", sparge_mask_select(ref, &map.t, &mp, m)))
         mask_fetch(o, m, &R->sel, 0);
     sparge_mask_destroy(m);
@@ -873,8 +1138,8 @@ static void reference_build(const check_case *c, check_mode mode, sparge_device 
     const sparge_mask_params mp = mask_params(c);
     rng r = {case_seed(c)};
     R->built = 1;
-    R->shape[Q] = R->shape[DO] = view(c->dtype, c->layout, c->B, c->H, c->Nq, c->D);
-    R->shape[K] = R->shape[V] = view(c->dtype, c->layout, c->B, c->H, c->Nk, c->D);
+    R->shape[Q] = R->shape[DO] = view(c->dtype, c->layout, tbatch(c), c->H, c->Nq, c->D);
+    R->shape[K] = R->shape[V] = view(c->dtype, c->layout, tbatch(c), hkv(c), c->Nk, c->D);
     const int64_t sink = (int64_t)(rng_next(&r) % (uint64_t)nkb(c));
     for (int i = 0; i < INPUTS; i++)
         if (!(R->img[i] = random_image(&R->shape[i], &r, i == K ? sink : -1, c->bk))) {
@@ -895,7 +1160,7 @@ static void reference_build(const check_case *c, check_mode mode, sparge_device 
             return;
     if (masked) {
         const size_t cells = (size_t)(c->B * c->H * nqb(c) * nkb(c));
-        if (!ok(o, "sparge_mask_create", sparge_mask_create(ref, c->B, c->H, c->Nq, c->Nk, c->bq, c->bk, &R->mask)) ||
+        if (!ok(o, "sparge_mask_create_ex", create_mask(ref, c, &R->mask)) ||
             !ok(o, "sparge_mask_predict", sparge_mask_predict(ref, &R->q.t, &R->k.t, &mp, R->mask)) ||
             !mask_fetch(o, R->mask, &R->pred, 1))
             return;
@@ -909,19 +1174,22 @@ static void reference_build(const check_case *c, check_mode mode, sparge_device 
     if (mode == CHECK_MODE_GRAD)
         return;
     if (c->ops & CHECK_MASK) {
-        if (!ct_alloc(o, &R->pq, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, c->B, c->H, nqb(c), c->D)) ||
-            !ct_alloc(o, &R->pk, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, c->B, c->H, nkb(c), c->D)) ||
-            !ct_alloc(o, &R->map, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, c->B, c->H, nqb(c), nkb(c))) ||
-            !ok(o, "sparge_pool", sparge_pool(ref, &R->q.t, c->bq, &R->pq.t)) ||
-            !ok(o, "sparge_pool", sparge_pool(ref, &R->k.t, c->bk, &R->pk.t)) ||
+        const int64_t pq = pooled_rows(c, 0), pk = pooled_rows(c, 1);
+        if (!ct_alloc(o, &R->pq, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, tbatch(c), c->H, pq, c->D)) ||
+            !ct_alloc(o, &R->pk, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, tbatch(c), hkv(c), pk, c->D)) ||
+            !ct_alloc(o, &R->map, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, tbatch(c), c->H, pq, pk)))
+            return;
+        const op_args aq = pool_args(c, ref, &R->q.t, &R->pq.t, 0), ak = pool_args(c, ref, &R->k.t, &R->pk.t, 1);
+        if (!ok(o, "sparge_pool", call_pool(&aq)) || !ok(o, "sparge_pool", call_pool(&ak)) ||
             !ok(o, "sparge_pooled_map", sparge_pooled_map(ref, &R->pq.t, &R->pk.t, 0.0f, &R->map.t)))
             return;
         reference_select(c, ref, R);
     }
+    const sparge_attn_params ap = {0.0f, 0, c->causal};
     if (c->ops & (CHECK_FWD | CHECK_BWD)) {
         if (!ct_alloc(o, &R->o, ref, R->shape[Q]) ||
-            !ct_alloc(o, &R->lse, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, c->B, c->H, c->Nq, 1)) ||
-            !ok(o, "sparge_attention_forward", sparge_attention_forward(ref, &R->q.t, &R->k.t, &R->v.t, R->mask, NULL,
+            !ct_alloc(o, &R->lse, ref, sparge_tensor_bhnd(NULL, SPARGE_F32, tbatch(c), c->H, c->Nq, 1)) ||
+            !ok(o, "sparge_attention_forward", sparge_attention_forward(ref, &R->q.t, &R->k.t, &R->v.t, R->mask, &ap,
                                                                         &R->o.t, R->lse.t.data)))
             return;
     }
@@ -930,7 +1198,7 @@ static void reference_build(const check_case *c, check_mode mode, sparge_device 
             !ct_alloc(o, &R->dv, ref, R->shape[V]))
             return;
         ok(o, "sparge_attention_backward",
-           sparge_attention_backward(ref, &R->q.t, &R->k.t, &R->v.t, &R->o.t, &R->d_o.t, R->lse.t.data, R->mask, NULL,
+           sparge_attention_backward(ref, &R->q.t, &R->k.t, &R->v.t, &R->o.t, &R->d_o.t, R->lse.t.data, R->mask, &ap,
                                      &R->dq.t, &R->dk.t, &R->dv.t));
     }
 }
@@ -961,10 +1229,9 @@ static int dev_tensors_alloc(outcome *o, const check_case *c, const reference *R
         if (!ct_alloc(o, in[i], dev, R->shape[i]) || !ct_put(o, in[i], R->img[i]))
             return 0;
     return ct_alloc(o, &d->o, dev, R->shape[Q]) &&
-           ct_alloc(o, &d->lse, dev, sparge_tensor_bhnd(NULL, SPARGE_F32, c->B, c->H, c->Nq, 1)) &&
+           ct_alloc(o, &d->lse, dev, sparge_tensor_bhnd(NULL, SPARGE_F32, tbatch(c), c->H, c->Nq, 1)) &&
            ct_alloc(o, &d->dq, dev, R->shape[Q]) && ct_alloc(o, &d->dk, dev, R->shape[K]) &&
-           ct_alloc(o, &d->dv, dev, R->shape[V]) &&
-           ok(o, "sparge_mask_create", sparge_mask_create(dev, c->B, c->H, c->Nq, c->Nk, c->bq, c->bk, &d->mask));
+           ct_alloc(o, &d->dv, dev, R->shape[V]) && ok(o, "sparge_mask_create_ex", create_mask(dev, c, &d->mask));
 }
 
 /* Compares a device's pooled map (host floats) with cpu-ref's. */
@@ -996,16 +1263,17 @@ static void test_mask(const check_case *c, const reference *R, const target *t, 
     float *got_map = NULL;
     if (!ct_alloc(o, &pq, t->dev, R->pq.t) || !ct_alloc(o, &pk, t->dev, R->pk.t) ||
         !ct_alloc(o, &in_q, t->dev, R->pq.t) || !ct_alloc(o, &in_k, t->dev, R->pk.t) ||
-        !ct_alloc(o, &map, t->dev, R->map.t) || !ct_alloc(o, &in_map, t->dev, R->map.t))
+        !ct_alloc(o, &map, t->dev, R->map.t) ||
+        !ct_alloc(o, &in_map, t->dev, sparge_tensor_bhnd(NULL, SPARGE_F32, c->B, c->H, nqb(c), nkb(c))))
         goto done;
 
-    /* pooling */
+    /* pooling (varlen: each sequence on its own, into consecutive rows) */
     for (int i = 0; i < 2; i++) {
         ctensor *x = i ? &d->k : &d->q, *out = i ? &pk : &pq;
-        const op_args a = {.dev = t->dev, .q = &x->t, .out = {&out->t}, .block = i ? c->bk : c->bq};
+        const op_args a = pool_args(c, t->dev, &x->t, &out->t, i);
         const op_run r = {"pool", -1,
-                          {.op = SPARGE_OP_POOL, .dtype = c->dtype, .head_dim = c->D, .block_q = a.block, .B = c->B,
-                           .H = c->H, .Nq = x->t.shape[2],
+                          {.op = SPARGE_OP_POOL, .dtype = c->dtype, .head_dim = c->D, .block_q = a.block,
+                           .B = x->t.shape[0], .H = x->t.shape[1], .Nq = c->nseq ? longest(c, i) : x->t.shape[2],
                            .rows_aligned = rows_aligned(&x->t) && rows_aligned(&out->t)},
                           call_pool, &a, {out}, 1, NULL};
         if (run_op(o, t, &r))
@@ -1022,8 +1290,8 @@ static void test_mask(const check_case *c, const reference *R, const target *t, 
     {
         const op_args a = {.dev = t->dev, .q = &in_q.t, .k = &in_k.t, .out = {&map.t}};
         const op_run r = {"pooled map", -1,
-                          {.op = SPARGE_OP_POOLED_MAP, .dtype = SPARGE_F32, .head_dim = c->D, .B = c->B, .H = c->H,
-                           .Nq = nqb(c), .Nk = nkb(c),
+                          {.op = SPARGE_OP_POOLED_MAP, .dtype = SPARGE_F32, .head_dim = c->D, .B = tbatch(c),
+                           .H = c->H, .Nq = in_q.t.shape[2], .Nk = in_k.t.shape[2],
                            .rows_aligned = rows_aligned(&in_q.t) && rows_aligned(&in_k.t) && rows_aligned(&map.t)},
                           call_map, &a, {&map}, 1, NULL};
         if (run_op(o, t, &r))
@@ -1033,11 +1301,8 @@ static void test_mask(const check_case *c, const reference *R, const target *t, 
     /* the prediction */
     {
         const op_args a = {.dev = t->dev, .q = &d->q.t, .k = &d->k.t, .mask = d->mask, .mp = &mp};
-        const op_run r = {"mask prediction", 0,
-                          {.op = SPARGE_OP_MASK_PREDICT, .dtype = c->dtype, .head_dim = c->D, .block_q = c->bq,
-                           .block_k = c->bk, .B = c->B, .H = c->H, .Nq = c->Nq, .Nk = c->Nk,
-                           .rows_aligned = rows_aligned(&d->q.t) && rows_aligned(&d->k.t)},
-                          call_predict, &a, {NULL}, 0, d->mask};
+        const op_run r = {"mask prediction", 0, predict_desc(c, &d->q.t, &d->k.t), call_predict, &a, {NULL}, 0,
+                          d->mask};
         if (run_op(o, t, &r)) {
             if (!(got_map = malloc((size_t)cells * sizeof *got_map))) {
                 failf(o, "out of host memory");
@@ -1047,8 +1312,8 @@ static void test_mask(const check_case *c, const reference *R, const target *t, 
                 compare_maps(o, "predicted map", got_map, R->pred_map, cells);
             if (mask_fetch(o, d->mask, &h, 1)) {
                 int64_t close_rows = 0;
-                check_wellformed(o, "predicted mask", &h);
-                compare_selection(o, "predicted mask", &h, &R->pred, R->pred_map, c->topp, &close_rows);
+                check_wellformed(o, "predicted mask", &h, c);
+                compare_selection(o, "predicted mask", &h, &R->pred, R->pred_map, c->topk, c->topp, &close_rows, c);
                 if (close_rows)
                     notef(o, "%lld mask rows differ within the rounding margin", (long long)close_rows);
                 mask_host_free(&h);
@@ -1061,14 +1326,11 @@ static void test_mask(const check_case *c, const reference *R, const target *t, 
         goto done;
     {
         const op_args a = {.dev = t->dev, .map = &in_map.t, .mask = d->mask, .mp = &mp};
-        const op_run r = {"mask selection", -1,
-                          {.op = SPARGE_OP_MASK_SELECT, .dtype = SPARGE_F32, .B = c->B, .H = c->H, .Nq = nqb(c),
-                           .Nk = nkb(c), .rows_aligned = rows_aligned(&in_map.t)},
-                          call_select, &a, {NULL}, 0, d->mask};
+        const op_run r = {"mask selection", -1, select_desc(c, &in_map.t), call_select, &a, {NULL}, 0, d->mask};
         if (run_op(o, t, &r) && mask_fetch(o, d->mask, &h, 1)) {
             int64_t none = 0;
-            check_wellformed(o, "selected mask", &h);
-            compare_selection(o, "selected mask", &h, &R->sel, NULL, c->topp, &none);
+            check_wellformed(o, "selected mask", &h, c);
+            compare_selection(o, "selected mask", &h, &R->sel, NULL, c->topk, c->topp, &none, c);
             mask_host_free(&h);
         }
     }
@@ -1084,15 +1346,15 @@ done:
 
 /* Imports cpu-ref's selection into the device's mask: its CSR and transpose, rebuilt from the dense view, must be
  * cpu-ref's exactly. */
-static int import_selection(const reference *R, dev_tensors *d, outcome *o)
+static int import_selection(const check_case *c, const reference *R, dev_tensors *d, outcome *o)
 {
     mask_host h;
     if (!ok(o, "sparge_mask_set_dense", sparge_mask_set_dense(d->mask, R->pred.dense)) ||
         !mask_fetch(o, d->mask, &h, 1))
         return 0;
     int64_t none = 0;
-    check_wellformed(o, "imported mask", &h);
-    compare_selection(o, "imported mask", &h, &R->pred, NULL, 0.0, &none);
+    check_wellformed(o, "imported mask", &h, c);
+    compare_selection(o, "imported mask", &h, &R->pred, NULL, 0.0, 0.0, &none, c);
     mask_host_free(&h);
     return 1;
 }
@@ -1102,7 +1364,7 @@ static void test_forward(const check_case *c, const reference *R, const target *
                          outcome *o)
 {
     const op_args a = {.dev = t->dev, .q = &d->q.t, .k = &d->k.t, .v = &d->v.t, .out = {&d->o.t},
-                       .lse = d->lse.t.data, .mask = masked ? d->mask : NULL};
+                       .lse = d->lse.t.data, .mask = masked ? d->mask : NULL, .causal = c->causal};
     ctensor *ts[] = {&d->q, &d->k, &d->v, &d->o};
     const op_run r = {"forward", 1, attention_desc(SPARGE_OP_FORWARD, c, ts, 4, masked, 0), call_forward, &a,
                       {&d->o, &d->lse}, 2, NULL};
@@ -1130,7 +1392,7 @@ static void test_backward(const check_case *c, const reference *R, const target 
     for (int det = 0; det < 2; det++) {
         const op_args a = {.dev = t->dev, .q = &d->q.t, .k = &d->k.t, .v = &d->v.t, .o = &d->o.t, .d_o = &d->d_o.t,
                            .out = {&d->dq.t, &d->dk.t, &d->dv.t}, .lse = d->lse.t.data,
-                           .mask = masked ? d->mask : NULL, .det = det};
+                           .mask = masked ? d->mask : NULL, .det = det, .causal = c->causal};
         const op_run r = {det ? "deterministic backward" : "backward", 2,
                           attention_desc(SPARGE_OP_BACKWARD, c, ts, 8, masked, det), call_backward, &a,
                           {&d->dq, &d->dk, &d->dv}, 3, NULL};
@@ -1167,7 +1429,7 @@ static void run_test(const check_case *c, const reference *R, const target *t, o
     if (dev_tensors_alloc(o, c, R, t->dev, &d)) {
         if (c->ops & CHECK_MASK)
             test_mask(c, R, t, &d, o);
-        if ((c->ops & (CHECK_FWD | CHECK_BWD)) && (!masked || import_selection(R, &d, o))) {
+        if ((c->ops & (CHECK_FWD | CHECK_BWD)) && (!masked || import_selection(c, R, &d, o))) {
             if (c->ops & CHECK_FWD)
                 test_forward(c, R, t, &d, masked, o);
             if (c->ops & CHECK_BWD)
@@ -1179,26 +1441,48 @@ static void run_test(const check_case *c, const reference *R, const target *t, o
 
 /* ---------------------------------------------------------------- grad mode */
 
-/* The loss L = Σ w∘O (w = dO) of §1.9's forward in fp64 on the stored input values, a row at a time. */
+/* The loss L = Σ w∘O (w = dO) of §1.9's forward in fp64 on the stored input values, a row at a time: each query
+ * token over the key tokens of its sequence that its row keeps and, causal, that lie on or before its diagonal;
+ * query head h reads K/V head h / (H / Hkv). */
 typedef struct {
     const check_case *c;
-    double *x[INPUTS]; /* q, k, v, w: logical [B,H,N,D] */
-    const uint8_t *keep; /* [B,H,Nqb,Nkb], NULL: dense */
+    double *x[INPUTS]; /* q, k, v, w: logical [B,H,N,D] ([B,Hkv,N,D] for k and v; varlen B = 1) */
+    const uint8_t *keep; /* the mask's [B,H,Nqb,Nkb], NULL: dense */
     double scale;
     double *s, *acc;   /* scratch: Nk scores, D sums */
 } fd_ctx;
 
-/* Σ_d w_td·O_td of query token t of head bh. */
-static double row_loss(const fd_ctx *f, int64_t bh, int64_t t)
+/* The sequence holding packed query (or key) token n. */
+static int64_t seq_at(const check_case *c, int64_t n, int keys)
+{
+    const int32_t *cu = keys ? c->cu_k : c->cu_q;
+    int64_t b = 0;
+    while (b + 1 < c->nseq && n >= cu[b + 1])
+        b++;
+    return b;
+}
+
+/* Whether query tl of sequence b (its own token index), head h, attends its key ul. */
+static int visible(const fd_ctx *f, int64_t b, int64_t h, int64_t tl, int64_t ul, int64_t nq, int64_t nk)
 {
     const check_case *c = f->c;
-    const int64_t D = c->D, Nk = c->Nk;
-    const double *q = f->x[Q] + (bh * c->Nq + t) * D, *k = f->x[K] + bh * Nk * D, *v = f->x[V] + bh * Nk * D,
-                 *w = f->x[DO] + (bh * c->Nq + t) * D;
-    const uint8_t *keep = f->keep ? f->keep + (bh * nqb(c) + t / c->bq) * nkb(c) : NULL;
+    if (c->causal && ul > tl + nk - nq)
+        return 0;
+    return !f->keep || f->keep[((b * c->H + h) * nqb(c) + tl / c->bq) * nkb(c) + ul / c->bk];
+}
+
+/* Σ_d w_td·O_td of query token t of batch tb, head h. */
+static double row_loss(const fd_ctx *f, int64_t tb, int64_t h, int64_t t)
+{
+    const check_case *c = f->c;
+    const int64_t D = c->D, b = c->nseq ? seq_at(c, t, 0) : tb, hk = h / (c->H / hkv(c));
+    int64_t q0, nq, k0, nk;
+    seq_of(c, b, &q0, &nq, &k0, &nk);
+    const int64_t qrow = (tb * c->H + h) * c->Nq + t, krow = (tb * hkv(c) + hk) * c->Nk + k0;
+    const double *q = f->x[Q] + qrow * D, *w = f->x[DO] + qrow * D, *k = f->x[K] + krow * D, *v = f->x[V] + krow * D;
     double m = -INFINITY, z = 0.0, loss = 0.0;
-    for (int64_t u = 0; u < Nk; u++) {
-        if (keep && !keep[u / c->bk])
+    for (int64_t u = 0; u < nk; u++) {
+        if (!visible(f, b, h, t - q0, u, nq, nk))
             continue;
         double dot = 0.0;
         for (int64_t e = 0; e < D; e++)
@@ -1208,8 +1492,8 @@ static double row_loss(const fd_ctx *f, int64_t bh, int64_t t)
     }
     for (int64_t e = 0; e < D; e++)
         f->acc[e] = 0.0;
-    for (int64_t u = 0; u < Nk; u++) {
-        if (keep && !keep[u / c->bk])
+    for (int64_t u = 0; u < nk; u++) {
+        if (!visible(f, b, h, t - q0, u, nq, nk))
             continue;
         const double p = exp(f->s[u] - m);
         z += p;
@@ -1221,18 +1505,23 @@ static double row_loss(const fd_ctx *f, int64_t bh, int64_t t)
     return loss;
 }
 
-/* The part of L that element i of input `which` (Q, K or V) enters: its query row, or every row keeping its key
- * block. */
+/* The part of L that element i of input `which` (Q, K or V) enters: its query row, or every row of the query heads
+ * reading its K/V head that attends its key token. */
 static double rows_loss(const fd_ctx *f, int which, int64_t i)
 {
     const check_case *c = f->c;
-    const int64_t N = which == Q ? c->Nq : c->Nk, bh = i / (N * c->D), n = i / c->D % N;
+    const int64_t heads = which == Q ? c->H : hkv(c), N = which == Q ? c->Nq : c->Nk, tb = i / (heads * N * c->D),
+                  hh = i / (N * c->D) % heads, n = i / c->D % N;
     if (which == Q)
-        return row_loss(f, bh, n);
+        return row_loss(f, tb, hh, n);
+    const int64_t b = c->nseq ? seq_at(c, n, 1) : tb, group = c->H / heads;
+    int64_t q0, nq, k0, nk;
+    seq_of(c, b, &q0, &nq, &k0, &nk);
     double sum = 0.0;
-    for (int64_t t = 0; t < c->Nq; t++)
-        if (!f->keep || f->keep[(bh * nqb(c) + t / c->bq) * nkb(c) + n / c->bk])
-            sum += row_loss(f, bh, t);
+    for (int64_t h = hh * group; h < (hh + 1) * group; h++)
+        for (int64_t t = 0; t < nq; t++)
+            if (visible(f, b, h, t, n - k0, nq, nk))
+                sum += row_loss(f, tb, h, q0 + t);
     return sum;
 }
 
@@ -1260,10 +1549,11 @@ static void run_grad(const check_case *c, reference *R, const target *t, outcome
                 malloc((size_t)c->D * sizeof(double))};
     if (!f.s || !f.acc)
         failf(o, "out of host memory");
-    else if (dev_tensors_alloc(o, c, R, t->dev, &d) && (!masked || import_selection(R, &d, o))) {
+    else if (dev_tensors_alloc(o, c, R, t->dev, &d) && (!masked || import_selection(c, R, &d, o))) {
         ctensor *ts[] = {&d.q, &d.k, &d.v, &d.o, &d.d_o, &d.dq, &d.dk, &d.dv};
         const op_args a = {.dev = t->dev, .q = &d.q.t, .k = &d.k.t, .v = &d.v.t, .o = &d.o.t, .d_o = &d.d_o.t,
-                           .out = {&d.o.t}, .lse = d.lse.t.data, .mask = masked ? d.mask : NULL};
+                           .out = {&d.o.t}, .lse = d.lse.t.data, .mask = masked ? d.mask : NULL,
+                           .causal = c->causal};
         op_args b = a;
         b.out[0] = &d.dq.t, b.out[1] = &d.dk.t, b.out[2] = &d.dv.t;
         const op_run fwd = {"forward", 1, attention_desc(SPARGE_OP_FORWARD, c, ts, 4, masked, 0), call_forward, &a,
@@ -1322,8 +1612,23 @@ static int time_op(outcome *o, sparge_device *dev, const char *what, sparge_stat
     return good;
 }
 
+/* The (query, key) token pairs per head that a query may attend: causal ones on or before its diagonal, varlen
+ * ones within its sequence. */
+static double attendable_pairs(const check_case *c)
+{
+    double pairs = 0.0;
+    int64_t q0, nq, k0, nk;
+    for (int64_t b = 0; b < c->B; b++) {
+        seq_of(c, b, &q0, &nq, &k0, &nk);
+        pairs += c->causal ? (double)nq * (double)(nk - nq) + 0.5 * (double)nq * (double)(nq + 1)
+                           : (double)nq * (double)nk;
+    }
+    return pairs;
+}
+
 /* Times the case's ops on the device (its own mask prediction); effective TFLOP/s count the kept token pairs
- * only (docs/DESIGN.md §5): 4·B·H·Nq·Nk·D·density per forward, 2.5 times that per backward. */
+ * only (docs/DESIGN.md §5): 4·H·pairs·D·density per forward (pairs: those a query may attend, B·Nq·Nk without
+ * causal or varlen), 2.5 times that per backward. */
 static void run_perf(const check_case *c, const reference *R, const target *t, int reps, outcome *o, char *cols,
                      size_t cols_len)
 {
@@ -1336,12 +1641,11 @@ static void run_perf(const check_case *c, const reference *R, const target *t, i
     ctensor *ts[] = {&d.q, &d.k, &d.v, &d.o, &d.d_o, &d.dq, &d.dk, &d.dv};
     const op_args pa = {.dev = t->dev, .q = &d.q.t, .k = &d.k.t, .mask = d.mask, .mp = &mp};
     const op_args fa = {.dev = t->dev, .q = &d.q.t, .k = &d.k.t, .v = &d.v.t, .out = {&d.o.t}, .lse = d.lse.t.data,
-                        .mask = masked ? d.mask : NULL};
+                        .mask = masked ? d.mask : NULL, .causal = c->causal};
     op_args ba = fa;
     ba.o = &d.o.t, ba.d_o = &d.d_o.t, ba.out[0] = &d.dq.t, ba.out[1] = &d.dk.t, ba.out[2] = &d.dv.t;
     const sparge_op_desc descs[3] = {
-        {.op = SPARGE_OP_MASK_PREDICT, .dtype = c->dtype, .head_dim = c->D, .block_q = c->bq, .block_k = c->bk,
-         .B = c->B, .H = c->H, .Nq = c->Nq, .Nk = c->Nk, .rows_aligned = rows_aligned(&d.q.t) && rows_aligned(&d.k.t)},
+        predict_desc(c, &d.q.t, &d.k.t),
         attention_desc(SPARGE_OP_FORWARD, c, ts, 4, masked, 0),
         attention_desc(SPARGE_OP_BACKWARD, c, ts, 8, masked, 0)};
     static const char *const what[3] = {"mask prediction", "forward", "backward"};
@@ -1375,7 +1679,7 @@ static void run_perf(const check_case *c, const reference *R, const target *t, i
     if (c->ops & CHECK_BWD)
         time_op(o, t->dev, what[2], call_backward, &ba, reps, &bwd_ms);
 done:;
-    const double flop = 4.0 * (double)(c->B * c->H) * (double)c->Nq * (double)c->Nk * (double)c->D * density;
+    const double flop = 4.0 * (double)c->H * attendable_pairs(c) * (double)c->D * density;
     const double v[6] = {sparsity, mask_ms, fwd_ms, flop / fwd_ms * 1e-9, bwd_ms, 2.5 * flop / bwd_ms * 1e-9};
     cols[0] = 0;
     for (int i = 0; i < 6; i++) { /* "-" for what was not timed */
@@ -1533,14 +1837,31 @@ static void run_case(const check_config *cfg, const check_case *c, sparge_device
                      sparge_device *ref, check_summary *sum, FILE *out)
 {
     reference R;
-    char shape[96], tiers[96], perf[96] = "", missing[32];
-    const int64_t cells = c->B * c->H * nqb(c) * nkb(c);
+    char shape[192], tiers[96], perf[96] = "", missing[32];
+    const int64_t cells = c->B > 0 ? c->B * c->H * nqb(c) * nkb(c) : 1;
     uint8_t *ones = malloc((size_t)cells);
     memset(&R, 0, sizeof R);
-    if (ones)
-        memset(ones, 1, (size_t)cells);
+    for (int64_t r = 0; ones && r < cells / nkb(c); r++) { /* every block each row may keep */
+        int64_t allowed, d0, d1;
+        if (!row_rule(c, r / (c->H * nqb(c)), r % nqb(c), &allowed, &d0, &d1))
+            allowed = 0;
+        for (int64_t j = 0; j < nkb(c); j++)
+            ones[r * nkb(c) + j] = j < allowed;
+    }
     snprintf(shape, sizeof shape, "%lldx%lldx%lldx%lld D%lld %dx%d", (long long)c->B, (long long)c->H,
              (long long)c->Nq, (long long)c->Nk, (long long)c->D, c->bq, c->bk);
+    if (c->kv_heads)
+        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " kv%lld", (long long)c->kv_heads);
+    if (c->causal)
+        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " causal");
+    for (int k = 0; k < (c->nseq ? 2 : 0); k++) { /* "varlen 90,40,60": the lengths; K's after a "/" if others */
+        const int32_t *cu = k ? c->cu_k : c->cu_q;
+        if (k && !memcmp(c->cu_k, c->cu_q, sizeof c->cu_q))
+            break;
+        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "%s", k ? "/" : " varlen ");
+        for (int b = 0; b < c->nseq; b++)
+            snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "%s%d", b ? "," : "", cu[b + 1] - cu[b]);
+    }
     if (!is_dense(c))
         snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " k%g p%g", c->topk, c->topp);
     else
@@ -1549,12 +1870,14 @@ static void run_case(const check_config *cfg, const check_case *c, sparge_device
         outcome o;
         option_set opts;
         memset(&o, 0, sizeof o);
-        const int set = ones ? apply_options(c, devs[i], &opts, missing, sizeof missing, &o) : -1;
+        const int set = ones && c->B > 0 ? apply_options(c, devs[i], &opts, missing, sizeof missing, &o) : -1;
         if (!ones)
             failf(&o, "out of host memory");
+        else if (c->B <= 0)
+            failf(&o, "the case's varlen lengths are malformed");
         if (set > 0) {
             const target t = {devs[i], sparge_device_backend(devs[i]), c->options && strstr(c->options, "strict="),
-                              ones};
+                              ones, cells};
             if (!R.built)
                 reference_build(c, cfg->mode, ref, &R);
             if (R.log.failed)
@@ -1649,7 +1972,8 @@ int check_run(const check_config *cfg, check_summary *sum)
     }
     if (msg[0])
         fprintf(out, "compiled in, no device present: %s\n", msg);
-    fprintf(out, "%-11s %-15s %-28s %-36s %-22s %s\n", "result", "device", "case", "shape BxHxNqxNk D bqxbk mask",
+    fprintf(out, "%-11s %-15s %-28s %-36s %-22s %s\n", "result", "device", "case",
+            "shape BxHxNqxNk D bqxbk [kvHkv causal varlen] mask",
             "tier", cfg->mode == CHECK_MODE_PERF ? " sparsity   mask ms    fwd ms   TFLOP/s    bwd ms   TFLOP/s"
                                                  : "errors (relative L2)");
     for (int i = 0; i < check_case_count(); i++)

@@ -20,10 +20,18 @@ enum {
 
 typedef enum { CHECK_BHND, CHECK_BNHD } check_layout;
 
+/* The most sequences of a varlen case. */
+#define CHECK_MAX_SEQ 8
+
 typedef struct {
     char name[64];          /* "ragged/bf16/bnhd": the row's label, dtype and layout */
     unsigned ops;           /* CHECK_MASK | CHECK_FWD | CHECK_BWD */
-    int64_t B, H, Nq, Nk, D;
+    int64_t B, H, Nq, Nk, D; /* varlen: B sequences packed into [1,H,Nq,D] / [1,Hkv,Nk,D] views, Nq and Nk the
+                              * totals */
+    int64_t kv_heads;       /* K and V's heads (grouped: Hkv divides H); 0 or H: as many as Q */
+    int causal;             /* block-causal, bottom-right aligned where Nq < Nk (per sequence when varlen) */
+    int nseq;               /* 0: fixed length; else varlen with B = nseq sequences cut by cu_q, cu_k */
+    int32_t cu_q[CHECK_MAX_SEQ + 1], cu_k[CHECK_MAX_SEQ + 1]; /* token offsets, from 0 to Nq and Nk */
     int bq, bk;             /* the mask's blocks */
     sparge_dtype dtype;
     check_layout layout;

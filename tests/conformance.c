@@ -310,6 +310,86 @@ static void test_pooled_vectors(void **state)
     on_devices(NULL, pooled_vectors);
 }
 
+/* The causal and varlen vectors of one case in one layout: the device's prediction (pooled map within 1e-5, kept
+ * blocks exactly: each row's allowed prefix, Top-k counted over it, diagonal blocks kept, rows past a sequence
+ * empty), then its selection on the expected map itself (exactly). */
+static void causal_vector(const tu_causal_case *c, tu_layout lay)
+{
+    const int64_t tb = c->cu_q ? 1 : c->B, rows = (int64_t)c->B * c->H * c->Nqb, cells = rows * c->Nkb;
+    tu_tensor q = tu_alloc(dev, SPARGE_F32, lay, tb, c->H, c->Nq, c->D), k = tu_alloc(dev, SPARGE_F32, lay, tb, c->Hkv,
+                                                                                    c->Nk, c->D);
+    tu_tensor map = tu_alloc(dev, SPARGE_F32, TU_BHND, c->B, c->H, c->Nqb, c->Nkb);
+    tu_set(&q, c->Q);
+    tu_set(&k, c->K);
+    tu_set(&map, c->map);
+    const sparge_mask_layout l = {.B = c->B, .H = c->H, .Nq = c->Nq, .Nk = c->Nk, .block_q = c->bq, .block_k = c->bk,
+                                  .causal = c->causal, .cu_seqlens_q = c->cu_q, .cu_seqlens_k = c->cu_k};
+    sparge_mask *m;
+    assert_int_equal(sparge_mask_create_ex(dev, &l, &m), SPARGE_OK);
+    const sparge_mask_params mp = {c->bq, c->bk, c->k, c->p, (float)c->scale, c->causal};
+    float *got = malloc((size_t)cells * sizeof *got);
+    double *gotd = malloc((size_t)cells * sizeof *gotd);
+    int32_t *cnt = malloc((size_t)rows * sizeof *cnt), *idx = malloc((size_t)cells * sizeof *idx);
+    for (int pass = 0; pass < 2; pass++) {
+        const char *what = pass ? "selection on the expected map" : "prediction";
+        if (!pass) {
+            if (sparge_mask_predict(dev, &q.t, &k.t, &mp, m) != SPARGE_OK)
+                fail_msg("causal vector %s on %s: prediction: %s", c->name, sparge_device_name(dev),
+                         sparge_last_error());
+            assert_int_equal(sparge_mask_get_pooled_map(m, got), SPARGE_OK);
+            for (int64_t i = 0; i < cells; i++)
+                gotd[i] = got[i];
+            const double e = tu_rel_l2(gotd, c->map, cells);
+            if (!(e <= 1e-5))
+                fail_msg("causal vector %s on %s (%s): pooled map rel. L2 %.3g > 1e-5", c->name,
+                         sparge_device_name(dev), lay == TU_BHND ? "BHND" : "BNHD", e);
+        } else if (sparge_mask_select(dev, &map.t, &mp, m) != SPARGE_OK) {
+            fail_msg("causal vector %s on %s: selection: %s", c->name, sparge_device_name(dev), sparge_last_error());
+        }
+        assert_int_equal(sparge_mask_get_csr(m, cnt, idx, NULL, NULL), SPARGE_OK);
+        for (int64_t r = 0; r < rows; r++) {
+            int same = cnt[r] == c->keep_count[r];
+            for (int j = 0; same && j < cnt[r]; j++)
+                same = idx[r * c->Nkb + j] == c->keep[r * c->Nkb + j];
+            if (!same)
+                fail_msg("causal vector %s on %s (%s), %s: row %lld (sequence %lld, head %lld, query block %lld) "
+                         "keeps %d blocks, expected %d", c->name, sparge_device_name(dev),
+                         lay == TU_BHND ? "BHND" : "BNHD", what, (long long)r, (long long)(r / (c->H * c->Nqb)),
+                         (long long)(r / c->Nqb % c->H), (long long)(r % c->Nqb), cnt[r], c->keep_count[r]);
+        }
+    }
+    free(got);
+    free(gotd);
+    free(cnt);
+    free(idx);
+    sparge_mask_destroy(m);
+    tu_free(&q);
+    tu_free(&k);
+    tu_free(&map);
+}
+
+/* Causal and varlen vectors: each case in both layouts, on every device and on cpu-ref, the oracle itself. */
+static void causal_vectors(void)
+{
+    tu_causal_case *c;
+    const int n = tu_load_causal_cases(&c);
+    assert_true(n >= 5);
+    for (int i = 0; i < n; i++)
+        for (int lay = 0; lay < 2; lay++)
+            causal_vector(&c[i], (tu_layout)lay);
+    printf("  %d causal and varlen vectors, both layouts\n", n);
+    tu_free_causal_cases(c, n);
+}
+
+static void test_causal_vectors(void **state)
+{
+    (void)state;
+    on_devices(NULL, causal_vectors);
+    dev = ref;
+    printf("  on %s\n", sparge_device_name(dev));
+    causal_vectors();
+}
+
 /* Predicts the mask of (q, k) on the device and of (rq, rk) on cpu-ref, checks the pooled maps (rel. L2
  * ≤ 1e-5) and the selections, and returns the device's mask (the caller destroys it). */
 static sparge_mask *predict_and_compare(const shape *s, sparge_dtype dt, tu_layout lay, tu_tensor *q, tu_tensor *k,
@@ -1090,6 +1170,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mask_vectors),
         cmocka_unit_test(test_pooled_vectors),
+        cmocka_unit_test(test_causal_vectors),
         cmocka_unit_test(test_grid),
         cmocka_unit_test(test_grid_grad),
         cmocka_unit_test(test_options_refuse_invalid),

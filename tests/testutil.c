@@ -321,3 +321,95 @@ void tu_free_pooled_cases(tu_pooled_case *c, int n)
     }
     free(c);
 }
+
+/* Offsets at key (an array of integers, or null). */
+static int32_t *offsets_at(const char *s, const char *end, const char *key, int n)
+{
+    const char *p = find_key(s, end, key);
+    if (!p || *p != '[')
+        return NULL;
+    double *v;
+    int32_t *cu = NULL;
+    if (parse_numbers(&p, &v, NULL) == n + 1 && (cu = malloc((size_t)(n + 1) * sizeof *cu)))
+        for (int i = 0; i <= n; i++)
+            cu[i] = (int32_t)v[i];
+    free(v);
+    return cu;
+}
+
+int tu_load_causal_cases(tu_causal_case **out)
+{
+    char *text = slurp("causal_cases.json");
+    assert_non_null(text);
+    int n = 0;
+    tu_causal_case *c = NULL;
+    /* Each case is an object starting at "name". */
+    for (const char *s = strstr(text, "\"name\""); s; s = strstr(s + 1, "\"name\"")) {
+        const char *next = strstr(s + 1, "\"name\"");
+        const char *end = next ? next : s + strlen(s);
+        c = realloc(c, (size_t)(n + 1) * sizeof *c);
+        assert_non_null(c);
+        tu_causal_case *cc = &c[n++];
+        memset(cc, 0, sizeof *cc);
+        const char *p = find_key(s, end, "name");
+        const char *q = p && *p == '"' ? strchr(p + 1, '"') : NULL;
+        snprintf(cc->name, sizeof cc->name, "%.*s", q ? (int)(q - p - 1) : 0, q ? p + 1 : "");
+        cc->B = (int)number_at(s, end, "B");
+        cc->H = (int)number_at(s, end, "H");
+        cc->Hkv = (int)number_at(s, end, "Hkv");
+        cc->D = (int)number_at(s, end, "D");
+        cc->Nq = (int)number_at(s, end, "Nq");
+        cc->Nk = (int)number_at(s, end, "Nk");
+        cc->bq = (int)number_at(s, end, "bq");
+        cc->bk = (int)number_at(s, end, "bk");
+        cc->causal = (int)number_at(s, end, "causal");
+        cc->Nqb = (int)number_at(s, end, "Nqb");
+        cc->Nkb = (int)number_at(s, end, "Nkb");
+        cc->k = number_at(s, end, "k");
+        cc->p = number_at(s, end, "p");
+        cc->scale = number_at(s, end, "scale");
+        cc->cu_q = offsets_at(s, end, "cu_seqlens_q", cc->B);
+        cc->cu_k = offsets_at(s, end, "cu_seqlens_k", cc->B);
+        const int64_t tb = cc->cu_q ? 1 : cc->B, rows = (int64_t)cc->B * cc->H * cc->Nqb;
+        p = find_key(s, end, "Q");
+        assert_int_equal(parse_numbers(&p, &cc->Q, NULL), tb * cc->H * cc->Nq * cc->D);
+        p = find_key(s, end, "K");
+        assert_int_equal(parse_numbers(&p, &cc->K, NULL), tb * cc->Hkv * cc->Nk * cc->D);
+        p = find_key(s, end, "pooled_map");
+        assert_int_equal(parse_numbers(&p, &cc->map, NULL), rows * cc->Nkb);
+        cc->keep_count = calloc((size_t)rows, sizeof(int));
+        cc->keep = calloc((size_t)(rows * cc->Nkb), sizeof(int));
+        p = find_key(s, end, "keep");
+        assert_non_null(p);
+        /* keep: [[...], [...], ...] one list (maybe empty) per row of [B,H,Nqb] */
+        p = strchr(p, '[') + 1;
+        for (int64_t r = 0; r < rows; r++) {
+            p = strchr(p, '[');
+            assert_non_null(p);
+            double *row;
+            const int cnt = parse_numbers(&p, &row, NULL);
+            assert_true(cnt <= cc->Nkb);
+            cc->keep_count[r] = cnt;
+            for (int j = 0; j < cnt; j++)
+                cc->keep[r * cc->Nkb + j] = (int)row[j];
+            free(row);
+        }
+    }
+    free(text);
+    *out = c;
+    return n;
+}
+
+void tu_free_causal_cases(tu_causal_case *c, int n)
+{
+    for (int i = 0; i < n; i++) {
+        free(c[i].cu_q);
+        free(c[i].cu_k);
+        free(c[i].Q);
+        free(c[i].K);
+        free(c[i].map);
+        free(c[i].keep_count);
+        free(c[i].keep);
+    }
+    free(c);
+}

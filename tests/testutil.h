@@ -77,4 +77,17 @@ typedef struct {
 int tu_load_pooled_cases(tu_pooled_case **out);
 void tu_free_pooled_cases(tu_pooled_case *c, int n);
 
+/* causal_cases.json: block-causal, grouped-head and varlen layouts (tests/data/README.md). */
+typedef struct {
+    char name[64];
+    int B, H, Hkv, D, Nq, Nk, bq, bk, causal, Nqb, Nkb; /* varlen: B sequences, Nq, Nk the packed totals */
+    int32_t *cu_q, *cu_k;   /* B+1 token offsets, or NULL (fixed length) */
+    double k, p, scale;
+    double *Q, *K;          /* [tb,H,Nq,D], [tb,Hkv,Nk,D]; tb = 1 when varlen, else B */
+    double *map;            /* [B,H,Nqb,Nkb], 0 outside each row's allowed blocks */
+    int *keep_count, *keep; /* per row of [B,H,Nqb]; keep [rows×Nkb] packed */
+} tu_causal_case;
+int tu_load_causal_cases(tu_causal_case **out);
+void tu_free_causal_cases(tu_causal_case *c, int n);
+
 #endif
