@@ -66,7 +66,7 @@ sparge_status sparge_pooled_map(sparge_device *dev, const sparge_tensor *qbar, c
     if ((s = sparge_check_disjoint(&out_r, 1, in_r, 2, fn)))
         return s;
     sparge_op_desc d = {.op = SPARGE_OP_POOLED_MAP, .dtype = SPARGE_F32, .head_dim = qv.D, .B = qv.B, .H = qv.H,
-                        .Nq = qv.N, .Nk = kv.N,
+                        .Nq = qv.N, .Nk = kv.N, .kv_heads = kv.H,
                         .rows_aligned = sparge_rows_aligned(&qv) && sparge_rows_aligned(&kv) && sparge_rows_aligned(&mv)};
     const sparge_backend *be;
     if ((s = sparge_pick_tier(dev, &d, fn, &be)))
