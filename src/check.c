@@ -43,6 +43,9 @@ typedef struct {
 /* Grouped K/V heads (hkv), block-causal masks and packed variable-length sequences (sparge_mask_layout). */
 #define LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, k, p, causal, seqs, quick)                           \
     {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, NULL, quick, hkv, causal, seqs}
+/* The same under the cuda tier's device option experimental=on (devices without it skip the row). */
+#define XROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, k, p, causal, seqs)                                 \
+    {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, "experimental=on", 0, hkv, causal, seqs}
 /* Such a fixed-length shape masked and dense (varlen needs a mask, so a varlen row has no dense twin). */
 #define LPAIR(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, causal, quick, dense_quick)                         \
     LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, 0.1, 0.5, causal, NULL, quick),                          \
@@ -166,6 +169,17 @@ static const row rows[] = {
     LROW("varlen-causal-d96", ALL, 0, 2, 1, 0, 0, 96, 128, 64, ALL_DT, BHND, 0.1, 0.5, 1, "100,257,40,190", 0),
     /* strict=on: a chained device whose first tier does not take these must refuse them cleanly */
     {"strict-causal-gqa", ALL, 1, 4, 300, 300, 64, 128, 64, BF16, BHND, 0.1, 0.5, 0.0, "strict=on", 0, 2, 1, NULL},
+    /* experimental=on: their tensor-core backwards (staged copies for grouped heads and padded head dims, the
+     * mma.sync kernels' token mask for causal and sequence frames for varlen), atomics and the dQ pass */
+    XROW("gqa-exp", BWD, 2, 4, 2, 300, 300, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0, NULL),
+    XROW("causal-exp", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1, NULL),
+    XROW("causal-dense-exp", BWD, 2, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL),
+    XROW("causal-gqa-d128-exp", BWD, 1, 4, 2, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1, NULL),
+    XROW("varlen-causal-gqa-exp", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
+         "200,129,40,300/260,129,64,300"),
+    XROW("varlen-qk-mqa-exp", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BOTH, 0.2, 0.5, 0, "90,300,50/150,260,120"),
+    XROW("varlen-d72-exp", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190"),
+    XROW("causal-d40-exp", ALL, 1, 2, 1, 300, 300, 40, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1, NULL),
 };
 enum { ROWS = sizeof rows / sizeof rows[0] };
 
