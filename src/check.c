@@ -573,8 +573,7 @@ static int ct_poisoned(outcome *o, const ctensor *x)
     return all;
 }
 
-/* Relative L2 error ‖a − ref‖ / ‖ref‖ in fp64; NaN if either holds a NaN, so that NaN never passes. */
-static double rel_l2(const double *a, const double *ref, int64_t n)
+double check_rel_l2(const double *a, const double *ref, int64_t n)
 {
     double num = 0.0, den = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -592,7 +591,7 @@ static void compare(outcome *o, const char *what, const char *name, const ctenso
 {
     double *g = ct_values(o, got), *w = g ? ct_values(o, want) : NULL;
     if (w) {
-        const double e = rel_l2(g, w, numel(&got->t));
+        const double e = check_rel_l2(g, w, numel(&got->t));
         measured(o, name, e);
         if (!(e <= tol))
             failf(o, "%s: relative L2 error %.3g > %.3g", what, e, tol);
@@ -1255,7 +1254,7 @@ static void compare_maps(outcome *o, const char *what, const float *got, const f
     if (g && w) {
         for (int64_t i = 0; i < n; i++)
             g[i] = got[i], w[i] = want[i];
-        const double e = rel_l2(g, w, n);
+        const double e = check_rel_l2(g, w, n);
         measured(o, "map", e);
         if (!(e <= 1e-5))
             failf(o, "%s: relative L2 error %.3g > 1e-05", what, e);
@@ -1589,7 +1588,7 @@ static void run_grad(const check_case *c, reference *R, const target *t, outcome
                     fd[p] = finite_difference(&f, i, e);
                 }
                 free(g);
-                const double err = rel_l2(got, fd, 16);
+                const double err = check_rel_l2(got, fd, 16);
                 measured(o, names[i], err);
                 if (!(err <= tol))
                     failf(o, "%s against finite differences: relative L2 error %.3g > %.3g", names[i], err, tol);

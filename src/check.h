@@ -42,6 +42,9 @@ typedef struct {
     int quick;              /* part of the quick grid (`sparge check` without --full) */
 } check_case;
 
+/* Relative L2 error ‖a − ref‖ / ‖ref‖ in fp64; NaN if either holds a NaN, so that NaN never passes. */
+double check_rel_l2(const double *a, const double *ref, int64_t n);
+
 /* The table, each row expanded over its dtypes and layouts. */
 int check_case_count(void);
 const check_case *check_case_get(int i);

@@ -95,9 +95,9 @@ static void print_tiers(sparge_device *dev)
     printf("\n");
 }
 
-static void print_options(sparge_device *dev)
+void cli_print_options(sparge_device *dev, const char *label)
 {
-    printf("    options:");
+    printf("%s", label);
     for (int i = 0; i < sparge_device_option_count(dev); i++) {
         const char *name, *value;
         if (!sparge_device_option(dev, i, &name, &value, NULL, NULL, NULL))
@@ -138,7 +138,7 @@ static int info(int argc, char **argv)
             }
             printf("  %-14s %s\n", dn, sparge_device_description(dev));
             print_tiers(dev);
-            print_options(dev);
+            cli_print_options(dev, "    options:");
             sparge_device_close(dev);
         }
     }

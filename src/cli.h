@@ -19,6 +19,9 @@ sparge_dtype cli_dtype(const char *s, const char *name);
 /* Print a failed call's status and message to stderr; returns 1. */
 int cli_fail(const char *what, sparge_status s);
 
+/* `label`, then the device's options in force as " name=value", then a newline. */
+void cli_print_options(sparge_device *dev, const char *label);
+
 /* Seeded unit-variance values rounded to the dtype, written to a device tensor. */
 sparge_status cli_fill_random(sparge_device *dev, const sparge_tensor *t, uint64_t seed);
 

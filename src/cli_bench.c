@@ -167,13 +167,7 @@ static int check_tiers(sparge_device *dev, sparge_op_desc d, int want_mask, int 
         printf("%s%s on %s", sep, sparge_op_name(d.op), tier);
         sep = ", ";
     }
-    printf("\noptions:");
-    for (int i = 0; i < sparge_device_option_count(dev); i++) {
-        const char *name, *value;
-        if (!sparge_device_option(dev, i, &name, &value, NULL, NULL, NULL))
-            printf(" %s=%s", name, value);
-    }
-    printf("\n");
+    cli_print_options(dev, "\noptions:");
     return 0;
 }
 

@@ -189,7 +189,7 @@ static int unsupported(sparge_status s, tu_tensor **outs, int n, const char *wha
 static void check_close(const char *what, const shape *s, sparge_dtype dt, tu_layout lay, double *got, double *want,
                         int64_t n, double tol)
 {
-    double e = tu_rel_l2(got, want, n);
+    double e = check_rel_l2(got, want, n);
     if (!(e <= tol))
         fail_msg("%s on %s: B=%lld H=%lld Nq=%lld Nk=%lld D=%lld bq=%d bk=%d %s %s: rel L2 %.3g > %.3g", what,
                  sparge_device_name(dev), (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk,
@@ -285,7 +285,7 @@ static void pooled_vectors(void)
         double *mapd = malloc((size_t)(pc->Nqb * pc->Nkb) * sizeof *mapd);
         for (int j = 0; j < pc->Nqb * pc->Nkb; j++)
             mapd[j] = map[j];
-        assert_true(tu_rel_l2(mapd, pc->map, pc->Nqb * pc->Nkb) <= 1e-5);
+        assert_true(check_rel_l2(mapd, pc->map, pc->Nqb * pc->Nkb) <= 1e-5);
         int32_t *cnt = malloc((size_t)pc->Nqb * 4), *idx = malloc((size_t)(pc->Nqb * pc->Nkb) * 4);
         assert_int_equal(sparge_mask_get_csr(m, cnt, idx, NULL, NULL), SPARGE_OK);
         for (int r = 0; r < pc->Nqb; r++) {
@@ -339,7 +339,7 @@ static void causal_vector(const tu_causal_case *c, tu_layout lay)
             assert_int_equal(sparge_mask_get_pooled_map(m, got), SPARGE_OK);
             for (int64_t i = 0; i < cells; i++)
                 gotd[i] = got[i];
-            const double e = tu_rel_l2(gotd, c->map, cells);
+            const double e = check_rel_l2(gotd, c->map, cells);
             if (!(e <= 1e-5))
                 fail_msg("causal vector %s on %s (%s): pooled map rel. L2 %.3g > 1e-5", c->name,
                          sparge_device_name(dev), lay == TU_BHND ? "BHND" : "BNHD", e);
@@ -1113,7 +1113,7 @@ static void grad_finite_differences(void)
                     fd[probe] = (l[0] - l[1]) / (2 * h);
                     got[probe] = g[i];
                 }
-                const double err = tu_rel_l2(got, fd, 16), tol = 2 * sparge_dtype_tolerance(dt);
+                const double err = check_rel_l2(got, fd, 16), tol = 2 * sparge_dtype_tolerance(dt);
                 worst = fmax(worst, err);
                 if (!(err <= tol))
                     fail_msg("%s %s: gradient against finite differences rel L2 %.3g > %.3g", sparge_dtype_name(dt),

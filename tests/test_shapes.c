@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "testutil.h"
 #include "../src/backend.h"
 
@@ -39,7 +40,7 @@ enum { CASES = sizeof cases / sizeof cases[0] };
 static void check_close(const char *what, const shape_case *c, const char *dev, sparge_dtype dt, tu_tensor *got,
                         tu_tensor *want)
 {
-    double *g = tu_get(got), *w = tu_get(want), e = tu_rel_l2(g, w, tu_numel(got));
+    double *g = tu_get(got), *w = tu_get(want), e = check_rel_l2(g, w, tu_numel(got));
     if (!(e <= sparge_dtype_tolerance(dt)))
         fail_msg("%s on %s, case %s, %s: rel L2 %.3g > %.3g", what, dev, c->name, sparge_dtype_name(dt), e,
                  sparge_dtype_tolerance(dt));
@@ -253,7 +254,7 @@ static void test_reference_definitions(void **state)
     double *qd = tu_get(&q), *kd = tu_get(&k), *vd = tu_get(&v), *od = tu_get(&o), *want = malloc(sizeof(double) * nq * D);
     for (int h = 0; h < H; h++) {
         naive(qd + h * nq * D, kd + (h / (H / HK)) * nk * D, vd + (h / (H / HK)) * nk * D, nq, nk, D, 1, want);
-        assert_true(tu_rel_l2(od + h * nq * D, want, nq * D) < 1e-6);
+        assert_true(check_rel_l2(od + h * nq * D, want, nq * D) < 1e-6);
     }
     /* Grouped heads against K/V repeated per query head (the same arithmetic: bit for bit). */
     tu_tensor kr = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, nk, D), vr = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, nk, D),

@@ -105,18 +105,6 @@ int tu_still_poisoned(tu_tensor *x)
     return 1;
 }
 
-double tu_rel_l2(const double *a, const double *ref, int64_t n)
-{
-    double num = 0.0, den = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        if (isnan(a[i]) || isnan(ref[i]))
-            return NAN;
-        num += (a[i] - ref[i]) * (a[i] - ref[i]);
-        den += ref[i] * ref[i];
-    }
-    return den > 0.0 ? sqrt(num / den) : sqrt(num);
-}
-
 sparge_device *tu_open_or_null(const char *name)
 {
     sparge_device *dev = NULL;

@@ -45,10 +45,6 @@ double *tu_get(tu_tensor *x);
 int tu_still_poisoned(tu_tensor *x);
 int64_t tu_numel(const tu_tensor *x);
 
-/* Relative L2 ‖a−ref‖/‖ref‖; NaN if any NaN (so NaN never passes a ≤ check). The tolerances are
- * sparge_dtype_tolerance's. */
-double tu_rel_l2(const double *a, const double *ref, int64_t n);
-
 /* Open a device or skip: returns NULL and the caller exits 77. */
 sparge_device *tu_open_or_null(const char *name);
 

@@ -55,31 +55,11 @@ enum { VL = 16, MR = 6, NV = 4 };
 #define vsub(a, b) _mm512_sub_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
 #define vmax(a, b) _mm512_max_ps(a, b)
+#define vfnma(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define vround(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 static inline vmask vtail(int64_t w) { return w >= VL ? (vmask)0xffff : (vmask)((1u << w) - 1u); }
 static inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
 
-/* exp(x) = 2^n·e^r, n = round(x/ln2), r = x − n·ln2 (two-part ln2, |r| ≤ ln2/2), e^r by its
- * degree-7 Taylor polynomial (truncation < 5e-9 relative): within 2 ulp of expf. Results
- * below 2^-126 become 0 (no denormals downstream); NaN propagates; +inf gives +inf. */
-static inline vec vexp(vec x)
-{
-    vmask under = _mm512_cmp_ps_mask(x, vset1(-87.33654f), _CMP_LT_OQ);
-    x = _mm512_max_ps(vset1(-88.0f), _mm512_min_ps(vset1(89.0f), x)); /* NaN is the second operand: kept */
-    vec n = _mm512_roundscale_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm512_fnmadd_ps(n, vset1(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
-    vec p = vset1(1.0f / 5040.0f);
-    p = vfma(p, r, vset1(1.0f / 720.0f));
-    p = vfma(p, r, vset1(1.0f / 120.0f));
-    p = vfma(p, r, vset1(1.0f / 24.0f));
-    p = vfma(p, r, vset1(1.0f / 6.0f));
-    p = vfma(p, r, vset1(0.5f));
-    p = vfma(p, r, vset1(1.0f));
-    p = vfma(p, r, vset1(1.0f));
-    return _mm512_maskz_scalef_ps((vmask)~under, p, n);
-}
-
-/* w (≤ VL) contiguous elements of dtype t as f32; lanes past w are 0. */
 static inline vec load_cvt(const void *src, sparge_dtype t, int64_t w)
 {
     vmask m = vtail(w);
@@ -157,6 +137,8 @@ enum { VL = 8, MR = 6, NV = 2 };
 #define vsub(a, b) _mm256_sub_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
 #define vmax(a, b) _mm256_max_ps(a, b)
+#define vfnma(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define vround(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 static inline vmask vtail(int64_t w)
 {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)min64(w, VL)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -167,29 +149,6 @@ static inline float vsum(vec x)
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-}
-
-/* As the AVX-512 vexp, with 2^n built in the exponent field (n clamped to [−126, 127]). */
-static inline vec vexp(vec x)
-{
-    vec under = _mm256_cmp_ps(x, vset1(-87.33654f), _CMP_LT_OQ);
-    vec over = _mm256_cmp_ps(x, vset1(88.72283f), _CMP_GT_OQ);
-    x = _mm256_max_ps(vset1(-87.0f), _mm256_min_ps(vset1(88.37f), x)); /* NaN is the second operand: kept */
-    vec n = _mm256_round_ps(vmul(x, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm256_fnmadd_ps(n, vset1(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, vset1(-2.12194440e-4f), r);
-    vec p = vset1(1.0f / 5040.0f);
-    p = vfma(p, r, vset1(1.0f / 720.0f));
-    p = vfma(p, r, vset1(1.0f / 120.0f));
-    p = vfma(p, r, vset1(1.0f / 24.0f));
-    p = vfma(p, r, vset1(1.0f / 6.0f));
-    p = vfma(p, r, vset1(0.5f));
-    p = vfma(p, r, vset1(1.0f));
-    p = vfma(p, r, vset1(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    vec y = vmul(p, _mm256_castsi256_ps(e));
-    y = _mm256_blendv_ps(y, vset1(INFINITY), over);
-    return _mm256_andnot_ps(under, y);
 }
 
 static inline vec load_cvt(const void *src, sparge_dtype t, int64_t w)
@@ -259,6 +218,41 @@ static inline void store_cvt(void *dst, sparge_dtype t, vec x, int64_t w)
     }
 }
 #endif
+
+/* exp(x) = 2^n·e^r, n = round(x/ln2), r = x − n·ln2 (two-part ln2, |r| ≤ ln2/2), e^r by its
+ * degree-7 Taylor polynomial (truncation < 5e-9 relative): within 2 ulp of expf. Results
+ * below 2^-126 become 0 (no denormals downstream); NaN propagates; +inf gives +inf.
+ * AVX-512 scales by 2^n with scalef; AVX2 builds 2^n in the exponent field (n clamped to [−126, 127]). */
+static inline vec vexp(vec x)
+{
+#if defined(__AVX512F__)
+    vmask under = _mm512_cmp_ps_mask(x, vset1(-87.33654f), _CMP_LT_OQ);
+    x = _mm512_max_ps(vset1(-88.0f), _mm512_min_ps(vset1(89.0f), x)); /* NaN is the second operand: kept */
+#else
+    vec under = _mm256_cmp_ps(x, vset1(-87.33654f), _CMP_LT_OQ);
+    vec over = _mm256_cmp_ps(x, vset1(88.72283f), _CMP_GT_OQ);
+    x = _mm256_max_ps(vset1(-87.0f), _mm256_min_ps(vset1(88.37f), x)); /* NaN is the second operand: kept */
+#endif
+    vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vec r = vfnma(n, vset1(0.693359375f), x);
+    r = vfnma(n, vset1(-2.12194440e-4f), r);
+    vec p = vset1(1.0f / 5040.0f);
+    p = vfma(p, r, vset1(1.0f / 720.0f));
+    p = vfma(p, r, vset1(1.0f / 120.0f));
+    p = vfma(p, r, vset1(1.0f / 24.0f));
+    p = vfma(p, r, vset1(1.0f / 6.0f));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+#if defined(__AVX512F__)
+    return _mm512_maskz_scalef_ps((vmask)~under, p, n);
+#else
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    vec y = vmul(p, _mm256_castsi256_ps(e));
+    y = _mm256_blendv_ps(y, vset1(INFINITY), over);
+    return _mm256_andnot_ps(under, y);
+#endif
+}
 
 /* w ≤ VL floats at p (lanes past w read as 0 / not written). */
 static inline vec vld(const float *p, int64_t w) { return w >= VL ? vload(p) : vmload(p, vtail(w)); }
