@@ -16,7 +16,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _checks, _lib, _torch
-from .mask import Mask, _predict, _scale_arg, mask_params, predict_csr_impl
+from .mask import (Mask, _predict, _scale_arg, defaulted_mask_params, given_mask_matches,
+                   no_prediction_params, predict_csr_impl)
 
 
 def _check_mask(mask, q, B, H, Nq, Nk, backend, varlen=False):
@@ -236,21 +237,11 @@ def sparge_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     _checks.flag(return_mask, "return_mask")
     _checks.flag(deterministic, "deterministic")
     if mask is not None:
-        if topk is not None or topp is not None:
-            raise ValueError("sparge_attention: mask= is given, so there is no prediction for topk / topp to "
-                             "steer; pass either mask or topk / topp")
+        no_prediction_params("sparge_attention", topk, topp)
         _check_mask(mask, query, B, H, Nq, Nk, backend)
-        if mask.causal != causal:
-            raise ValueError(f"sparge_attention: the given mask is {'' if mask.causal else 'not '}causal but "
-                             f"is_causal={causal}")
-        for name, given, own in (("block_q", block_q, mask.block_q), ("block_k", block_k, mask.block_k)):
-            if given is not None and _checks.block(given, name) != own:
-                raise ValueError(f"sparge_attention: {name} = {given} but the given mask has {name} = {own}")
+        given_mask_matches("sparge_attention", mask, causal, "is_causal", block_q, block_k)
     else:
-        topk, topp, block_q, block_k, scale = mask_params(
-            _checks.DEFAULT_TOPK if topk is None else topk, _checks.DEFAULT_TOPP if topp is None else topp,
-            _checks.DEFAULT_BLOCK_Q if block_q is None else block_q,
-            _checks.DEFAULT_BLOCK_K if block_k is None else block_k, scale)
+        topk, topp, block_q, block_k, scale = defaulted_mask_params(topk, topp, block_q, block_k, scale)
         if not return_mask and _OPS_REGISTERED:
             return torch.ops.sparge.attention(query, key, value, topk, topp, block_q, block_k, scale, layout,
                                               backend, deterministic, causal)[0]

@@ -482,6 +482,29 @@ def mask_params(topk, topp, block_q, block_k, scale):
     return topk, topp, _checks.block(block_q, "block_q"), _checks.block(block_k, "block_k"), _checks.scale(scale)
 
 
+def defaulted_mask_params(topk, topp, block_q, block_k, scale):
+    """mask_params with the defaults for the parameters left None."""
+    return mask_params(_checks.DEFAULT_TOPK if topk is None else topk, _checks.DEFAULT_TOPP if topp is None else topp,
+                       _checks.DEFAULT_BLOCK_Q if block_q is None else block_q,
+                       _checks.DEFAULT_BLOCK_K if block_k is None else block_k, scale)
+
+
+def no_prediction_params(fn, topk, topp):
+    """An attention call given mask= takes no prediction parameters."""
+    if topk is not None or topp is not None:
+        raise ValueError(f"{fn}: mask= is given, so there is no prediction for topk / topp to steer; pass either "
+                         "mask or topk / topp")
+
+
+def given_mask_matches(fn, mask, causal, causal_name, block_q, block_k):
+    """A given mask has the call's causality and, where given, its block sizes."""
+    if mask.causal != causal:
+        raise ValueError(f"{fn}: the given mask is {'' if mask.causal else 'not '}causal but {causal_name}={causal}")
+    for name, given, own in (("block_q", block_q, mask.block_q), ("block_k", block_k, mask.block_k)):
+        if given is not None and _checks.block(given, name) != own:
+            raise ValueError(f"{fn}: {name} = {given} but the given mask has {name} = {own}")
+
+
 def _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal=False):
     """predict_mask on checked arguments."""
     B, H, Nq, _ = _torch.bhnd_shape(q, layout)

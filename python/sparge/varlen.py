@@ -10,7 +10,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _checks
 from .attention import _backward, _forward
-from .mask import Mask, mask_params
+from .mask import Mask, defaulted_mask_params, given_mask_matches, no_prediction_params
 
 
 def _packed(t, name):
@@ -89,30 +89,20 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         out = q.new_zeros(q.shape)
         return (out, None) if return_mask else out
     if mask is not None:
-        if topk is not None or topp is not None:
-            raise ValueError("sparge_attention_varlen: mask= is given, so there is no prediction for topk / topp "
-                             "to steer; pass either mask or topk / topp")
+        no_prediction_params("sparge_attention_varlen", topk, topp)
         if not isinstance(mask, Mask):
             raise TypeError(f"sparge: mask must be a sparge.Mask, got {type(mask).__name__}")
         if not mask.varlen or not (torch.equal(mask.cu_seqlens_q, cu_q) and torch.equal(mask.cu_seqlens_k, cu_k)):
             raise ValueError("sparge_attention_varlen: the given mask was not made for these cu_seqlens_q / "
                              "cu_seqlens_k")
-        if mask.causal != causal:
-            raise ValueError(f"sparge_attention_varlen: the given mask is {'' if mask.causal else 'not '}causal but "
-                             f"causal={causal}")
         if mask.torch_device != q.device:
             raise ValueError(f"sparge: the mask is on {mask.torch_device} but q is on {q.device}")
         if backend is not None and backend != mask.device.backend:
             raise ValueError(f"sparge: the mask lives on backend '{mask.device.backend}', not '{backend}'")
         mask.check_attention_shapes(1, H, Tq, Tk)
-        for name, given, own in (("block_q", block_q, mask.block_q), ("block_k", block_k, mask.block_k)):
-            if given is not None and _checks.block(given, name) != own:
-                raise ValueError(f"sparge_attention_varlen: {name} = {given} but the given mask has {name} = {own}")
+        given_mask_matches("sparge_attention_varlen", mask, causal, "causal", block_q, block_k)
     else:
-        topk, topp, block_q, block_k, scale = mask_params(
-            _checks.DEFAULT_TOPK if topk is None else topk, _checks.DEFAULT_TOPP if topp is None else topp,
-            _checks.DEFAULT_BLOCK_Q if block_q is None else block_q,
-            _checks.DEFAULT_BLOCK_K if block_k is None else block_k, scale)
+        topk, topp, block_q, block_k, scale = defaulted_mask_params(topk, topp, block_q, block_k, scale)
         mask = Mask._recycled(B, H, Tq, Tk, block_q, block_k, q.device, backend, causal, cu_q, cu_k)
         with torch.no_grad():
             mask.predict(q[None], k[None], topk=topk, topp=topp, scale=scale, layout="bnhd")
