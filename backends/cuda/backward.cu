@@ -327,23 +327,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 
     /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
     const bool key_ok0 = key0 + kr0 + g < nk, key_ok1 = key0 + kr0 + g + 8 < nk;
-    float dv[D / 8][4], dk[D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < D / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            dv[nt][e] = dk[nt][e] = 0.0f;
+    float dv[D / 8][4] = {}, dk[D / 8][4] = {};
 
     for (int n = 0; n < nsteps; n++) {
         const int buf = n & 1;
-        if (n + 1 < nsteps) {
-            issue(n + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        cp_async_double_buffer_step(n, nsteps, issue);
         const uint32_t tq = aQ + buf * BM * row_bytes, tdo = adO + buf * BM * row_bytes;
         const float *tl = sLse + buf * BM, *td = sDt + buf * BM;
 
@@ -401,14 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
                            a_xor = swizzle_lane_xor(lane_bt_row(lane), lane_bt_chunk(lane));
             const uint32_t b_base = aK + lane_a_row(lane) * row_bytes,
                            b_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
-            float acc[2][NT][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        acc[mt][nt][e] = 0.0f;
+            float acc[2][NT][4] = {};
 #pragma unroll
             for (int kk = 0; kk < BN / 16; kk++) {
                 uint32_t af[2][4];
@@ -521,23 +502,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
 
     const int64_t row = (int64_t)bh * p.Nq_pad + q0 + r0 + g;
     const float lse_0 = p.lse2[row], lse_1 = p.lse2[row + 8], dt_0 = p.dt[row], dt_1 = p.dt[row + 8];
-    float dq[D / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < D / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            dq[nt][e] = 0.0f;
+    float dq[D / 8][4] = {};
 
     for (int n = 0; n < nsteps; n++) {
         const int buf = n & 1;
-        if (n + 1 < nsteps) {
-            issue(n + 1, buf ^ 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+        cp_async_double_buffer_step(n, nsteps, issue);
         const uint32_t tk = aK + buf * KT * row_bytes, tv = aV + buf * KT * row_bytes;
         const int k0 = step_key0(n);
 

@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     constexpr int THREADS = W::THREADS, KEYS = WGS * WG_KEYS;
     constexpr int ACC = D / 2; /* fp32 accumulators per thread of a 64 × D product */
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
-    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
+    unsigned char *smem;
+    const uint32_t smem0 = aligned_smem(smem_raw, &smem);
     const uint32_t k_smem = smem0, v_smem = k_smem + WGS * W::TILE_BYTES, ds_smem = v_smem + (WGS + 4) * W::TILE_BYTES;
     const uint32_t vec_off = (2 * WGS + 4) * W::TILE_BYTES + WGS * W::DS_BYTES;
     auto q_smem = [&](int buf) { return v_smem + WGS * W::TILE_BYTES + buf * 2 * W::TILE_BYTES; };

@@ -68,8 +68,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
     using W = dq90_traits<D>;
     constexpr int N_TILES = TILE_K / 8, D_TILES = D / 8;
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
-    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
+    unsigned char *smem;
+    const uint32_t smem0 = aligned_smem(smem_raw, &smem);
     const uint32_t q_smem = smem0, do_smem = q_smem + 2 * W::TILE_BYTES;
     auto k_smem = [&](int stage) { return do_smem + 2 * W::TILE_BYTES + stage * 2 * W::TILE_BYTES; };
     auto v_smem = [&](int stage) { return k_smem(stage) + W::TILE_BYTES; };
@@ -150,11 +150,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
     const float lse_0 = lse_r[0], lse_1 = lse_r[1], dt_0 = dt_r[0], dt_1 = dt_r[1];
     const uint32_t q_wg = q_smem + wg * W::TILE_BYTES, do_wg = do_smem + wg * W::TILE_BYTES;
 
-    float dq[D_TILES * 4];
+    float dq[D_TILES * 4] = {};
     uint32_t dsa[TILE_K / 16][4]; /* dS as the A operand; read by the dQ product until the next tile's S wait */
-#pragma unroll
-    for (int i = 0; i < D_TILES * 4; i++)
-        dq[i] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < TILE_K / 16; kk++)
 #pragma unroll

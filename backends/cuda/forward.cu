@@ -140,21 +140,13 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
                 ldmatrix_x4(q_frag[mt][kk], q_warp + mt * 16 * ROW_BYTES + swizzle_kstep(kk, a_xor));
     }
 
-    float o_acc[M_TILES][D_TILES][4];
-    float row_max[M_TILES][2], row_sum[M_TILES][2]; /* row_max in the exp2 domain; row_sum per lane */
+    float o_acc[M_TILES][D_TILES][4] = {};
+    float row_max[M_TILES][2], row_sum[M_TILES][2] = {}; /* row_max in the exp2 domain; row_sum per lane */
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; mt++) {
+    for (int mt = 0; mt < M_TILES; mt++)
 #pragma unroll
-        for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                o_acc[mt][dt][e] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
+        for (int r = 0; r < 2; r++)
             row_max[mt][r] = -INFINITY;
-            row_sum[mt][r] = 0.0f;
-        }
-    }
 
     for (int t = 0; t < n_tiles; t++) {
         const int stage = t % STAGES;
@@ -171,14 +163,7 @@ __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const fwd_params p)
         uint32_t pa[M_TILES][TILE_K / 16][4]; /* P as 16-bit A fragments: the fp32 scores die before P·V */
 #pragma unroll
         for (int g = 0; g < M_TILES / MG; g++) {
-            float s[MG][N_TILES][4];
-#pragma unroll
-            for (int mi = 0; mi < MG; mi++)
-#pragma unroll
-                for (int nt = 0; nt < N_TILES; nt++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        s[mi][nt][e] = 0.0f;
+            float s[MG][N_TILES][4] = {};
 #pragma unroll
             for (int kk = 0; kk < D / 16; kk++) {
                 uint32_t a[MG][4];

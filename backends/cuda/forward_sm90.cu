@@ -36,6 +36,7 @@
 
 using namespace sparge_mma;
 using namespace sparge_wgmma;
+using sparge_sm90::aligned_smem;
 using sparge_sm90::load_tile;
 using sparge_sm90::store_wg_rows;
 using sparge_sm90::warp_uniform;
@@ -66,8 +67,8 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     using W = wg_traits<D>;
     constexpr int N_TILES = TILE_K / 8, D_TILES = D / 8;
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t smem0 = (smem_addr(smem_raw) + 1023u) & ~1023u; /* the swizzle repeats every 1024 bytes */
-    unsigned char *smem = smem_raw + (smem0 - smem_addr(smem_raw));
+    unsigned char *smem;
+    const uint32_t smem0 = aligned_smem(smem_raw, &smem);
 
     const int tid = threadIdx.x, lane = tid & 31, wg = warp_uniform(tid >> 7), wg_tid = tid & 127;
     gpu_wait_for_previous_kernel();
@@ -106,13 +107,8 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
     const int row0 = (wg_tid >> 5) * 16 + frag_row(lane);
     const uint32_t q_wg = q_smem + wg * W::REGION_BYTES;
 
-    float o_acc[D_TILES][4];
+    float o_acc[D_TILES][4] = {};
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
-#pragma unroll
-    for (int dt = 0; dt < D_TILES; dt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            o_acc[dt][e] = 0.0f;
 
     for (int t = 0; t < n_tiles; t++) {
         const int stage = t % STAGES;

@@ -217,6 +217,31 @@ __device__ __forceinline__ bool decode_q_tile(const attn_params &p, int BM, q_ti
     return t->row0 < end;
 }
 
+/* Every kept key block of query tile qt, in tiles of BN keys: the tile's K and V loaded into ks and vs,
+ * then body(k0, kr) with the tile's first key k0 (in the sequence) and its kr valid keys. */
+template <typename T, int BN, int DT, typename Body>
+__device__ __forceinline__ void for_each_kv_tile(const attn_params &p, const q_tile &qt, float *ks, float *vs,
+                                                 Body &&body)
+{
+    const seq_span &sq = qt.s;
+    const T *kh = head_ptr<T>(p.k, sq.tb, qt.h / p.group) + sq.k0 * p.k.sn,
+            *vh = head_ptr<T>(p.v, sq.tb, qt.h / p.group) + sq.k0 * p.v.sn;
+    const int64_t row = qt.bh * p.Nqb + qt.i;
+    const int64_t nblocks = p.counts ? p.counts[row] : dense_blocks(p, sq, qt.i);
+    const int32_t *list = p.counts ? p.indices + row * p.Nkb : nullptr;
+    for (int64_t t = 0; t < nblocks; t++) {
+        const int64_t j = list ? list[t] : t, kend = min64((j + 1) * p.bk, sq.nk);
+        for (int64_t k0 = j * p.bk; k0 < kend; k0 += BN) {
+            const int kr = (int)min64(BN, kend - k0);
+            __syncthreads(); /* the previous tile's readers are done */
+            load_tile<T, BN, DT>(ks, kh, p.k.sn, p.k.sd, k0, kr, p.D, p.vec);
+            load_tile<T, BN, DT>(vs, vh, p.v.sn, p.v.sd, k0, kr, p.D, p.vec);
+            __syncthreads();
+            body(k0, kr);
+        }
+    }
+}
+
 /* Scores of keys past a query's causal diagonal are masked: key k0 + tx + 16c against query row0 + ty + 16a. */
 __device__ __forceinline__ bool causal_ok(const attn_params &p, const seq_span &s, int64_t row, int64_t key)
 {
@@ -242,53 +267,36 @@ template <typename T, int DT, int BM, int BN> __global__ void __launch_bounds__(
     const seq_span &sq = qt.s;
     load_tile<T, BM, DT>(qs, head_ptr<T>(p.q, sq.tb, qt.h) + sq.q0 * p.q.sn, p.q.sn, p.q.sd, qt.row0, qt.rows, p.D,
                          p.vec);
-    const T *kh = head_ptr<T>(p.k, sq.tb, qt.h / p.group) + sq.k0 * p.k.sn,
-            *vh = head_ptr<T>(p.v, sq.tb, qt.h / p.group) + sq.k0 * p.v.sn;
 
-    float m[RM], l[RM], o[RM][DPT];
-    for (int a = 0; a < RM; a++) {
+    float m[RM], l[RM] = {}, o[RM][DPT] = {};
+    for (int a = 0; a < RM; a++)
         m[a] = -INFINITY;
-        l[a] = 0.0f;
-        for (int e = 0; e < DPT; e++)
-            o[a][e] = 0.0f;
-    }
-    const int64_t row = qt.bh * p.Nqb + qt.i;
-    const int64_t nblocks = p.counts ? p.counts[row] : dense_blocks(p, sq, qt.i);
-    const int32_t *list = p.counts ? p.indices + row * p.Nkb : nullptr;
-    for (int64_t t = 0; t < nblocks; t++) {
-        const int64_t j = list ? list[t] : t, kend = min64((j + 1) * p.bk, sq.nk);
-        for (int64_t k0 = j * p.bk; k0 < kend; k0 += BN) {
-            const int kr = (int)min64(BN, kend - k0);
-            __syncthreads(); /* the previous tile's readers are done */
-            load_tile<T, BN, DT>(ks, kh, p.k.sn, p.k.sd, k0, kr, p.D, p.vec);
-            load_tile<T, BN, DT>(vs, vh, p.v.sn, p.v.sd, k0, kr, p.D, p.vec);
-            __syncthreads();
-            float s[RM][RN] = {};
-            dot_tile<RM, RN, DT>(s, qs, ks, ty, tx);
-            for (int a = 0; a < RM; a++) {
-                float mx = -INFINITY;
-                for (int c = 0; c < RN; c++) {
-                    const bool ok = tx + 16 * c < kr && causal_ok(p, sq, qt.row0 + ty + 16 * a, k0 + tx + 16 * c);
-                    s[a][c] = ok ? s[a][c] * p.scale_log2 : -INFINITY;
-                    mx = fmaxf(mx, s[a][c]);
-                }
-                const float mnew = fmaxf(m[a], group16_max(mx)), mref = mnew == -INFINITY ? 0.0f : mnew;
-                const float alpha = exp2f(m[a] - mref);
-                float sum = 0.0f;
-                for (int c = 0; c < RN; c++) {
-                    const float pv = exp2f(s[a][c] - mref);
-                    sum += pv;
-                    ps[(ty + 16 * a) * (BN + 4) + tx + 16 * c] = pv;
-                }
-                l[a] = l[a] * alpha + group16_sum(sum);
-                m[a] = mnew;
-                for (int e = 0; e < DPT; e++)
-                    o[a][e] *= alpha;
+    for_each_kv_tile<T, BN, DT>(p, qt, ks, vs, [&](int64_t k0, int kr) {
+        float s[RM][RN] = {};
+        dot_tile<RM, RN, DT>(s, qs, ks, ty, tx);
+        for (int a = 0; a < RM; a++) {
+            float mx = -INFINITY;
+            for (int c = 0; c < RN; c++) {
+                const bool ok = tx + 16 * c < kr && causal_ok(p, sq, qt.row0 + ty + 16 * a, k0 + tx + 16 * c);
+                s[a][c] = ok ? s[a][c] * p.scale_log2 : -INFINITY;
+                mx = fmaxf(mx, s[a][c]);
             }
-            __syncthreads();
-            mul_tile<RM, BN, DT>(o, ps, vs, ty, tx);
+            const float mnew = fmaxf(m[a], group16_max(mx)), mref = mnew == -INFINITY ? 0.0f : mnew;
+            const float alpha = exp2f(m[a] - mref);
+            float sum = 0.0f;
+            for (int c = 0; c < RN; c++) {
+                const float pv = exp2f(s[a][c] - mref);
+                sum += pv;
+                ps[(ty + 16 * a) * (BN + 4) + tx + 16 * c] = pv;
+            }
+            l[a] = l[a] * alpha + group16_sum(sum);
+            m[a] = mnew;
+            for (int e = 0; e < DPT; e++)
+                o[a][e] *= alpha;
         }
-    }
+        __syncthreads();
+        mul_tile<RM, BN, DT>(o, ps, vs, ty, tx);
+    });
     T *oh = (T *)p.o.data + sq.tb * p.o.sb + qt.h * p.o.sh + sq.q0 * p.o.sn;
     for (int a = 0; a < RM; a++) {
         const int r = ty + 16 * a;
@@ -435,30 +443,17 @@ template <typename T, int DT, int BQ, int BK> __global__ void __launch_bounds__(
     const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
     const seq_span &sq = qt.s;
     load_query_side<T, BQ, DT>(p, sq, qt.h, qt.row0, qt.rows, qs, dos, lse_s, dl_s);
-    const T *kh = head_ptr<T>(p.k, sq.tb, qt.h / p.group) + sq.k0 * p.k.sn,
-            *vh = head_ptr<T>(p.v, sq.tb, qt.h / p.group) + sq.k0 * p.v.sn;
 
     float dq[RQ][DPT] = {};
-    const int64_t row = qt.bh * p.Nqb + qt.i;
-    const int64_t nblocks = p.counts ? p.counts[row] : dense_blocks(p, sq, qt.i);
-    const int32_t *list = p.counts ? p.indices + row * p.Nkb : nullptr;
-    for (int64_t t = 0; t < nblocks; t++) {
-        const int64_t j = list ? list[t] : t, kend = min64((j + 1) * p.bk, sq.nk);
-        for (int64_t k0 = j * p.bk; k0 < kend; k0 += BK) {
-            const int kr = (int)min64(BK, kend - k0);
-            __syncthreads();
-            load_tile<T, BK, DT>(ks, kh, p.k.sn, p.k.sd, k0, kr, p.D, p.vec);
-            load_tile<T, BK, DT>(vs, vh, p.v.sn, p.v.sd, k0, kr, p.D, p.vec);
-            __syncthreads();
-            float pr[RQ][RK], ds[RQ][RK];
-            probs_and_grads<RQ, RK, DT>(pr, ds, qs, dos, ks, vs, lse_s, dl_s, qt.rows, kr, p, sq, qt.row0, k0, ty, tx);
-            for (int a = 0; a < RQ; a++)
-                for (int c = 0; c < RK; c++)
-                    dss[(ty + 16 * a) * SLD + tx + 16 * c] = ds[a][c];
-            __syncthreads();
-            mul_tile<RQ, BK, DT>(dq, dss, ks, ty, tx); /* dQ += dS K (scaled at the end) */
-        }
-    }
+    for_each_kv_tile<T, BK, DT>(p, qt, ks, vs, [&](int64_t k0, int kr) {
+        float pr[RQ][RK], ds[RQ][RK];
+        probs_and_grads<RQ, RK, DT>(pr, ds, qs, dos, ks, vs, lse_s, dl_s, qt.rows, kr, p, sq, qt.row0, k0, ty, tx);
+        for (int a = 0; a < RQ; a++)
+            for (int c = 0; c < RK; c++)
+                dss[(ty + 16 * a) * SLD + tx + 16 * c] = ds[a][c];
+        __syncthreads();
+        mul_tile<RQ, BK, DT>(dq, dss, ks, ty, tx); /* dQ += dS K (scaled at the end) */
+    });
     store_rows<T, RQ, DT>(p.dq, sq.tb, qt.h, sq.q0 + qt.row0, qt.rows, p.D, dq, p.scale, ty, tx);
 }
 

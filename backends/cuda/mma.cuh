@@ -95,6 +95,21 @@ __device__ __forceinline__ void cp_async_wait()
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* Step n of a double-buffered loop of nsteps: issue(n + 1, other buffer) prefetches the next step, then
+ * waits until step n's group has landed and every thread of the CTA is past step n − 1. */
+template <typename Issue>
+__device__ __forceinline__ void cp_async_double_buffer_step(int n, int nsteps, Issue &&issue)
+{
+    if (n + 1 < nsteps) {
+        issue(n + 1, (n & 1) ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+}
+
 /* ---------------------------------------------------------------- ldmatrix */
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr)
@@ -129,23 +144,18 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t r[2], uint32_t addr)
 template <typename T>
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]);
 
-template <>
-__device__ __forceinline__ void mma_16816<gpu_bf16>(float c[4], const uint32_t a[4], const uint32_t b[2])
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <>
-__device__ __forceinline__ void mma_16816<gpu_half>(float c[4], const uint32_t a[4], const uint32_t b[2])
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+#define SPARGE_MMA_16816(T, PTX_TYPE)                                                                                  \
+    template <>                                                                                                        \
+    __device__ __forceinline__ void mma_16816<T>(float c[4], const uint32_t a[4], const uint32_t b[2])                 \
+    {                                                                                                                  \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, "             \
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                                        \
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                  \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));                              \
+    }
+SPARGE_MMA_16816(gpu_bf16, "bf16")
+SPARGE_MMA_16816(gpu_half, "f16")
+#undef SPARGE_MMA_16816
 
 /* ---------------------------------------------------------------- fragments */
 

@@ -25,6 +25,15 @@ constexpr int REGION_ROWS = 64, PANEL_ROW_BYTES = 128, CORE_GROUP_BYTES = 8 * PA
  * there before every wgmma. */
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
+/* The dynamic shared memory from its first 1024-byte boundary, where the swizzle pattern starts: its
+ * shared-space address, and in *generic the same place as a pointer. */
+__device__ __forceinline__ uint32_t aligned_smem(unsigned char *raw, unsigned char **generic)
+{
+    const uint32_t a = (sparge_mma::smem_addr(raw) + 1023u) & ~1023u;
+    *generic = raw + (a - sparge_mma::smem_addr(raw));
+    return a;
+}
+
 /* Byte offset of 16-byte chunk `chunk` of row `row` (< 64) inside one region. */
 __device__ __forceinline__ uint32_t panel_offset(int row, int chunk)
 {
