@@ -168,9 +168,11 @@ typedef struct {
     shape s;
     sparge_mask *m[NDEV];
     int filled;
-    uint8_t *dense;  /* the selection the oracle expects, [rows × Nkb] */
-    double *mass;    /* its row masses (NaN for an imported mask) */
-    double *mass_abs; /* sums of the magnitudes of the kept entries: the scale of a mass's rounding */
+    uint8_t *dense;          /* the selection the oracle expects, [rows × Nkb] */
+    double *mass[NDEV];      /* its row masses on each device (NaN for an imported mask; a prediction's come from
+                              * the device's own pooled map) */
+    double *mass_abs[NDEV];  /* sums of the magnitudes of the kept entries: the scale of a mass's rounding */
+    float *map[NDEV];        /* a predicted mask's pooled map as the device returned it; NULL otherwise */
 } mask_pair;
 
 static const int block_codes[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 16, 17, 31, 32, 64, 128, 1000, 3};
@@ -238,8 +240,23 @@ static void free_pair(mask_pair *mp)
     for (int d = 0; d < NDEV; d++)
         sparge_mask_destroy(mp->m[d]);
     free(mp->dense);
-    free(mp->mass);
-    free(mp->mass_abs);
+    for (int d = 0; d < NDEV; d++) {
+        free(mp->mass[d]);
+        free(mp->mass_abs[d]);
+        free(mp->map[d]);
+    }
+}
+
+/* The masks now hold a selection made here or imported, not a prediction: the same masses on both devices. */
+static void selection_made(mask_pair *mp)
+{
+    memcpy(mp->mass[FAST], mp->mass[REF], (size_t)mp->s.rows * sizeof(double));
+    memcpy(mp->mass_abs[FAST], mp->mass_abs[REF], (size_t)mp->s.rows * sizeof(double));
+    for (int d = 0; d < NDEV; d++) {
+        free(mp->map[d]);
+        mp->map[d] = NULL;
+    }
+    mp->filled = 1;
 }
 
 /* ------------------------------------------------------------------ the selection oracle (§1.5–1.6) */
@@ -423,8 +440,8 @@ static void inspect(mask_pair *mp, int transpose)
                     mn = n < mn ? n : mn;
                     mx = n > mx ? n : mx;
                     mass_sum += row_mass[r];
-                    CHECK(mass_ok(row_mass[r], mp->mass[r], mp->mass_abs[r]), "row %lld: mass %.9g, expected %.9g",
-                          (long long)r, row_mass[r], mp->mass[r]);
+                    CHECK(mass_ok(row_mass[r], mp->mass[d][r], mp->mass_abs[d][r]),
+                          "row %lld: mass %.9g, expected %.9g", (long long)r, row_mass[r], mp->mass[d][r]);
                 }
                 kept += head_kept;
                 CHECK(close_to(head_sp[h], 1.0 - (double)head_kept / (double)(s->Nqb * s->Nkb), 1e-12),
@@ -448,9 +465,13 @@ static void inspect(mask_pair *mp, int transpose)
         snprintf(step, sizeof step, "sparge_mask_get_pooled_map on %s", dev_names[d]);
         plant();
         st = sparge_mask_get_pooled_map(m, map);
-        outcome(st, BIT(SPARGE_ERR_MASK), "sparge_mask_get_pooled_map", dev_names[d]);
-        for (int64_t i = 0; i < s->cells; i++)
-            CHECK(((uint32_t *)map)[i] == POISON_I32, "refused get_pooled_map wrote the map");
+        outcome(st, mp->map[d] ? BIT(SPARGE_OK) : BIT(SPARGE_ERR_MASK), "sparge_mask_get_pooled_map", dev_names[d]);
+        if (st)
+            for (int64_t i = 0; i < s->cells; i++)
+                CHECK(((uint32_t *)map)[i] == POISON_I32, "refused get_pooled_map wrote the map");
+        else
+            CHECK(memcmp(map, mp->map[d], (size_t)s->cells * sizeof(float)) == 0,
+                  "get_pooled_map differs from the map the prediction returned");
     }
     free(counts);
     free(indices);
@@ -553,9 +574,9 @@ static void op_select(input *in, mask_pair *mp)
             const int64_t b = r / (s->H * s->Nqb), h = r / s->Nqb % s->H, i = r % s->Nqb;
             for (int64_t j = 0; j < s->Nkb; j++)
                 row[j] = storage[b * st[0] + h * st[1] + i * st[2] + j * st[3]];
-            oracle_row(row, s->Nkb, k, p, mp->dense + r * s->Nkb, &mp->mass[r], &mp->mass_abs[r], order);
+            oracle_row(row, s->Nkb, k, p, mp->dense + r * s->Nkb, &mp->mass[REF][r], &mp->mass_abs[REF][r], order);
         }
-        mp->filled = 1;
+        selection_made(mp);
         free(row);
         free(order);
     }
@@ -606,8 +627,8 @@ static void op_set_dense(input *in, mask_pair *mp)
         for (int64_t i = 0; i < s->cells; i++)
             mp->dense[i] = host[i] != 0;
         for (int64_t r = 0; r < s->rows; r++)
-            mp->mass[r] = NAN, mp->mass_abs[r] = 0.0;
-        mp->filled = 1;
+            mp->mass[REF][r] = NAN, mp->mass_abs[REF][r] = 0.0;
+        selection_made(mp);
     }
     inspect(mp, fill >> 7);
     free(host);
@@ -1055,6 +1076,250 @@ static void op_attention(input *in, mask_pair *mp)
     }
 }
 
+/* ------------------------------------------------------------------ prediction from Q and K */
+
+/* The pooled map of §1.3–1.4 in fp64 over the logical values (Hkv K heads, each shared by H / Hkv query heads);
+ * the block means are rounded to f32 as the specification stores them. err[r]: the scale of row r's rounding
+ * on a device, |s|·max_j Σ_d |Q̄_d·K̄_jd|. */
+static void oracle_map(const double *q, const double *k, int64_t Hkv, int64_t D, float scale, const shape *s,
+                       double *map, double *err)
+{
+    const int64_t H = s->H, group = H / Hkv;
+    double *qm = xmalloc((size_t)D * sizeof(double)), *km = xmalloc((size_t)(s->Nkb * D) * sizeof(double));
+    double *z = xmalloc((size_t)s->Nkb * sizeof(double));
+    for (int64_t b = 0; b < s->B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const double *kh = k + (b * Hkv + h / group) * s->Nk * D;
+            for (int64_t j = 0; j < s->Nkb; j++) {
+                const int64_t n = block_len(j, s->bk, s->Nk);
+                for (int64_t d = 0; d < D; d++) {
+                    double sum = 0.0;
+                    for (int64_t u = j * s->bk; u < j * s->bk + n; u++)
+                        sum += kh[u * D + d];
+                    km[j * D + d] = (float)(sum / (double)n);
+                }
+            }
+            for (int64_t i = 0; i < s->Nqb; i++) {
+                const int64_t r = (b * H + h) * s->Nqb + i, n = block_len(i, s->bq, s->Nq);
+                const double *qh = q + (b * H + h) * s->Nq * D;
+                for (int64_t d = 0; d < D; d++) {
+                    double sum = 0.0;
+                    for (int64_t t = i * s->bq; t < i * s->bq + n; t++)
+                        sum += qh[t * D + d];
+                    qm[d] = (float)(sum / (double)n);
+                }
+                double m = -INFINITY, mag = 0.0;
+                int nan = 0;
+                for (int64_t j = 0; j < s->Nkb; j++) {
+                    double dot = 0.0, a = 0.0;
+                    for (int64_t d = 0; d < D; d++) {
+                        dot += qm[d] * km[j * D + d];
+                        a += fabs(qm[d] * km[j * D + d]);
+                    }
+                    z[j] = (double)scale * dot;
+                    nan |= isnan(z[j]);
+                    m = z[j] > m ? z[j] : m;
+                    mag = fmax(mag, fabs((double)scale) * a);
+                }
+                err[r] = mag;
+                double *row = map + r * s->Nkb, sum = 0.0;
+                for (int64_t j = 0; j < s->Nkb; j++) {
+                    row[j] = nan || isinf(m) ? NAN : exp(z[j] - m);
+                    sum += row[j];
+                }
+                for (int64_t j = 0; j < s->Nkb; j++)
+                    row[j] /= sum;
+            }
+        }
+    free(qm);
+    free(km);
+    free(z);
+}
+
+/* A row where two devices may select differently (DESIGN §2.2): within rounding of the cut on `ref`'s row. */
+static int close_call(const float *row, int64_t n, int64_t kept, double p, int64_t *order)
+{
+    for (int64_t j = 0; j < n; j++) {
+        int64_t rank = 0;
+        for (int64_t i = 0; i < n; i++)
+            rank += row[i] > row[j] || (row[i] == row[j] && i < j);
+        order[rank] = j;
+    }
+    if (kept < n) {
+        const double x = row[order[kept - 1]], y = row[order[kept]];
+        if (fabs(x - y) <= 1e-5 * fmax(fabs(x), fabs(y)))
+            return 1;
+    }
+    double c = 0.0;
+    for (int64_t t = 0; p > 0.0 && t < n; t++)
+        if (fabs((c += row[order[t]]) - p) <= 1e-5 * p)
+            return 1;
+    return 0;
+}
+
+enum { MAX_PREDICT_TOKENS = 64 };
+
+/* sparge_mask_predict on both devices from the same Q and K (any D from 1 to 16, f32/f16/bf16, BHND/BNHD, K
+ * with H or 1 heads, normal, tied, flat or peaked values, NaN/Inf injected), with misuse. An accepted
+ * prediction: each device's mask is the selection rule applied to the pooled map it returns (exactly), that map
+ * is the fp64 map of §1.3–1.4 within rounding (NaN rows exactly), and the two devices' masks agree but for rows
+ * within rounding of their cut; a refusal leaves the mask as it was. */
+static void op_predict(input *in, mask_pair *mp)
+{
+    const shape *s = &mp->s;
+    static const int64_t d_codes[8] = {1, 2, 3, 4, 5, 7, 8, 16};
+    const unsigned c_d = u8(in), flags = u8(in), blocks = u8(in), fill = u8(in) % 4, misuse = u8(in) % 32;
+    if (s->Nq > MAX_PREDICT_TOKENS || s->Nk > MAX_PREDICT_TOKENS)
+        return;
+    sparge_mask_params params = {0};
+    params.topk = param_value(u8(in));
+    params.topp = param_value(u8(in));
+    params.scale = (blocks >> 4) < 12 ? scale_value(blocks >> 4) : 0.0f; /* 0: the default 1/√D */
+    /* blocks 0 (the mask's) or the mask's own, now and then another size or a negative one */
+    const int bqs[8] = {0, s->bq, 0, s->bq, 0, s->bq, s->bq > 1 ? s->bq - 1 : 2, -1};
+    const int bks[8] = {0, s->bk, 0, s->bk, 0, s->bk, s->bk > 2 ? s->bk - 2 : 3, -3};
+    params.block_q = bqs[blocks & 7];
+    params.block_k = bks[u8(in) & 7];
+    const int64_t B = s->B, H = s->H, D = d_codes[c_d % 8], Hkv = (flags >> 3 & 1) ? 1 : H;
+    const sparge_dtype dt = (sparge_dtype)((flags & 3) % 3);
+    const int bnhd = flags >> 2 & 1;
+    tens q = tens_make(dt, bnhd, B, H, s->Nq, D), k = tens_make(dt, bnhd, B, Hkv, s->Nk, D);
+    tens *inputs[4] = {&q, &k, &q, &k};
+    uint64_t seed = u32(in);
+    for (int t = 0; t < 2; t++)
+        for (int64_t i = 0; i < inputs[t]->n; i++) {
+            uint64_t z = (seed += 0x9e3779b97f4a7c15ull); /* splitmix64 */
+            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+            z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+            z ^= z >> 31;
+            const double u1 = ((double)(z >> 11) + 0.5) * 0x1.0p-53, u2 = (double)(z & 0x7ff) / 2048.0;
+            const double normal = sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+            switch (fill) {
+            case 0: tens_set(inputs[t], i, (float)normal); break;
+            case 1: tens_set(inputs[t], i, (float)((int)(z % 3) - 1)); break; /* coarse: ties between blocks */
+            case 2: tens_set(inputs[t], i, 0.5f); break;                      /* flat rows: every block ties */
+            default: tens_set(inputs[t], i, (float)(8.0 * normal)); break;    /* peaked rows */
+            }
+        }
+    const int special = inject(in, inputs);
+    void *saved[2] = {xmalloc(q.bytes), xmalloc(k.bytes)};
+    memcpy(saved[0], q.t.data, q.bytes);
+    memcpy(saved[1], k.t.data, k.bytes);
+
+    /* what the core must refuse: with several faults, any of their statuses */
+    sparge_tensor qx = q.t, kx = k.t;
+    unsigned bad = 0;
+    const int null_params = misuse == 5, other_device = misuse == 6, null_mask = misuse == 8;
+    const double kf = params.topk, pf = params.topp;
+    if (!null_params && (!(kf >= 0.0 && kf <= 1.0) || !(pf >= 0.0 && pf <= 1.0) || (kf == 0.0 && pf == 0.0) ||
+                         params.block_q < 0 || params.block_k < 0 || !isfinite(params.scale)))
+        bad |= BIT(SPARGE_ERR_INVALID);
+    if (!null_params && ((params.block_q > 0 && params.block_q != s->bq) || (params.block_k > 0 && params.block_k != s->bk)))
+        bad |= BIT(SPARGE_ERR_MASK);
+    switch (misuse) {
+    case 1: qx.data = NULL, bad |= BIT(SPARGE_ERR_NULL); break;
+    case 2: kx.dtype = (sparge_dtype)((dt + 1) % 3), bad |= BIT(SPARGE_ERR_DTYPE); break;
+    case 3: kx.shape[3] = D + 1, bad |= BIT(SPARGE_ERR_SHAPE) | BIT(SPARGE_ERR_INVALID); break;
+    case 4: qx.shape[2] = s->Nq + 1, bad |= BIT(SPARGE_ERR_MASK) | BIT(SPARGE_ERR_INVALID); break;
+    case 5: bad |= BIT(SPARGE_ERR_NULL); break;
+    case 6: bad |= BIT(SPARGE_ERR_MASK); break;
+    case 7: kx.shape[1] = H + 1, bad |= BIT(SPARGE_ERR_SHAPE) | BIT(SPARGE_ERR_INVALID); break;
+    case 8: bad |= BIT(SPARGE_ERR_NULL); break;
+    case 9: params.causal = 1, bad |= BIT(SPARGE_ERR_MASK); break;
+    case 10: qx.stride[2] = -qx.stride[2], bad |= BIT(SPARGE_ERR_INVALID); break;
+    default: break;
+    }
+    const unsigned allowed = bad ? bad : BIT(SPARGE_OK);
+
+    sparge_status got[NDEV];
+    for (int d = 0; d < NDEV; d++) {
+        snprintf(step, sizeof step, "sparge_mask_predict on %s (D %lld %s %s Hkv %lld fill %u k %g p %g scale %g "
+                 "misuse %u special %d)", dev_names[d], (long long)D, sparge_dtype_name(dt), bnhd ? "bnhd" : "bhnd",
+                 (long long)Hkv, fill, kf, pf, params.scale, misuse, special);
+        sparge_mask *m = null_mask ? NULL : mp->m[other_device ? 1 - d : d];
+        plant();
+        got[d] = sparge_mask_predict(dev[d], &qx, &kx, null_params ? NULL : &params, m);
+        outcome(got[d], allowed, "sparge_mask_predict", dev_names[d]);
+        CHECK(memcmp(saved[0], q.t.data, q.bytes) == 0 && memcmp(saved[1], k.t.data, k.bytes) == 0,
+              "the prediction wrote into q or k");
+    }
+    CHECK(got[FAST] == got[REF], "cpu returned %s, cpu-ref %s", sparge_status_name(got[FAST]),
+          sparge_status_name(got[REF]));
+    if (got[FAST] == SPARGE_OK) {
+        const float scale = params.scale != 0.0f ? params.scale : 1.0f / sqrtf((float)D);
+        double *qv = tens_values(&q), *kv = tens_values(&k);
+        double *want = xmalloc((size_t)s->cells * sizeof(double)), *err = xmalloc((size_t)s->rows * sizeof(double));
+        oracle_map(qv, kv, Hkv, D, scale, s, want, err);
+        uint8_t *sel[NDEV], *dense = xmalloc((size_t)s->cells);
+        int64_t *order = xmalloc((size_t)s->Nkb * sizeof(int64_t));
+        /* f32 and fp64 overflow differently past moderate scales and with infinities: there only the rule. */
+        const int moderate = fabsf(scale) <= 4.0f && special < 2;
+        for (int d = 0; d < NDEV; d++) {
+            float *map = xmalloc((size_t)s->cells * sizeof(float));
+            snprintf(step, sizeof step, "the prediction's map and mask on %s (D %lld %s fill %u k %g p %g scale %g)",
+                     dev_names[d], (long long)D, sparge_dtype_name(dt), fill, kf, pf, scale);
+            CHECK(sparge_mask_get_pooled_map(mp->m[d], map) == SPARGE_OK, "get_pooled_map: %s", sparge_last_error());
+            CHECK(sparge_mask_get_dense(mp->m[d], dense) == SPARGE_OK, "get_dense: %s", sparge_last_error());
+            sel[d] = xmalloc((size_t)s->cells);
+            for (int64_t r = 0; r < s->rows; r++) {
+                const float *row = map + r * s->Nkb;
+                const double *w = want + r * s->Nkb;
+                oracle_row(row, s->Nkb, kf, pf, sel[d] + r * s->Nkb, &mp->mass[d][r], &mp->mass_abs[d][r], order);
+                for (int64_t j = 0; j < s->Nkb; j++) {
+                    CHECK(dense[r * s->Nkb + j] == sel[d][r * s->Nkb + j], "row %lld block %lld: kept %u, but the "
+                          "rule on the device's own map says %u", (long long)r, (long long)j, dense[r * s->Nkb + j],
+                          sel[d][r * s->Nkb + j]);
+                    if (moderate)
+                        CHECK(isnan(row[j]) == isnan(w[j]), "row %lld entry %lld: %.9g, the fp64 map has %.9g",
+                              (long long)r, (long long)j, row[j], w[j]);
+                    if (moderate && !isnan(w[j]))
+                        CHECK(fabs(row[j] - w[j]) <= (2e-6 * err[r] + 1e-5) * w[j] + 1e-30,
+                              "row %lld entry %lld: %.9g, the fp64 map has %.9g (logit scale %.3g)", (long long)r,
+                              (long long)j, row[j], w[j], err[r]);
+                }
+            }
+            free(mp->map[d]);
+            mp->map[d] = map;
+        }
+        /* The devices' selections differ only where the reference's decision was within rounding. */
+        int same = 1;
+        for (int64_t r = 0; r < s->rows; r++)
+            if (memcmp(sel[FAST] + r * s->Nkb, sel[REF] + r * s->Nkb, (size_t)s->Nkb)) {
+                int64_t n = 0;
+                for (int64_t j = 0; j < s->Nkb; j++)
+                    n += sel[REF][r * s->Nkb + j];
+                CHECK(close_call(mp->map[REF] + r * s->Nkb, s->Nkb, n, pf, order),
+                      "row %lld: cpu and cpu-ref select differently and the row is not within rounding of its cut",
+                      (long long)r);
+                same = 0;
+            }
+        memcpy(mp->dense, sel[REF], (size_t)s->cells);
+        mp->filled = 1;
+        if (!same) { /* keep the pair in step for the next operations: both take cpu-ref's selection */
+            for (int d = 0; d < NDEV; d++) {
+                snprintf(step, sizeof step, "sparge_mask_set_dense on %s after a close call", dev_names[d]);
+                CHECK(sparge_mask_set_dense(mp->m[d], mp->dense) == SPARGE_OK, "%s", sparge_last_error());
+            }
+            for (int64_t r = 0; r < s->rows; r++)
+                mp->mass[REF][r] = NAN, mp->mass_abs[REF][r] = 0.0;
+            selection_made(mp);
+        }
+        free(qv);
+        free(kv);
+        free(want);
+        free(err);
+        free(dense);
+        free(order);
+        for (int d = 0; d < NDEV; d++)
+            free(sel[d]);
+    }
+    inspect(mp, flags >> 7); /* the prediction, or the mask as it was before a refusal */
+    free(saved[0]);
+    free(saved[1]);
+    free(q.t.data);
+    free(k.t.data);
+}
+
 /* ------------------------------------------------------------------ the target */
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -1065,7 +1330,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             abort();
         }
     input in = {data, size};
-    mask_pair mp = {decode_shape(&in), {NULL, NULL}, 0, NULL, NULL, NULL};
+    mask_pair mp = {decode_shape(&in), {NULL, NULL}, 0, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
     shape *s = &mp.s;
     int skip;
     const unsigned allowed = create_expectation(s, &skip);
@@ -1094,11 +1359,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     s->rows = s->B * s->H * s->Nqb;
     s->cells = s->rows * s->Nkb;
     mp.dense = xmalloc((size_t)s->cells);
-    mp.mass = xmalloc((size_t)s->rows * sizeof(double));
-    mp.mass_abs = xmalloc((size_t)s->rows * sizeof(double));
+    for (int d = 0; d < NDEV; d++) {
+        mp.mass[d] = xmalloc((size_t)s->rows * sizeof(double));
+        mp.mass_abs[d] = xmalloc((size_t)s->rows * sizeof(double));
+    }
     inspect(&mp, 1); /* a fresh mask holds no selection */
     for (int ops = 0; in.n > 0 && ops < 32; ops++) {
-        switch (u8(&in) % 8) {
+        const unsigned op = u8(&in) % 16;
+        if (op >= 13) {
+            op_predict(&in, &mp);
+            continue;
+        }
+        switch (op % 8) {
         case 0:
         case 1:
         case 7: op_select(&in, &mp); break;
