@@ -26,7 +26,7 @@
 #   --sparsities LIST (0.95,0.9,0.8) --ft-steps N (1000) --min-steps N (8000) --max-steps N (30000)
 #   --window N (4000) --tol X (0.01)
 # A rehearsal on the CPU (paper-repro/README.md) replaces the machine's parts through the environment:
-#   GPU_TRAIN_CONFIG (gpu.cfg), GPU_TRAIN_DEVICE (cuda-generic:0), GPU_TRAIN_BINDIR (a build's experiments/ folder:
+#   GPU_TRAIN_CONFIG (gpu.cfg), GPU_TRAIN_DEVICE (cuda:0), GPU_TRAIN_BINDIR (a build's experiments/ folder:
 #   no build), GPU_TRAIN_CONFIGURE_FLAGS (the build's configure flags), GPU_TRAIN_EVAL_KEYS, GPU_TRAIN_HELDOUT_KEYS, GPU_TRAIN_FT_KEYS (the sparge-train keys of evaluations,
 #   held-out losses and fine-tunings), GPU_TRAIN_GUESS (seconds: the first estimate of every kind of job, before
 #   one has been timed).
@@ -35,7 +35,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/.." && pwd)
 cfg=${GPU_TRAIN_CONFIG:-$top/experiments/trainer/configs/gpu.cfg}
-gpu_device=${GPU_TRAIN_DEVICE:-cuda-generic:0}
+gpu_device=${GPU_TRAIN_DEVICE:-cuda:0}
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 state='' to=$here/.gpu-carry out='' budget=540 debs='' from=''
