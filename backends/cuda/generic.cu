@@ -580,34 +580,32 @@ template <typename T> sparge_status forward_t(gpu_ctx *ctx, const attn_params &p
     return pick(ctx, p, c, what);
 }
 
-/* (BQ, BK): dK/dV tiles own BK keys and loop over BQ queries, dQ the reverse. */
+/* (BQ, BK): dK/dV tiles own BK keys and loop over BQ queries, dQ the reverse. Head dims above 64 take the same
+ * tiles, largest first. */
+template <typename T, int DT> sparge_status backward_wide_tiles(gpu_ctx *ctx, const attn_params &p, const char *what)
+{
+    const tile_choice kv[] = {{bwd_smem(DT, 32, 64), launch_dkdv<T, DT, 32, 64>},
+                              {bwd_smem(DT, 32, 32), launch_dkdv<T, DT, 32, 32>},
+                              {bwd_smem(DT, 16, 16), launch_dkdv<T, DT, 16, 16>}};
+    const tile_choice q[] = {{bwd_smem(DT, 64, 32), launch_dq<T, DT, 64, 32>},
+                             {bwd_smem(DT, 32, 32), launch_dq<T, DT, 32, 32>},
+                             {bwd_smem(DT, 16, 16), launch_dq<T, DT, 16, 16>}};
+    sparge_status s = pick(ctx, p, kv, what);
+    return s ? s : pick(ctx, p, q, what);
+}
+
 template <typename T> sparge_status backward_tiles(gpu_ctx *ctx, const attn_params &p)
 {
     static const char what[] = "generic backward";
-    sparge_status s;
     if (p.D <= 64) {
         const tile_choice kv[] = {{bwd_smem(64, 64, 64), launch_dkdv<T, 64, 64, 64>},
                                   {bwd_smem(64, 32, 32), launch_dkdv<T, 64, 32, 32>}};
         const tile_choice q[] = {{bwd_smem(64, 64, 64), launch_dq<T, 64, 64, 64>},
                                  {bwd_smem(64, 32, 32), launch_dq<T, 64, 32, 32>}};
-        return (s = pick(ctx, p, kv, what)) ? s : pick(ctx, p, q, what);
+        sparge_status s = pick(ctx, p, kv, what);
+        return s ? s : pick(ctx, p, q, what);
     }
-    if (p.D <= 128) {
-        const tile_choice kv[] = {{bwd_smem(128, 32, 64), launch_dkdv<T, 128, 32, 64>},
-                                  {bwd_smem(128, 32, 32), launch_dkdv<T, 128, 32, 32>},
-                                  {bwd_smem(128, 16, 16), launch_dkdv<T, 128, 16, 16>}};
-        const tile_choice q[] = {{bwd_smem(128, 64, 32), launch_dq<T, 128, 64, 32>},
-                                 {bwd_smem(128, 32, 32), launch_dq<T, 128, 32, 32>},
-                                 {bwd_smem(128, 16, 16), launch_dq<T, 128, 16, 16>}};
-        return (s = pick(ctx, p, kv, what)) ? s : pick(ctx, p, q, what);
-    }
-    const tile_choice kv[] = {{bwd_smem(256, 32, 64), launch_dkdv<T, 256, 32, 64>},
-                              {bwd_smem(256, 32, 32), launch_dkdv<T, 256, 32, 32>},
-                              {bwd_smem(256, 16, 16), launch_dkdv<T, 256, 16, 16>}};
-    const tile_choice q[] = {{bwd_smem(256, 64, 32), launch_dq<T, 256, 64, 32>},
-                             {bwd_smem(256, 32, 32), launch_dq<T, 256, 32, 32>},
-                             {bwd_smem(256, 16, 16), launch_dq<T, 256, 16, 16>}};
-    return (s = pick(ctx, p, kv, what)) ? s : pick(ctx, p, q, what);
+    return p.D <= 128 ? backward_wide_tiles<T, 128>(ctx, p, what) : backward_wide_tiles<T, 256>(ctx, p, what);
 }
 
 template <typename T> sparge_status backward_t(gpu_ctx *ctx, const attn_params &p)
