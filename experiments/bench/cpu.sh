@@ -35,14 +35,10 @@ done
 case $runs in ''|*[!0-9]*|0) echo "cpu.sh: --runs wants a positive integer" >&2; exit 2 ;; esac
 
 src=$(cd "$(dirname "$0")/../.." && pwd)
-[ -d "$build" ] || { echo "cpu.sh: no build directory $build" >&2; exit 1; }
-build=$(cd "$build" && pwd)
+# shellcheck source=experiments/bench/common.sh
+. "$src/experiments/bench/common.sh"
+bench_build cpu.sh "$build" experiments/cpu_peak
 sparge=$build/src/sparge peak_bin=$build/experiments/cpu_peak
-for bin in "$sparge" "$peak_bin"; do
-    [ -x "$bin" ] || { echo "cpu.sh: $bin is missing: run make in $build first (or give --build)" >&2; exit 1; }
-done
-command -v python3 >/dev/null || { echo "cpu.sh: python3 is needed for the tables" >&2; exit 1; }
-info=$("$sparge" info)  # captured: with pipefail, grep -q closing the pipe early could fail the check
 grep -q '^  cpu ' <<<"$info" || { echo "cpu.sh: this build has no cpu backend" >&2; exit 1; }
 
 N=8192 reps=10 warmup=2 reps_bwd=5 warmup_bwd=1 peak_s=0.5

@@ -47,14 +47,10 @@ done
 case $gpu in ''|*[!0-9]*) echo "gpu.sh: --gpu wants a device number" >&2; exit 2 ;; esac
 
 src=$(cd "$(dirname "$0")/../.." && pwd)
-[ -d "$build" ] || { echo "gpu.sh: no build directory $build" >&2; exit 1; }
-build=$(cd "$build" && pwd)
+# shellcheck source=experiments/bench/common.sh
+. "$src/experiments/bench/common.sh"
+bench_build gpu.sh "$build" experiments/exp_speed
 sparge=$build/src/sparge exp_speed=$build/experiments/exp_speed
-for bin in "$sparge" "$exp_speed"; do
-    [ -x "$bin" ] || { echo "gpu.sh: $bin is missing: run make in $build first (or give --build)" >&2; exit 1; }
-done
-command -v python3 >/dev/null || { echo "gpu.sh: python3 is needed for the tables" >&2; exit 1; }
-info=$("$sparge" info)  # captured: with pipefail, grep -q closing the pipe early could fail the check
 if ! grep -q "^  cuda:$gpu " <<<"$info"; then
     echo "gpu.sh: sparge info lists no device cuda:$gpu (configure --with-cuda, and a GPU):" >&2
     echo "$info" >&2
