@@ -269,6 +269,15 @@ static char *temp_dir(void)
     return dir;
 }
 
+/* Removes a temp_dir() and everything in it, and frees its name. */
+static void remove_temp_dir(char *dir)
+{
+    char command[600];
+    snprintf(command, sizeof command, "rm -rf '%s'", dir);
+    assert_int_equal(system(command), 0);
+    free(dir);
+}
+
 /* save -> load gives bitwise identical outputs and moments; a model of another shape is refused
  * and left untouched. */
 static void test_checkpoint_roundtrip(void **state)
@@ -497,10 +506,7 @@ static void test_sharded_resume(void **state)
     tr_adamw_free(&opt);
     tr_model_free(m);
     sparge_device_close(dev);
-    char command[600];
-    snprintf(command, sizeof command, "rm -rf '%s'", dir);
-    assert_int_equal(system(command), 0);
-    free(dir);
+    remove_temp_dir(dir);
 }
 
 /* mode=calibrate finds the p whose held-out sparsity is the target, for Top-p and for the hybrid (whose p need not
@@ -615,10 +621,7 @@ static void test_dump(void **state)
     free(cap.qkv), free(x0), free(eps), free(xt);
     tr_model_free(m);
     sparge_device_close(dev);
-    char command[600];
-    snprintf(command, sizeof command, "rm -rf '%s'", dir);
-    assert_int_equal(system(command), 0);
-    free(dir);
+    remove_temp_dir(dir);
 }
 
 /* With only the final bias non-zero the velocity is constant, so Euler integration from t = 1 to
