@@ -161,6 +161,7 @@ static float map_entry(unsigned c)
 typedef struct {
     int64_t B, H, Nq, Nk;
     int bq, bk;
+    int causal; /* a block-causal mask (DESIGN §1.12) */
     int64_t Nqb, Nkb, rows, cells;
 } shape;
 
@@ -197,6 +198,8 @@ static unsigned create_expectation(const shape *s, int *skip)
         return BIT(SPARGE_ERR_INVALID);
     if (s->Nq > INT32_MAX || s->Nk > INT32_MAX)
         return BIT(SPARGE_ERR_OVERFLOW);
+    if (s->causal && s->Nq > s->Nk)
+        return BIT(SPARGE_ERR_SHAPE);
     const int64_t Nqb = (s->Nq + s->bq - 1) / s->bq, Nkb = (s->Nk + s->bk - 1) / s->bk;
     unsigned __int128 cells = sat_mul(sat_mul(sat_mul((uint64_t)s->B, (uint64_t)s->H), (uint64_t)Nqb), (uint64_t)Nkb);
     if (sat_mul(cells, 4) > (unsigned __int128)INT64_MAX)
@@ -218,6 +221,11 @@ static shape decode_shape(input *in)
     s.Nk = 1 + u8(in) % 48;
     s.bq = block_codes[u8(in) % 20];
     s.bk = block_codes[u8(in) % 20];
+    s.causal = kind < 224 && (kind & 1);
+    if (s.causal && s.Nq > s.Nk && (kind & 2)) { /* mostly a valid causal shape: Nq <= Nk */
+        const int64_t t = s.Nq;
+        s.Nq = s.Nk, s.Nk = t;
+    }
     if (kind >= 224) { /* one field replaced by an invalid, huge or overflowing value */
         static const int64_t dims[] = {0, -1, -7, INT64_MIN, (int64_t)INT32_MAX + 1, INT64_MAX, INT32_MAX,
                                        (int64_t)1 << 40};
@@ -309,6 +317,50 @@ static int64_t oracle_row(const float *row, int64_t n, double k, double p, uint8
 /* ------------------------------------------------------------------ inspection of a mask */
 
 static int64_t block_len(int64_t i, int64_t block, int64_t n) { return (i + 1) * block <= n ? block : n - i * block; }
+
+/* Whether query t may attend key u (bottom-right causal alignment). */
+static int attendable(const shape *s, int64_t t, int64_t u) { return !s->causal || u <= t + s->Nk - s->Nq; }
+
+/* Query block i's key blocks: it may keep [0, *allowed), the blocks holding a key some query of it may attend,
+ * and must keep [*diag0, *allowed), those holding a query's last attendable key (none without causal). */
+static void row_rule(const shape *s, int64_t i, int64_t *allowed, int64_t *diag0)
+{
+    *allowed = 0;
+    *diag0 = s->Nkb;
+    for (int64_t t = i * s->bq; t < i * s->bq + block_len(i, s->bq, s->Nq); t++)
+        for (int64_t j = 0; j < s->Nkb; j++)
+            if (attendable(s, t, j * s->bk)) {
+                *allowed = j + 1 > *allowed ? j + 1 : *allowed;
+                if (s->causal && (j + 1) * s->bk > t + s->Nk - s->Nq) /* holds t's last attendable key */
+                    *diag0 = j < *diag0 ? j : *diag0;
+            }
+}
+
+/* The (query, key) pairs of block pair (i, j) that may attend. */
+static double attendable_pairs(const shape *s, int64_t i, int64_t j)
+{
+    double n = 0.0;
+    for (int64_t t = i * s->bq; t < i * s->bq + block_len(i, s->bq, s->Nq); t++)
+        for (int64_t u = j * s->bk; u < j * s->bk + block_len(j, s->bk, s->Nk); u++)
+            n += attendable(s, t, u);
+    return n;
+}
+
+/* The selection of row i of a map: the rule on its allowed blocks, then every diagonal block (mass included). */
+static void oracle_select(const shape *s, int64_t i, const float *row, double k, double p, uint8_t *keep,
+                          double *mass, double *mass_abs, int64_t *order)
+{
+    int64_t allowed, diag0;
+    row_rule(s, i, &allowed, &diag0);
+    oracle_row(row, allowed, k, p, keep, mass, mass_abs, order);
+    memset(keep + allowed, 0, (size_t)(s->Nkb - allowed));
+    for (int64_t j = diag0; j < allowed; j++)
+        if (!keep[j]) {
+            keep[j] = 1;
+            *mass += (double)row[j];
+            *mass_abs += fabs((double)row[j]);
+        }
+}
 
 static int close_to(double got, double want, double rel)
 {
@@ -424,18 +476,23 @@ static void inspect(mask_pair *mp, int transpose)
             for (int64_t i = 0; i < s->rows; i++)
                 CHECK(((uint32_t *)row_mass)[i] == POISON_I32, "refused get_stats wrote row_mass");
         } else {
-            int64_t kept = 0, mn = INT64_MAX, mx = 0;
-            double pairs = 0.0, mass_sum = 0.0;
+            int64_t kept = 0, total = 0, mn = INT64_MAX, mx = 0;
+            double pairs = 0.0, all_pairs = 0.0, mass_sum = 0.0;
             for (int64_t h = 0; h < bh; h++) {
-                int64_t head_kept = 0;
+                int64_t head_kept = 0, head_allowed = 0;
                 for (int64_t i = 0; i < s->Nqb; i++) {
                     const int64_t r = h * s->Nqb + i;
-                    int64_t n = 0;
-                    for (int64_t j = 0; j < s->Nkb; j++)
+                    int64_t n = 0, allowed, diag0;
+                    row_rule(s, i, &allowed, &diag0);
+                    for (int64_t j = 0; j < allowed; j++) {
+                        const double ap = attendable_pairs(s, i, j);
+                        all_pairs += ap;
                         if (mp->dense[r * s->Nkb + j]) {
                             n++;
-                            pairs += (double)block_len(i, s->bq, s->Nq) * (double)block_len(j, s->bk, s->Nk);
+                            pairs += ap;
                         }
+                    }
+                    head_allowed += allowed;
                     head_kept += n;
                     mn = n < mn ? n : mn;
                     mx = n > mx ? n : mx;
@@ -444,17 +501,17 @@ static void inspect(mask_pair *mp, int transpose)
                           "row %lld: mass %.9g, expected %.9g", (long long)r, row_mass[r], mp->mass[d][r]);
                 }
                 kept += head_kept;
-                CHECK(close_to(head_sp[h], 1.0 - (double)head_kept / (double)(s->Nqb * s->Nkb), 1e-12),
+                total += head_allowed;
+                CHECK(close_to(head_sp[h], 1.0 - (double)head_kept / (double)head_allowed, 1e-12),
                       "head %lld sparsity %.17g", (long long)h, head_sp[h]);
             }
-            CHECK(stats.kept_blocks == kept && stats.total_blocks == s->cells, "kept %lld of %lld, expected %lld of %lld",
-                  (long long)stats.kept_blocks, (long long)stats.total_blocks, (long long)kept, (long long)s->cells);
+            CHECK(stats.kept_blocks == kept && stats.total_blocks == total, "kept %lld of %lld, expected %lld of %lld",
+                  (long long)stats.kept_blocks, (long long)stats.total_blocks, (long long)kept, (long long)total);
             CHECK(stats.min_row_blocks == mn && stats.max_row_blocks == mx, "rows keep %d..%d, expected %lld..%lld",
                   stats.min_row_blocks, stats.max_row_blocks, (long long)mn, (long long)mx);
-            CHECK(close_to(stats.sparsity, 1.0 - (double)kept / (double)s->cells, 1e-12), "sparsity %.17g",
+            CHECK(close_to(stats.sparsity, 1.0 - (double)kept / (double)total, 1e-12), "sparsity %.17g",
                   stats.sparsity);
-            CHECK(close_to(stats.token_density, pairs / ((double)bh * (double)s->Nq * (double)s->Nk), 1e-9),
-                  "token density %.17g", stats.token_density);
+            CHECK(close_to(stats.token_density, pairs / all_pairs, 1e-9), "token density %.17g", stats.token_density);
             CHECK(close_to(stats.mean_row_mass, mass_sum / (double)s->rows, 1e-12),
                   "mean row mass %.9g, but the row masses average %.9g", stats.mean_row_mass,
                   mass_sum / (double)s->rows);
@@ -574,7 +631,7 @@ static void op_select(input *in, mask_pair *mp)
             const int64_t b = r / (s->H * s->Nqb), h = r / s->Nqb % s->H, i = r % s->Nqb;
             for (int64_t j = 0; j < s->Nkb; j++)
                 row[j] = storage[b * st[0] + h * st[1] + i * st[2] + j * st[3]];
-            oracle_row(row, s->Nkb, k, p, mp->dense + r * s->Nkb, &mp->mass[REF][r], &mp->mass_abs[REF][r], order);
+            oracle_select(s, i, row, k, p, mp->dense + r * s->Nkb, &mp->mass[REF][r], &mp->mass_abs[REF][r], order);
         }
         selection_made(mp);
         free(row);
@@ -601,16 +658,29 @@ static void op_set_dense(input *in, mask_pair *mp)
             host[i] = bits & 1;
         }
     }
+    if (s->causal && fill & 0x40) /* a causal import that mostly follows the rule: every diagonal block kept */
+        for (int64_t r = 0; r < s->rows; r++) {
+            int64_t allowed, diag0;
+            row_rule(s, r % s->Nqb, &allowed, &diag0);
+            for (int64_t j = diag0; j < allowed; j++)
+                host[r * s->Nkb + j] = 1;
+            if (fill & 0x20)
+                memset(host + r * s->Nkb + allowed, 0, (size_t)(s->Nkb - allowed));
+        }
     memcpy(saved, host, (size_t)s->cells);
-    int empty_row = 0;
+    int bad_row = 0; /* empty, a block past the allowed ones, or a diagonal block dropped */
     for (int64_t r = 0; r < s->rows; r++) {
-        int any = 0;
-        for (int64_t j = 0; j < s->Nkb; j++)
-            any |= host[r * s->Nkb + j] != 0;
-        empty_row |= !any;
+        int64_t allowed, diag0, any = 0;
+        row_rule(s, r % s->Nqb, &allowed, &diag0);
+        for (int64_t j = 0; j < s->Nkb; j++) {
+            const int keep = host[r * s->Nkb + j] != 0;
+            any |= keep;
+            bad_row |= (keep && j >= allowed) || (!keep && j >= diag0 && j < allowed);
+        }
+        bad_row |= !any;
     }
     const unsigned allowed = misuse == 1 || misuse == 2 ? BIT(SPARGE_ERR_NULL)
-                             : empty_row                ? BIT(SPARGE_ERR_INVALID)
+                             : bad_row                  ? BIT(SPARGE_ERR_INVALID)
                                                         : BIT(SPARGE_OK);
     sparge_status got[NDEV];
     for (int d = 0; d < NDEV; d++) {
@@ -750,14 +820,17 @@ static double rms(const double *x, int64_t n)
     return m ? sqrt(s / (double)m) : 0.0;
 }
 
-/* got against ref: the same NaN and infinite entries; over the others the relative L2 error within tol,
- * measured against max(‖ref‖, 0.1·√n·scale) so that a tensor that cancels to nearly nothing is judged against
- * the size of its terms (scale: their typical magnitude). */
-static void compare(const char *what, const double *got, const double *ref, int64_t n, double tol, double scale)
+/* got against ref: the same NaN and infinite entries (got may also be NaN where may_nan is set); over the others
+ * the relative L2 error within tol, measured against max(‖ref‖, 0.1·√n·scale) so that a tensor that cancels to
+ * nearly nothing is judged against the size of its terms (scale: their typical magnitude). */
+static void compare(const char *what, const double *got, const double *ref, int64_t n, double tol, double scale,
+                    const uint8_t *may_nan)
 {
     double num = 0.0, den = 0.0;
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (may_nan && may_nan[i] && isnan(got[i]))
+            continue;
         CHECK(isnan(got[i]) == isnan(ref[i]), "%s[%lld]: %.9g against %.9g (NaN where the other has none)", what,
               (long long)i, got[i], ref[i]);
         if (isnan(ref[i]))
@@ -778,8 +851,8 @@ static void compare(const char *what, const double *got, const double *ref, int6
 
 /* fp64 forward of §1.9 over logical values (keep NULL: dense). */
 static void oracle_forward(const double *q, const double *k, const double *v, int64_t B, int64_t H, int64_t Nq,
-                           int64_t Nk, int64_t D, double scale, const shape *s, const uint8_t *keep, double *o,
-                           double *lse)
+                           int64_t Nk, int64_t D, double scale, const shape *s, const uint8_t *keep, int causal,
+                           double *o, double *lse)
 {
     double *sc = xmalloc((size_t)Nk * sizeof(double));
     for (int64_t bh = 0; bh < B * H; bh++)
@@ -788,7 +861,7 @@ static void oracle_forward(const double *q, const double *k, const double *v, in
             double m = -INFINITY, sum = 0.0;
             for (int64_t u = 0; u < Nk; u++) {
                 sc[u] = NAN; /* not kept */
-                if (keep && !keep[(bh * s->Nqb + t / s->bq) * s->Nkb + u / s->bk])
+                if ((keep && !keep[(bh * s->Nqb + t / s->bq) * s->Nkb + u / s->bk]) || (causal && u > t + Nk - Nq))
                     continue;
                 double dot = 0.0;
                 for (int64_t d = 0; d < D; d++)
@@ -800,7 +873,7 @@ static void oracle_forward(const double *q, const double *k, const double *v, in
             for (int64_t d = 0; d < D; d++)
                 ot[d] = 0.0;
             for (int64_t u = 0; u < Nk; u++) {
-                if (keep && !keep[(bh * s->Nqb + t / s->bq) * s->Nkb + u / s->bk])
+                if ((keep && !keep[(bh * s->Nqb + t / s->bq) * s->Nkb + u / s->bk]) || (causal && u > t + Nk - Nq))
                     continue;
                 const double e = exp(sc[u] - m);
                 sum += e;
@@ -846,7 +919,8 @@ static void op_attention(input *in, mask_pair *mp)
     const sparge_dtype dt = (sparge_dtype)((flags & 3) % 3);
     const int bnhd = flags >> 2 & 1, det = flags >> 3 & 1, masked = (flags >> 4 & 3) != 0,
               null_params = (flags >> 4 & 3) == 3, other_mask = flags >> 6 & 1;
-    sparge_attn_params ap = {scale_value(c_scale), det};
+    sparge_attn_params ap = {scale_value(c_scale), det, (int)(flags >> 7)}; /* causal: a dense call's, or the mask's */
+    const int causal = masked ? s->causal : ap.causal && !null_params;
     const int64_t Dt = D > 0 ? D : 1; /* storage for the refused D = 0 */
     tens q = tens_make(dt, bnhd, B, H, Nq, Dt), k = tens_make(dt, bnhd, B, H, Nk, Dt),
          v = tens_make(dt, bnhd, B, H, Nk, Dt), dout = tens_make(dt, bnhd, B, H, Nq, Dt);
@@ -888,6 +962,10 @@ static void op_attention(input *in, mask_pair *mp)
         bad |= BIT(SPARGE_ERR_MASK);
     if (masked && other_mask)
         bad |= BIT(SPARGE_ERR_MASK);
+    if (ap.causal && !null_params && masked && !s->causal)
+        bad |= BIT(SPARGE_ERR_MASK);
+    if (ap.causal && !null_params && !masked && Nq > Nk)
+        bad |= BIT(SPARGE_ERR_SHAPE);
     int lse_null = 0, overlap_o = 0;
     switch (fwd_misuse) {
     case 1: kx.shape[3] = D + 1, kp = &kx, bad |= BIT(SPARGE_ERR_SHAPE); break;
@@ -946,17 +1024,32 @@ static void op_attention(input *in, mask_pair *mp)
         for (int64_t i = 0; i < B * H * Nq; i++)
             lc[i] = lse[FAST][i], lr[i] = lse[REF][i];
         const uint8_t *keep = masked ? mp->dense : NULL;
-        snprintf(step, sizeof step, "forward comparison (%s D %lld scale %g masked %d special %d)",
-                 sparge_dtype_name(dt), (long long)D, scale, masked, special);
+        snprintf(step, sizeof step, "forward comparison (%s D %lld scale %g masked %d causal %d special %d)",
+                 sparge_dtype_name(dt), (long long)D, scale, masked, causal, special);
         if (moderate && special < 2) {
             double *oo = xmalloc((size_t)q.n * sizeof(double)), *lo = xmalloc((size_t)(B * H * Nq) * sizeof(double));
-            oracle_forward(qv, kv, vv, B, H, Nq, Nk, D, scale, s, keep, oo, lo);
+            oracle_forward(qv, kv, vv, B, H, Nq, Nk, D, scale, s, keep, causal, oo, lo);
             const double score = fmax(1.0, fabs(scale) * rms(qv, q.n) * rms(kv, k.n) * sqrt((double)D));
-            compare("cpu-ref O against the fp64 oracle", orf, oo, q.n, tol, rms(vv, v.n));
-            compare("cpu O against cpu-ref", oc, orf, q.n, tol, rms(vv, v.n));
+            /* A NaN in V past a query's causal diagonal inside a block the query computes may reach its O on the
+             * tiled tier (P = 0 times NaN), never on cpu-ref (DESIGN §1.12). */
+            uint8_t *may_nan = NULL;
+            if (causal && special == 1) {
+                may_nan = xmalloc((size_t)q.n);
+                memset(may_nan, 0, (size_t)q.n);
+                for (int64_t bh = 0; bh < B * H; bh++)
+                    for (int64_t t = 0; t < Nq; t++)
+                        for (int64_t u = t + Nk - Nq + 1; u < Nk; u++)
+                            for (int64_t d = 0; d < D; d++)
+                                if ((!keep || keep[(bh * s->Nqb + t / s->bq) * s->Nkb + u / s->bk]) &&
+                                    isnan(vv[(bh * Nk + u) * D + d]))
+                                    may_nan[(bh * Nq + t) * D + d] = 1;
+            }
+            compare("cpu-ref O against the fp64 oracle", orf, oo, q.n, tol, rms(vv, v.n), NULL);
+            compare("cpu O against cpu-ref", oc, orf, q.n, tol, rms(vv, v.n), may_nan);
+            free(may_nan);
             if (!lse_null) {
-                compare("cpu-ref LSE against the fp64 oracle", lr, lo, B * H * Nq, 1e-5, score);
-                compare("cpu LSE against cpu-ref", lc, lr, B * H * Nq, 1e-5, score);
+                compare("cpu-ref LSE against the fp64 oracle", lr, lo, B * H * Nq, 1e-5, score, NULL);
+                compare("cpu LSE against cpu-ref", lc, lr, B * H * Nq, 1e-5, score, NULL);
             }
             free(oo);
             free(lo);
@@ -1029,7 +1122,7 @@ static void op_attention(input *in, mask_pair *mp)
                     double *a = tens_values(fast[i]), *b = tens_values(ref[i]);
                     char what[48];
                     snprintf(what, sizeof what, "cpu %s against cpu-ref", names[i]);
-                    compare(what, a, b, fast[i]->n, tol, scales[i]);
+                    compare(what, a, b, fast[i]->n, tol, scales[i], NULL);
                     free(a);
                     free(b);
                 }
@@ -1110,7 +1203,9 @@ static void oracle_map(const double *q, const double *k, int64_t Hkv, int64_t D,
                 }
                 double m = -INFINITY, mag = 0.0;
                 int nan = 0;
-                for (int64_t j = 0; j < s->Nkb; j++) {
+                int64_t allowed, diag0;
+                row_rule(s, i, &allowed, &diag0);
+                for (int64_t j = 0; j < allowed; j++) {
                     double dot = 0.0, a = 0.0;
                     for (int64_t d = 0; d < D; d++) {
                         dot += qm[d] * km[j * D + d];
@@ -1123,12 +1218,14 @@ static void oracle_map(const double *q, const double *k, int64_t Hkv, int64_t D,
                 }
                 err[r] = mag;
                 double *row = map + r * s->Nkb, sum = 0.0;
-                for (int64_t j = 0; j < s->Nkb; j++) {
+                for (int64_t j = 0; j < allowed; j++) {
                     row[j] = nan || isinf(m) ? NAN : exp(z[j] - m);
                     sum += row[j];
                 }
-                for (int64_t j = 0; j < s->Nkb; j++)
+                for (int64_t j = 0; j < allowed; j++)
                     row[j] /= sum;
+                for (int64_t j = allowed; j < s->Nkb; j++) /* past a causal row's allowed blocks */
+                    row[j] = 0.0;
             }
         }
     free(qm);
@@ -1225,7 +1322,7 @@ static void op_predict(input *in, mask_pair *mp)
     case 6: bad |= BIT(SPARGE_ERR_MASK); break;
     case 7: kx.shape[1] = H + 1, bad |= BIT(SPARGE_ERR_SHAPE) | BIT(SPARGE_ERR_INVALID); break;
     case 8: bad |= BIT(SPARGE_ERR_NULL); break;
-    case 9: params.causal = 1, bad |= BIT(SPARGE_ERR_MASK); break;
+    case 9: params.causal = 1, bad |= s->causal ? 0 : BIT(SPARGE_ERR_MASK); break;
     case 10: qx.stride[2] = -qx.stride[2], bad |= BIT(SPARGE_ERR_INVALID); break;
     default: break;
     }
@@ -1264,7 +1361,8 @@ static void op_predict(input *in, mask_pair *mp)
             for (int64_t r = 0; r < s->rows; r++) {
                 const float *row = map + r * s->Nkb;
                 const double *w = want + r * s->Nkb;
-                oracle_row(row, s->Nkb, kf, pf, sel[d] + r * s->Nkb, &mp->mass[d][r], &mp->mass_abs[d][r], order);
+                oracle_select(s, r % s->Nqb, row, kf, pf, sel[d] + r * s->Nkb, &mp->mass[d][r], &mp->mass_abs[d][r],
+                              order);
                 for (int64_t j = 0; j < s->Nkb; j++) {
                     CHECK(dense[r * s->Nkb + j] == sel[d][r * s->Nkb + j], "row %lld block %lld: kept %u, but the "
                           "rule on the device's own map says %u", (long long)r, (long long)j, dense[r * s->Nkb + j],
@@ -1285,10 +1383,12 @@ static void op_predict(input *in, mask_pair *mp)
         int same = 1;
         for (int64_t r = 0; r < s->rows; r++)
             if (memcmp(sel[FAST] + r * s->Nkb, sel[REF] + r * s->Nkb, (size_t)s->Nkb)) {
-                int64_t n = 0;
-                for (int64_t j = 0; j < s->Nkb; j++)
-                    n += sel[REF][r * s->Nkb + j];
-                CHECK(close_call(mp->map[REF] + r * s->Nkb, s->Nkb, n, pf, order),
+                int64_t allowed, diag0;
+                double m1, m2;
+                row_rule(s, r % s->Nqb, &allowed, &diag0);
+                /* the cut is the rule's on the allowed blocks, before the diagonal ones are added */
+                const int64_t n = oracle_row(mp->map[REF] + r * s->Nkb, allowed, kf, pf, dense, &m1, &m2, order);
+                CHECK(close_call(mp->map[REF] + r * s->Nkb, allowed, n, pf, order),
                       "row %lld: cpu and cpu-ref select differently and the row is not within rounding of its cut",
                       (long long)r);
                 same = 0;
@@ -1338,11 +1438,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     sparge_mask *const untouched = (sparge_mask *)&mp; /* any non-NULL address the library cannot have made */
     for (int d = 0; d < NDEV; d++) {
-        snprintf(step, sizeof step, "sparge_mask_create on %s (B %lld H %lld Nq %lld Nk %lld bq %d bk %d)",
-                 dev_names[d], (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk, s->bq, s->bk);
+        snprintf(step, sizeof step, "sparge_mask_create on %s (B %lld H %lld Nq %lld Nk %lld bq %d bk %d causal %d)",
+                 dev_names[d], (long long)s->B, (long long)s->H, (long long)s->Nq, (long long)s->Nk, s->bq, s->bk,
+                 s->causal);
         mp.m[d] = untouched;
         plant();
-        const sparge_status st = sparge_mask_create(dev[d], s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &mp.m[d]);
+        const sparge_mask_layout layout = {s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, 1, NULL, NULL};
+        const sparge_status st = s->causal ? sparge_mask_create_ex(dev[d], &layout, &mp.m[d])
+                                           : sparge_mask_create(dev[d], s->B, s->H, s->Nq, s->Nk, s->bq, s->bk, &mp.m[d]);
         outcome(st, allowed, "sparge_mask_create", dev_names[d]);
         CHECK(st ? mp.m[d] == untouched : mp.m[d] != untouched && mp.m[d] != NULL,
               "sparge_mask_create returned %s and %s its output", sparge_status_name(st),
