@@ -850,14 +850,15 @@ static void compare(const char *what, const double *got, const double *ref, int6
 }
 
 /* fp64 forward of §1.9 over logical values (keep NULL: dense). */
-static void oracle_forward(const double *q, const double *k, const double *v, int64_t B, int64_t H, int64_t Nq,
-                           int64_t Nk, int64_t D, double scale, const shape *s, const uint8_t *keep, int causal,
-                           double *o, double *lse)
+static void oracle_forward(const double *q, const double *k, const double *v, int64_t B, int64_t H, int64_t Hkv,
+                           int64_t Nq, int64_t Nk, int64_t D, double scale, const shape *s, const uint8_t *keep,
+                           int causal, double *o, double *lse)
 {
     double *sc = xmalloc((size_t)Nk * sizeof(double));
     for (int64_t bh = 0; bh < B * H; bh++)
         for (int64_t t = 0; t < Nq; t++) {
             const double *qt = q + (bh * Nq + t) * D;
+            const int64_t kvh = bh / H * Hkv + bh % H / (H / Hkv); /* the query head's K/V head */
             double m = -INFINITY, sum = 0.0;
             for (int64_t u = 0; u < Nk; u++) {
                 sc[u] = NAN; /* not kept */
@@ -865,7 +866,7 @@ static void oracle_forward(const double *q, const double *k, const double *v, in
                     continue;
                 double dot = 0.0;
                 for (int64_t d = 0; d < D; d++)
-                    dot += qt[d] * k[(bh * Nk + u) * D + d];
+                    dot += qt[d] * k[(kvh * Nk + u) * D + d];
                 sc[u] = scale * dot;
                 m = sc[u] > m ? sc[u] : m;
             }
@@ -878,7 +879,7 @@ static void oracle_forward(const double *q, const double *k, const double *v, in
                 const double e = exp(sc[u] - m);
                 sum += e;
                 for (int64_t d = 0; d < D; d++)
-                    ot[d] += e * v[(bh * Nk + u) * D + d];
+                    ot[d] += e * v[(kvh * Nk + u) * D + d];
             }
             for (int64_t d = 0; d < D; d++)
                 ot[d] /= sum;
@@ -922,8 +923,9 @@ static void op_attention(input *in, mask_pair *mp)
     sparge_attn_params ap = {scale_value(c_scale), det, (int)(flags >> 7)}; /* causal: a dense call's, or the mask's */
     const int causal = masked ? s->causal : ap.causal && !null_params;
     const int64_t Dt = D > 0 ? D : 1; /* storage for the refused D = 0 */
-    tens q = tens_make(dt, bnhd, B, H, Nq, Dt), k = tens_make(dt, bnhd, B, H, Nk, Dt),
-         v = tens_make(dt, bnhd, B, H, Nk, Dt), dout = tens_make(dt, bnhd, B, H, Nq, Dt);
+    const int64_t Hkv = (c_d >> 4 & 1) ? 1 : H; /* grouped K/V heads: one for all */
+    tens q = tens_make(dt, bnhd, B, H, Nq, Dt), k = tens_make(dt, bnhd, B, Hkv, Nk, Dt),
+         v = tens_make(dt, bnhd, B, Hkv, Nk, Dt), dout = tens_make(dt, bnhd, B, H, Nq, Dt);
     tens *inputs[4] = {&q, &k, &v, &dout};
     uint64_t seed = u32(in);
     for (int t = 0; t < 4; t++)
@@ -987,9 +989,9 @@ static void op_attention(input *in, mask_pair *mp)
     sparge_status got[NDEV];
     for (int d = 0; d < NDEV; d++) {
         snprintf(step, sizeof step,
-                 "sparge_attention_forward on %s (%s %s D %lld scale %g det %d masked %d other %d misuse %u)",
-                 dev_names[d], sparge_dtype_name(dt), bnhd ? "bnhd" : "bhnd", (long long)D, (double)ap.scale, det,
-                 masked, other_mask, fwd_misuse);
+                 "sparge_attention_forward on %s (%s %s D %lld Hkv %lld scale %g det %d masked %d other %d causal %d "
+                 "misuse %u)", dev_names[d], sparge_dtype_name(dt), bnhd ? "bnhd" : "bhnd", (long long)D,
+                 (long long)Hkv, (double)ap.scale, det, masked, other_mask, ap.causal, fwd_misuse);
         sparge_tensor ot = o[d].t;
         if (overlap_o)
             ot.stride[D > 1 ? 3 : 2] = 0;
@@ -1028,7 +1030,7 @@ static void op_attention(input *in, mask_pair *mp)
                  sparge_dtype_name(dt), (long long)D, scale, masked, causal, special);
         if (moderate && special < 2) {
             double *oo = xmalloc((size_t)q.n * sizeof(double)), *lo = xmalloc((size_t)(B * H * Nq) * sizeof(double));
-            oracle_forward(qv, kv, vv, B, H, Nq, Nk, D, scale, s, keep, causal, oo, lo);
+            oracle_forward(qv, kv, vv, B, H, Hkv, Nq, Nk, D, scale, s, keep, causal, oo, lo);
             const double score = fmax(1.0, fabs(scale) * rms(qv, q.n) * rms(kv, k.n) * sqrt((double)D));
             /* A NaN in V past a query's causal diagonal inside a block the query computes may reach its O on the
              * tiled tier (P = 0 times NaN), never on cpu-ref (DESIGN §1.12). */
@@ -1041,7 +1043,7 @@ static void op_attention(input *in, mask_pair *mp)
                         for (int64_t u = t + Nk - Nq + 1; u < Nk; u++)
                             for (int64_t d = 0; d < D; d++)
                                 if ((!keep || keep[(bh * s->Nqb + t / s->bq) * s->Nkb + u / s->bk]) &&
-                                    isnan(vv[(bh * Nk + u) * D + d]))
+                                    isnan(vv[((bh / H * Hkv + bh % H / (H / Hkv)) * Nk + u) * D + d]))
                                     may_nan[(bh * Nq + t) * D + d] = 1;
             }
             compare("cpu-ref O against the fp64 oracle", orf, oo, q.n, tol, rms(vv, v.n), NULL);
@@ -1079,8 +1081,8 @@ static void op_attention(input *in, mask_pair *mp)
             const unsigned ballowed = bbad ? bbad : BIT(SPARGE_OK);
             for (int d = 0; d < NDEV; d++) {
                 dq[d] = tens_make(dt, bnhd, B, H, Nq, D);
-                dk[d] = tens_make(dt, bnhd, B, H, Nk, D);
-                dv[d] = tens_make(dt, bnhd, B, H, Nk, D);
+                dk[d] = tens_make(dt, bnhd, B, Hkv, Nk, D);
+                dv[d] = tens_make(dt, bnhd, B, Hkv, Nk, D);
             }
             for (int d = 0; d < NDEV; d++) {
                 snprintf(step, sizeof step, "sparge_attention_backward on %s (%s D %lld scale %g det %d misuse %u)",
@@ -1129,8 +1131,8 @@ static void op_attention(input *in, mask_pair *mp)
             }
             if (got[FAST] == SPARGE_OK && det && !null_params) { /* bitwise reproducible */
                 snprintf(step, sizeof step, "deterministic backward run twice on cpu");
-                tens again[3] = {tens_make(dt, bnhd, B, H, Nq, D), tens_make(dt, bnhd, B, H, Nk, D),
-                                 tens_make(dt, bnhd, B, H, Nk, D)};
+                tens again[3] = {tens_make(dt, bnhd, B, H, Nq, D), tens_make(dt, bnhd, B, Hkv, Nk, D),
+                                 tens_make(dt, bnhd, B, Hkv, Nk, D)};
                 sparge_status st = sparge_attention_backward(dev[FAST], &q.t, &k.t, &v.t, &o[REF].t, &dout.t, lse_in,
                                                              masked ? mp->m[FAST] : NULL, &ap, &again[0].t,
                                                              &again[1].t, &again[2].t);
