@@ -15,7 +15,7 @@ AC_DEFUN([SPARGE_HIP], [
       AC_MSG_CHECKING([whether $HIPCC builds for $with_hip_arch])
       HIPCC_ARCH=
       for a in $with_hip_arch; do HIPCC_ARCH="$HIPCC_ARCH --offload-arch=$a"; done
-      dnl mask.cu sorts rows with rocPRIM's block radix sort (librocprim-dev).
+      dnl select.cu sorts rows with rocPRIM's block radix sort (librocprim-dev).
       echo '#include <hip/hip_runtime.h>
 #include <rocprim/rocprim.hpp>
 __global__ void k(float *x) { x@<:@threadIdx.x@:>@ = 1.f; }' > conftest.hip.cpp
