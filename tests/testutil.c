@@ -190,6 +190,28 @@ static int parse_numbers(const char **pp, double **out, int *rows)
     return n;
 }
 
+/* The "keep" lists at p ([[...], [...], ...], one list, maybe empty, per row) into *count [rows] and *keep
+ * [rows × nkb] (the listed blocks first, zeros after), both allocated here. */
+static void parse_keep_lists(const char *p, int64_t rows, int64_t nkb, int **count, int **keep)
+{
+    *count = calloc((size_t)rows, sizeof(int));
+    *keep = calloc((size_t)(rows * nkb), sizeof(int));
+    assert_non_null(p);
+    assert_true(*count && *keep);
+    p = strchr(p, '[') + 1;
+    for (int64_t r = 0; r < rows; r++) {
+        p = strchr(p, '[');
+        assert_non_null(p);
+        double *row;
+        const int cnt = parse_numbers(&p, &row, NULL);
+        assert_true(cnt <= nkb);
+        (*count)[r] = cnt;
+        for (int j = 0; j < cnt; j++)
+            (*keep)[r * nkb + j] = (int)row[j];
+        free(row);
+    }
+}
+
 static double number_at(const char *s, const char *end, const char *key)
 {
     const char *p = find_key(s, end, key);
@@ -276,20 +298,7 @@ int tu_load_pooled_cases(tu_pooled_case **out)
         parse_numbers(&p, &pc->pooled_k, &pc->Nkb);
         p = find_key(s, end, "pooled_map");
         parse_numbers(&p, &pc->map, NULL);
-        pc->keep_count = calloc((size_t)pc->Nqb, sizeof(int));
-        pc->keep = calloc((size_t)(pc->Nqb * pc->Nkb), sizeof(int));
-        p = find_key(s, end, "keep");
-        /* keep: [[...], [...], ...] one list per query block */
-        p = strchr(p, '[') + 1;
-        for (int i = 0; i < pc->Nqb; i++) {
-            p = strchr(p, '[');
-            double *row;
-            int cnt = parse_numbers(&p, &row, NULL);
-            pc->keep_count[i] = cnt;
-            for (int j = 0; j < cnt; j++)
-                pc->keep[i * pc->Nkb + j] = (int)row[j];
-            free(row);
-        }
+        parse_keep_lists(find_key(s, end, "keep"), pc->Nqb, pc->Nkb, &pc->keep_count, &pc->keep);
     }
     free(text);
     *out = c;
@@ -365,23 +374,7 @@ int tu_load_causal_cases(tu_causal_case **out)
         assert_int_equal(parse_numbers(&p, &cc->K, NULL), tb * cc->Hkv * cc->Nk * cc->D);
         p = find_key(s, end, "pooled_map");
         assert_int_equal(parse_numbers(&p, &cc->map, NULL), rows * cc->Nkb);
-        cc->keep_count = calloc((size_t)rows, sizeof(int));
-        cc->keep = calloc((size_t)(rows * cc->Nkb), sizeof(int));
-        p = find_key(s, end, "keep");
-        assert_non_null(p);
-        /* keep: [[...], [...], ...] one list (maybe empty) per row of [B,H,Nqb] */
-        p = strchr(p, '[') + 1;
-        for (int64_t r = 0; r < rows; r++) {
-            p = strchr(p, '[');
-            assert_non_null(p);
-            double *row;
-            const int cnt = parse_numbers(&p, &row, NULL);
-            assert_true(cnt <= cc->Nkb);
-            cc->keep_count[r] = cnt;
-            for (int j = 0; j < cnt; j++)
-                cc->keep[r * cc->Nkb + j] = (int)row[j];
-            free(row);
-        }
+        parse_keep_lists(find_key(s, end, "keep"), rows, cc->Nkb, &cc->keep_count, &cc->keep);
     }
     free(text);
     *out = c;
