@@ -2,12 +2,13 @@
 import contextlib
 import dataclasses
 import math
+import numbers
 import threading
 
 import torch
 import torch.nn.functional as F
 
-from . import _checks, _lib
+from . import _checks, _lib, _torch
 from .attention import sparge_attention
 from .mask import mask_params
 
@@ -40,15 +41,41 @@ def _math_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return p @ value
 
 
+def _compiling():
+    """Whether torch.compile is tracing (torch >= 2.3 says so; older torch has no compiler to ask)."""
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
+
+
+def _device_runs(query, key, value, is_causal, block_q, block_k, backend):
+    """Whether a tier of the call's sparge device runs its prediction, forward and (when autograd will ask for
+    it) backward: head dims beyond a device's limit are not known from the shapes alone."""
+    B, H, Nq, D = query.shape
+    Hk, Nk = key.shape[1], key.shape[2]
+    ops = ["mask_predict", "forward"]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        ops.append("backward")
+    dev = _torch.device_for(query, backend)
+    try:
+        for op in ops:
+            dev.supports(op, dtype=query.dtype, head_dim=D, block_q=block_q, block_k=block_k, B=B, H=H, Nq=Nq,
+                         Nk=Nk, kv_heads=Hk, causal=is_causal)
+    except _lib.SpargeError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_checks.DEFAULT_BLOCK_Q,
                block_k=_checks.DEFAULT_BLOCK_K, *, min_tokens=0, backend=None, deterministic=False):
     """Within the block, torch.nn.functional.scaled_dot_product_attention sends every call that sparge
     computes exactly as asked — 4-D [B,H,N,D] query/key/value of one dtype sparge takes (float32, float16,
     bfloat16) on a device it has a backend for, one head dim, the same head count (or, with enable_gqa=True, a
-    K/V head count dividing query's), no attn_mask, dropout_p 0, scale None or nonzero, is_causal False or, with
-    Nq = Nk, True (where SDPA's top-left causal diagonal is sparge's bottom-right one) — to sparge_attention with
-    these mask parameters, self- and cross-attention alike, when both Nq and Nk are >= min_tokens
+    K/V head count dividing query's), no attn_mask, dropout_p 0, scale None or finite and nonzero, is_causal False
+    or, with Nq = Nk, True (where SDPA's top-left causal diagonal is sparge's bottom-right one), a head dim that a
+    tier of the device runs (the CPU's limit is 256; under torch.compile, which cannot trace that query, the shapes
+    alone decide) — to sparge_attention with these mask parameters, self- and cross-attention alike, when both Nq
+    and Nk are >= min_tokens
     (min_tokens=1024 keeps a 512-token text cross-attention dense). Every other call goes to the function that was
     there before, unchanged.
     The previous function is restored on exit. Yields an SdpaRouting that counts routed and passed calls.
@@ -76,7 +103,10 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
     fallback = _math_sdpa if previous is sentinel else previous
 
     def routable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        if attn_mask is not None or dropout_p != 0.0 or scale == 0.0:
+        if attn_mask is not None or dropout_p != 0.0:
+            return False
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                                  or not math.isfinite(scale) or scale == 0.0):
             return False
         if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
             return False
@@ -96,7 +126,11 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
             return False
         if is_causal and Nq != key.shape[2]:
             return False
-        return min(Nq, key.shape[2]) >= max(min_tokens, 1) and B > 0 and H > 0 and D > 0
+        if not (min(Nq, key.shape[2]) >= max(min_tokens, 1) and B > 0 and H > 0 and D > 0):
+            return False
+        # Asking the device is a library call, which torch.compile cannot trace: compiled graphs route on the
+        # checks above.
+        return _compiling() or _device_runs(query, key, value, is_causal, block_q, block_k, backend)
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                      scale=None, enable_gqa=False):

@@ -70,6 +70,8 @@ class PatchSdpa(unittest.TestCase):
                  ((q, k[:, :1], v[:, :1]), {}),  # unequal heads without enable_gqa: torch's error to raise
                  ((q, k, v), dict(is_causal=1)),
                  ((q, k, v), dict(scale=0.0)),
+                 ((q, k, v), dict(scale=float("inf"))),
+                 ((q, k, v), dict(scale=float("nan"))),
                  ((q, short, short), {}),  # below min_tokens
                  ((q, k, v[..., :16]), {})]  # a head dim sparge does not take for v
         with sparge.patch_sdpa(min_tokens=200) as routing:
@@ -83,6 +85,21 @@ class PatchSdpa(unittest.TestCase):
             self.assertIs(seen[3], kwargs.get("attn_mask"))
             self.assertEqual(seen[4:6], (kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)))
             self.assertEqual(seen[6], {key: kwargs[key] for key in ("scale", "enable_gqa") if key in kwargs})
+
+    def test_passes_head_dims_the_device_does_not_run(self):
+        device = sparge.open_device("cpu")
+        D = 8
+        while True:  # the first power of two past the CPU's head-dim limit, as the library states it
+            try:
+                device.supports("forward", head_dim=D)
+            except sparge.SpargeError:
+                break
+            D *= 2
+        q, k, v = (randn(1, 1, 64, D, seed=s) for s in (1, 2, 3))
+        with sparge.patch_sdpa() as routing:
+            F.scaled_dot_product_attention(q, k, v)
+        self.assertEqual((routing.routed, routing.passed), (0, 1))
+        self.assertIs(self.spy.calls[0][0], q)
 
     def test_routes_causal_and_grouped_calls(self):
         q, k, v = randn(1, 4, 260, 32, seed=1), randn(1, 1, 260, 32, seed=2), randn(1, 1, 260, 32, seed=3)
