@@ -116,7 +116,7 @@ def current_stream(torch_device):
     return torch.cuda.current_stream(torch_device).cuda_stream if torch_device.type == "cuda" else None
 
 
-def _check_compiled_in(backend):
+def check_compiled_in(backend):
     available = _lib.backends()
     if backend not in available:
         raise ValueError(f"sparge: backend '{backend}' is not compiled into {_lib.library_path} (it has "
@@ -146,7 +146,7 @@ def open_device(name, torch_device=None):
     with _devices_lock:
         dev = _devices.get(key)
         if dev is None:
-            _check_compiled_in(backend)
+            check_compiled_in(backend)
             dev = _devices[key] = Device(name, torch_device)
         return dev
 

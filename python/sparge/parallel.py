@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from . import _lib, _torch
+from . import _checks, _lib, _torch
 from .attention import attention_backward, attention_forward
-from .mask import Mask, predict_mask
+from .mask import Mask, mask_params, predict_mask
 
 __all__ = ["CommStats", "ulysses_attention", "context_parallel_attention", "shard_lengths", "local_shard",
            "dense_ring_bytes"]
@@ -175,11 +175,12 @@ class _Options:
 
 # Fields every rank must agree on, in the order of the exchanged vector (the local length comes after them).
 _SAME = ("B", "H", "Hkv", "D", "dtype", "layout", "block_q", "block_k", "topk", "topp", "scale", "deterministic",
-         "causal")
+         "causal", "backend")
 
 
 def _local_fields(q, k, v, opt):
-    """The exchanged description of this rank's call, or raises what is wrong with its arguments."""
+    """(the exchanged description of this rank's call, its options checked and normalised), or raises what is
+    wrong with its arguments."""
     _torch.check_layout(opt.layout)
     for role, t in (("q", q), ("k", k), ("v", v)):
         _torch.view(t, opt.layout, role)  # raises for non-tensors, unsupported dtypes, non-4-D shapes
@@ -198,26 +199,29 @@ def _local_fields(q, k, v, opt):
                          f"{kB}, {kn}, {kD})")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"k has {Hkv} heads, which must divide q's {H} (grouped K/V heads)")
-    for name in ("block_q", "block_k"):
-        if not isinstance(getattr(opt, name), int) or getattr(opt, name) <= 0:
-            raise ValueError(f"{name} must be a positive int, got {getattr(opt, name)!r}")
-    if opt.scale is not None and not (math.isfinite(opt.scale) and opt.scale != 0):
-        raise ValueError(f"scale must be None or finite and nonzero, got {opt.scale!r}")
-    if not isinstance(opt.causal, bool):
-        raise ValueError(f"causal must be a bool, got {opt.causal!r}")
+    # The checks of sparge_attention, here where a refusal reaches every rank: later, one rank's refusal would
+    # leave the others waiting in a collective.
+    topk, topp, block_q, block_k, scale = mask_params(opt.topk, opt.topp, opt.block_q, opt.block_k, opt.scale)
+    backend = _checks.backend(opt.backend)
+    resolved = _torch.sparge_device_name(q.device, backend).partition(":")[0]
+    _torch.check_compiled_in(resolved)
+    opt = dataclasses.replace(opt, topk=topk, topp=topp, block_q=block_q, block_k=block_k, scale=scale,
+                              backend=backend, deterministic=_checks.flag(opt.deterministic, "deterministic"),
+                              causal=_checks.flag(opt.causal, "causal"))
     fields = dict(B=B, H=H, Hkv=Hkv, D=D, dtype=_DTYPE_CODES[q.dtype], layout=_torch.LAYOUTS.index(opt.layout),
-                  block_q=opt.block_q, block_k=opt.block_k, topk=_bits(opt.topk), topp=_bits(opt.topp),
-                  scale=_bits(opt.scale if opt.scale is not None else 0.0), deterministic=int(bool(opt.deterministic)),
-                  causal=int(opt.causal))
-    return [fields[name] for name in _SAME] + [n]
+                  block_q=block_q, block_k=block_k, topk=_bits(topk), topp=_bits(topp),
+                  scale=_bits(scale if scale is not None else 0.0), deterministic=int(opt.deterministic),
+                  causal=int(opt.causal), backend=_checks.BACKENDS.index(resolved))
+    return [fields[name] for name in _SAME] + [n], opt
 
 
 def _agree(q, k, v, opt, P, rank):
     """Exchange every rank's description; every rank raises the same ValueError if a rank refused its
-    arguments or the ranks disagree. Returns the local lengths of all ranks and the shared fields."""
+    arguments or the ranks disagree. Returns the local lengths of all ranks, the shared fields and the checked
+    options."""
     error = None
     try:
-        local = _local_fields(q, k, v, opt)
+        local, opt = _local_fields(q, k, v, opt)
     except (TypeError, ValueError) as e:
         error, local = str(e), [0] * (len(_SAME) + 1)
     t = torch.tensor([1 if error else 0] + local, dtype=torch.int64, device=_meta_device(opt.group))
@@ -237,7 +241,7 @@ def _agree(q, k, v, opt, P, rank):
         if len(set(values)) > 1:
             raise ValueError(f"sparge.parallel: the ranks disagree on {name} (one value per rank: {values})")
     shared = dict(zip(_SAME, rows[0][1:]))
-    return [row[-1] for row in rows], shared
+    return [row[-1] for row in rows], shared, opt
 
 
 # ---------------------------------------------------------------- Ulysses
@@ -326,7 +330,7 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opt, holder):
         P, rank = _world(opt.group)
-        lengths, shared = _agree(q, k, v, opt, P, rank)
+        lengths, shared, opt = _agree(q, k, v, opt, P, rank)
         if len(set(lengths)) > 1:
             raise ValueError(f"sparge.parallel: Ulysses needs equal sequence shards, the ranks hold {lengths} tokens "
                              "(use context_parallel_attention for unequal or ragged shards)")
@@ -455,7 +459,7 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opt, holder):
         P, rank = _world(opt.group)
-        lengths, shared = _agree(q, k, v, opt, P, rank)
+        lengths, shared, opt = _agree(q, k, v, opt, P, rank)
         bq, bk = opt.block_q, opt.block_k
         unit = _lcm(bq, bk)
         if any(n <= 0 for n in lengths):

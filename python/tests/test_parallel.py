@@ -140,6 +140,13 @@ def bad_cases(rank, P):
     q, k, v, _ = inputs(1, 4, 64 * P, D, layout, Hkv=3)
     sh = [parallel.local_shard(t, [64] * P, rank, 2) for t in (q, k, v)]
     out["kv_heads"] = refused(lambda: parallel.context_parallel_attention(*sh, **KW))
+    q, k, v, _ = inputs(1, 2, 64 * P, D, layout)
+    sh = [parallel.local_shard(t, [64] * P, rank, 2) for t in (q, k, v)]
+    # Arguments that sparge's own checks refuse: on one rank, or on all of them, before any rank moves data.
+    out["backend_one_rank"] = refused(lambda: parallel.context_parallel_attention(
+        *sh, backend="cuda" if rank == P - 1 else None, **KW))
+    out["bool_block"] = refused(lambda: parallel.context_parallel_attention(*sh, **dict(KW, block_q=True)))
+    out["topk_range"] = refused(lambda: parallel.ulysses_attention(*sh, **dict(KW, topk=1.5)))
     out["after"] = run_scheme(rank, P, "context", 1, 2, [64] * P, D, layout)
     return out
 
@@ -318,7 +325,9 @@ class TwoProcesses(Equivalence, unittest.TestCase):
         reports = ParallelGroups.get(self.P)
         expect = {"heads": "must divide H", "unequal": "equal sequence shards", "misaligned": "multiples of",
                   "local": "rank 1 refused", "topk_disagrees": "disagree on topk",
-                  "causal_disagrees": "disagree on causal", "kv_heads": "must divide q's 4"}
+                  "causal_disagrees": "disagree on causal", "kv_heads": "must divide q's 4",
+                  "backend_one_rank": "rank 1 refused", "bool_block": "must be an int, got bool",
+                  "topk_range": "refused its arguments: sparge: topk = 1.5"}
         for rank in range(self.P):
             bad = reports[rank]["bad"]
             for case, text in expect.items():
@@ -336,7 +345,8 @@ class FourProcesses(Equivalence, unittest.TestCase):
         reports = ParallelGroups.get(self.P)
         for rank in range(self.P):
             bad = reports[rank]["bad"]
-            for case in ("heads", "unequal", "misaligned", "local", "topk_disagrees", "causal_disagrees", "kv_heads"):
+            for case in ("heads", "unequal", "misaligned", "local", "topk_disagrees", "causal_disagrees", "kv_heads",
+                         "backend_one_rank", "bool_block", "topk_range"):
                 self.assertTrue(bad[case].startswith("ValueError"), f"rank {rank}, {case}: {bad[case]}")
             self.assertLess(bad["after"]["out"], F32_TOL)
 
