@@ -5,6 +5,8 @@ flash_attn_varlen_func takes them); cu_seqlens_q / cu_seqlens_k (int32, B+1 offs
 starts. sparge sees the packed tensors as [1, H, T, D] views (no copy) and a mask whose layout carries the
 offsets, so every sequence predicts, attends and is differentiated on its own, in one call.
 """
+import numbers
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -24,14 +26,15 @@ def _packed(t, name):
 
 
 class _VarlenFunction(torch.autograd.Function):
-    """O of packed q, k, v under a variable-length mask, held fixed; gradients through sparge's backward."""
+    """O of packed q, k, v under a variable-length mask, held fixed (None for empty tensors, whose O is zeros);
+    gradients through sparge's backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, deterministic):
-        o, lse = _forward(q[None], k[None], v[None], mask, scale, "bnhd", None, mask.causal)
+    def forward(ctx, q, k, v, mask, scale, deterministic, causal):
+        o, lse = _forward(q[None], k[None], v[None], mask, scale, "bnhd", None, causal)
         o = o[0]
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mask, ctx.scale, ctx.deterministic = mask, scale, deterministic
+        ctx.mask, ctx.scale, ctx.deterministic, ctx.causal = mask, scale, deterministic, causal
         return o
 
     @staticmethod
@@ -39,8 +42,8 @@ class _VarlenFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
         grads = _backward(grad_out[None], q[None], k[None], v[None], o[None], lse, ctx.mask, ctx.scale, "bnhd",
-                          ctx.deterministic, None, ctx.mask.causal)
-        return grads[0][0], grads[1][0], grads[2][0], None, None, None
+                          ctx.deterministic, None, ctx.causal)
+        return grads[0][0], grads[1][0], grads[2][0], None, None, None, None
 
 
 def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, *,
@@ -58,14 +61,17 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     the same cu_seqlens and causal) is given. dropout_p must be 0. Returns O [Tq, H, D] in q's dtype, and with
     return_mask=True (O, mask): the mask's views are [B, H, Nqb, Nkb] over the longest sequence's blocks, and
     mask.stats() gives head_sparsity [B, H] and sequence_sparsity [B] per sequence. Gradients flow to q, k and v
-    through sparge's backward (dk, dv summed over each K/V head's query heads); the call runs eagerly."""
+    through sparge's backward (dk, dv summed over each K/V head's query heads); the call runs eagerly. Tensors
+    without heads or of head dim 0 give zeros and zero gradients (and no mask)."""
     Tq, H, D = _packed(q, "q")
     Tk, Hkv, Dk = _packed(k, "k")
     if _packed(v, "v") != (Tk, Hkv, Dk):
         raise ValueError(f"sparge: v is {list(v.shape)} but k is {list(k.shape)} (v must have k's shape)")
     # The [1, T, H, D] views as sparge_attention checks them (dtype, device, heads, head dim).
     _checks.qkv(q[None], k[None], v[None], "bnhd")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"sparge: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0.0:
         raise NotImplementedError(f"sparge_attention_varlen: dropout_p = {dropout_p!r} is not supported (0 only)")
     causal = _checks.flag(causal, "causal")
     scale, backend = _checks.scale(softmax_scale), _checks.backend(backend)
@@ -85,9 +91,6 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
             _checks.causal_lengths(nq, nk, f" in every sequence (sequence {b})")
     B = cu_q.numel() - 1
-    if H == 0 or D == 0:
-        out = q.new_zeros(q.shape)
-        return (out, None) if return_mask else out
     if mask is not None:
         no_prediction_params("sparge_attention_varlen", topk, topp)
         if not isinstance(mask, Mask):
@@ -103,8 +106,9 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         given_mask_matches("sparge_attention_varlen", mask, causal, "causal", block_q, block_k)
     else:
         topk, topp, block_q, block_k, scale = defaulted_mask_params(topk, topp, block_q, block_k, scale)
-        mask = Mask._recycled(B, H, Tq, Tk, block_q, block_k, q.device, backend, causal, cu_q, cu_k)
-        with torch.no_grad():
-            mask.predict(q[None], k[None], topk=topk, topp=topp, scale=scale, layout="bnhd")
-    out = _VarlenFunction.apply(q, k, v, mask, scale, deterministic)
+        if H and D:  # no mask for empty tensors: their O is zeros, their gradients too
+            mask = Mask._recycled(B, H, Tq, Tk, block_q, block_k, q.device, backend, causal, cu_q, cu_k)
+            with torch.no_grad():
+                mask.predict(q[None], k[None], topk=topk, topp=topp, scale=scale, layout="bnhd")
+    out = _VarlenFunction.apply(q, k, v, mask, scale, deterministic, causal)
     return (out, mask) if return_mask else out

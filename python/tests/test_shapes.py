@@ -4,6 +4,7 @@ convention), against dense float64 torch references that share no code with spar
 head, a token-level masked softmax built from the block mask and the causal rule, each sequence run on its own.
 Then gradcheck on cpu-ref in float64, the statistics, FlexAttention BlockMasks of causal masks, device options, and
 bad inputs refused with clear errors before anything is written."""
+import fractions
 import sys
 import types
 import unittest
@@ -264,6 +265,14 @@ class Varlen(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "no block"):
             mask.set_dense(torch.zeros_like(mask.dense))
 
+    def test_dropout_zero_of_any_real_type(self):
+        q, k, v, cu_q, cu_k = ragged(2, 2, [40, 30], [40, 30])
+        expected = sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 40, 40)
+        for zero in (0, 0.0, fractions.Fraction(0)):  # any numbers.Real, as sparge_attention takes dropout_p
+            with self.subTest(zero=type(zero).__name__):
+                out = sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 40, 40, zero)
+                self.assertTrue(torch.equal(out, expected))
+
     def test_cu_seqlens_refused(self):
         q, k, v, cu_q, cu_k = ragged(2, 2, [40, 30], [40, 30])
         before = [t.detach().clone() for t in (q, k, v)]
@@ -296,6 +305,8 @@ class Varlen(unittest.TestCase):
             sparge.sparge_attention_varlen(q.repeat(1, 3, 1)[:, :3], k, v, cu_q, cu_k, 40, 40)
         with self.assertRaisesRegex(NotImplementedError, "dropout_p"):
             sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 40, 40, 0.1)
+        with self.assertRaisesRegex(TypeError, "dropout_p must be a float"):
+            sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 40, 40, False)
         for t, b in zip((q, k, v), before):
             self.assertTrue(torch.equal(t.detach(), b))
             self.assertIsNone(t.grad)
@@ -339,6 +350,17 @@ class Empty(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "needs Nq <= Nk"):
             sparge.sparge_attention(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 0, 8), torch.randn(1, 2, 0, 8),
                                     is_causal=True)
+
+    def test_varlen_without_heads_or_head_dim(self):
+        cu = torch.tensor([0, 30, 50], dtype=torch.int32)
+        for H, D in ((0, 16), (2, 0)):
+            with self.subTest(H=H, D=D):
+                q, k, v = (torch.randn(50, H, D, requires_grad=True) for _ in range(3))
+                out, mask = sparge.sparge_attention_varlen(q, k, v, cu, cu, 30, 30, causal=True, return_mask=True)
+                self.assertEqual(out.shape, q.shape)
+                self.assertIsNone(mask)
+                for t, g in zip((q, k, v), torch.autograd.grad(out.sum(), (q, k, v))):
+                    self.assertEqual(g.shape, t.shape)
 
 
 class FlexBlockMask(unittest.TestCase):
