@@ -115,6 +115,8 @@ def shard_lengths(N, P, *, scheme="context", block_q=128, block_k=64):
     """Local sequence lengths of P ranks for a sequence of N tokens. scheme="ulysses": N/P each (N must be a
     multiple of P). scheme="context": whole units of lcm(block_q, block_k) tokens spread as evenly as they go,
     the last rank holding the ragged remainder."""
+    N, P = _checks.integer(N, "N", 1, _lib.INT64_MAX), _checks.integer(P, "P", 1, _lib.INT64_MAX)
+    block_q, block_k = _checks.block(block_q, "block_q"), _checks.block(block_k, "block_k")
     if scheme == "ulysses":
         if N % P:
             raise ValueError(f"sparge.parallel: Ulysses needs equal shards; N = {N} is not a multiple of P = {P}")
@@ -171,11 +173,12 @@ class _Options:
     deterministic: bool
     stats: CommStats
     causal: bool
+    requires_grad: bool  # whether autograd will run the backward, whose collectives every rank must join
 
 
 # Fields every rank must agree on, in the order of the exchanged vector (the local length comes after them).
 _SAME = ("B", "H", "Hkv", "D", "dtype", "layout", "block_q", "block_k", "topk", "topp", "scale", "deterministic",
-         "causal", "backend")
+         "causal", "backend", "requires_grad")
 
 
 def _local_fields(q, k, v, opt):
@@ -211,8 +214,13 @@ def _local_fields(q, k, v, opt):
     fields = dict(B=B, H=H, Hkv=Hkv, D=D, dtype=_DTYPE_CODES[q.dtype], layout=_torch.LAYOUTS.index(opt.layout),
                   block_q=block_q, block_k=block_k, topk=_bits(topk), topp=_bits(topp),
                   scale=_bits(scale if scale is not None else 0.0), deterministic=int(opt.deterministic),
-                  causal=int(opt.causal), backend=_checks.BACKENDS.index(resolved))
+                  causal=int(opt.causal), backend=_checks.BACKENDS.index(resolved),
+                  requires_grad=int(opt.requires_grad))
     return [fields[name] for name in _SAME] + [n], opt
+
+
+def _requires_grad(q, k, v):
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
 
 
 def _agree(q, k, v, opt, P, rank):
@@ -386,7 +394,7 @@ def ulysses_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03, topp=0.2
     [rank·H/P, (rank+1)·H/P) of the single-device mask). The mask parameters are sparge_attention's; stats (a
     CommStats) accumulates the bytes moved and, if asked, the time per part."""
     opt = _Options(group, layout, topk, topp, block_q, block_k, scale, backend, deterministic,
-                   stats if stats is not None else CommStats(), causal)
+                   stats if stats is not None else CommStats(), causal, _requires_grad(q, k, v))
     holder = {}
     out = _Ulysses.apply(q, k, v, opt, holder)
     return (out, holder["mask"]) if return_mask else out
@@ -768,7 +776,7 @@ def context_parallel_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03,
     mask without causal, whose statistics count every block). stats (a CommStats) accumulates the bytes moved,
     with the dense ring's for comparison (with causal, a ring that brings only the earlier shards)."""
     opt = _Options(group, layout, topk, topp, block_q, block_k, scale, backend, deterministic,
-                   stats if stats is not None else CommStats(), causal)
+                   stats if stats is not None else CommStats(), causal, _requires_grad(q, k, v))
     holder = {}
     out = _ContextParallel.apply(q, k, v, opt, holder)
     if not return_mask:

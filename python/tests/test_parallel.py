@@ -147,6 +147,9 @@ def bad_cases(rank, P):
         *sh, backend="cuda" if rank == P - 1 else None, **KW))
     out["bool_block"] = refused(lambda: parallel.context_parallel_attention(*sh, **dict(KW, block_q=True)))
     out["topk_range"] = refused(lambda: parallel.ulysses_attention(*sh, **dict(KW, topk=1.5)))
+    # A backward on some ranks only would leave them in its collectives.
+    grad_q = sh[0].clone().requires_grad_(rank == 0)
+    out["grad_disagrees"] = refused(lambda: parallel.context_parallel_attention(grad_q, *sh[1:], **KW))
     out["after"] = run_scheme(rank, P, "context", 1, 2, [64] * P, D, layout)
     return out
 
@@ -327,7 +330,8 @@ class TwoProcesses(Equivalence, unittest.TestCase):
                   "local": "rank 1 refused", "topk_disagrees": "disagree on topk",
                   "causal_disagrees": "disagree on causal", "kv_heads": "must divide q's 4",
                   "backend_one_rank": "rank 1 refused", "bool_block": "must be an int, got bool",
-                  "topk_range": "refused its arguments: sparge: topk = 1.5"}
+                  "topk_range": "refused its arguments: sparge: topk = 1.5",
+                  "grad_disagrees": "disagree on requires_grad"}
         for rank in range(self.P):
             bad = reports[rank]["bad"]
             for case, text in expect.items():
@@ -346,7 +350,7 @@ class FourProcesses(Equivalence, unittest.TestCase):
         for rank in range(self.P):
             bad = reports[rank]["bad"]
             for case in ("heads", "unequal", "misaligned", "local", "topk_disagrees", "causal_disagrees", "kv_heads",
-                         "backend_one_rank", "bool_block", "topk_range"):
+                         "backend_one_rank", "bool_block", "topk_range", "grad_disagrees"):
                 self.assertTrue(bad[case].startswith("ValueError"), f"rank {rank}, {case}: {bad[case]}")
             self.assertLess(bad["after"]["out"], F32_TOL)
 
@@ -360,6 +364,12 @@ class Helpers(unittest.TestCase):
             parallel.shard_lengths(301, 4, scheme="ulysses")
         with self.assertRaisesRegex(ValueError, "fewer than P"):
             parallel.shard_lengths(100, 4, block_q=64, block_k=64)
+        for args, kw, error in (((100, 0), {}, ValueError), ((100, -2), dict(scheme="ulysses"), ValueError),
+                                ((100, 2), dict(block_q=0), ValueError), ((100, 2), dict(block_q=True), TypeError),
+                                ((100.0, 2), {}, TypeError)):
+            with self.subTest(args=args, **kw):
+                with self.assertRaises(error):
+                    parallel.shard_lengths(*args, **kw)
 
     def test_needs_an_initialized_group(self):
         if dist.is_initialized():
