@@ -302,10 +302,16 @@ def _heads_to_seq(tensors, layout, P, group, stats, phase):
     return out
 
 
+def _wire(t):
+    """t as the collectives carry it: bfloat16 as float16 of the same bits, since gloo has no bfloat16 (before
+    torch 2.x) and an all-to-all only copies."""
+    return t.view(torch.float16) if t.dtype == torch.bfloat16 else t
+
+
 def _all_to_all_equal(send, group, stats, phase):
     send = send.contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    dist.all_to_all_single(_wire(recv), _wire(send), group=group)
     P = send.shape[0]
     moved = send.numel() // P * (P - 1) * send.element_size()
     stats._moved(phase, moved, moved)
@@ -704,7 +710,7 @@ def _all_to_all_blocks(recv, send, recv_counts, send_counts, blk, group, moves):
     asynchronously; nothing is called when no rank moves anything."""
     if not moves:
         return _Done()
-    return dist.all_to_all_single(recv.view(-1), send.reshape(-1), [c * blk for c in recv_counts],
+    return dist.all_to_all_single(_wire(recv.view(-1)), _wire(send.reshape(-1)), [c * blk for c in recv_counts],
                                   [c * blk for c in send_counts], group=group, async_op=True)
 
 
