@@ -59,6 +59,9 @@ def parse():
 
 def init():
     """NCCL over the ranks torchrun started, or a group of one."""
+    if not torch.cuda.is_available():
+        sys.exit("parallel_check.py: no CUDA device: this check runs over NCCL on GPUs (on the CPU, "
+                 "python/tests/test_parallel.py checks both schemes over gloo)")
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

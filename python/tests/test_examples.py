@@ -1,4 +1,5 @@
-"""The examples run: dit_bench.py's --tiny smoke run (CPU) writes its table's rows, swap_attention.py on the CPU."""
+"""The examples run: dit_bench.py's --tiny smoke run (CPU) writes its table's rows, swap_attention.py on the CPU,
+parallel_check.py says that it needs a GPU."""
 import csv
 import os
 import subprocess
@@ -6,7 +7,7 @@ import sys
 import tempfile
 import unittest
 
-from helpers import sparge  # noqa: F401  (skips the module without torch)
+from helpers import sparge, torch  # noqa: F401  (skips the module without torch)
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
 
@@ -50,6 +51,13 @@ class Examples(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("module output vs dense attention with sparge's mask", result.stdout)
         self.assertIn("finite: True", result.stdout)
+
+    @unittest.skipIf(torch.cuda.is_available(), "a CUDA device is present: the check runs")
+    def test_parallel_check_says_it_needs_a_gpu(self):
+        result = run("parallel_check.py", "--N", "512", "--H", "2", "--D", "16")
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("no CUDA device", result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
 
 
 if __name__ == "__main__":
