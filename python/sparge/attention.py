@@ -181,7 +181,7 @@ class SpargeAttentionFunction(torch.autograd.Function):
             mask = _predict(q, k, topk, topp, block_q, block_k, scale, layout, backend, causal)
         o, lse = _forward(q, k, v, mask, scale, layout, backend, causal)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.mask = mask
+        ctx.mask, ctx.held = mask, mask._held() if mask is not None else None
         ctx.options = dict(scale=scale, layout=layout, backend=backend, deterministic=deterministic, causal=causal)
         return o
 
@@ -189,6 +189,8 @@ class SpargeAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
+        if ctx.mask is not None:
+            ctx.mask._check_held(ctx.held)
         o_ = ctx.options
         dq, dk, dv = _backward(grad_out, q, k, v, o, lse, ctx.mask, o_["scale"], o_["layout"], o_["deterministic"],
                                o_["backend"], o_["causal"])

@@ -180,6 +180,7 @@ class Mask:
         self.causal, self.varlen = bool(shape.causal), bool(shape.varlen)
         self.cu_seqlens_q, self.cu_seqlens_k = cu if cu is not None else (None, None)
         self.predicted = False
+        self._fills = 0  # selections written so far (see _held, _check_held)
 
     def __repr__(self):
         extra = (", causal" if self.causal else "") + (
@@ -214,6 +215,19 @@ class Mask:
             raise ValueError(f"sparge: the mask was made for B={self.B} H={self.H} Nq={self.Nq} Nk={self.Nk}, "
                              f"the tensors have B={B} H={H} Nq={Nq} Nk={Nk}")
 
+    def _held(self):
+        """A token of the selection the mask holds now: an autograd function keeps it from its forward and gives
+        it to _check_held in its backward."""
+        return self._fills
+
+    def _check_held(self, token):
+        """Raise RuntimeError if the mask was filled again since _held() gave token: a backward would differentiate
+        another selection than its forward's (as torch refuses a saved tensor modified in place)."""
+        if self._fills != token:
+            raise RuntimeError("sparge: the mask was filled again (predict, set_dense or set_csr) after the forward "
+                               "that saved it for the backward, which would use the new selection; give each "
+                               "forward whose backward is still to run a Mask of its own")
+
     def _check_tensor_device(self, role, t):
         if t.device != self.torch_device:
             raise ValueError(f"sparge: {role} is on {t.device} but the mask is on {self.torch_device}")
@@ -236,6 +250,7 @@ class Mask:
             _lib.call("sparge_mask_predict", self.device.handle, ctypes.byref(qv), ctypes.byref(kv),
                       ctypes.byref(params), self.handle)
         self.predicted = True
+        self._fills += 1
         return self
 
     def set_dense(self, dense):
@@ -261,6 +276,7 @@ class Mask:
         with self.bound():
             _lib.call("sparge_mask_set_dense", self.handle, ctypes.c_void_p(host.data_ptr()))
         self.predicted = False
+        self._fills += 1
         return self
 
     def set_csr(self, counts, indices):

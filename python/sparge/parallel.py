@@ -367,7 +367,7 @@ class _Ulysses(torch.autograd.Function):
         with st._part("comm", device):
             (o,) = _heads_to_seq([oh], opt.layout, P, opt.group, st, "o")
         ctx.save_for_backward(qh, kh, vh, oh, lse)
-        ctx.mask, ctx.opt, ctx.P, ctx.ring, ctx.copies = mask, opt, P, ring, copies
+        ctx.mask, ctx.held, ctx.opt, ctx.P, ctx.ring, ctx.copies = mask, mask._held(), opt, P, ring, copies
         holder["mask"] = mask
         return o
 
@@ -375,6 +375,7 @@ class _Ulysses(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         qh, kh, vh, oh, lse = ctx.saved_tensors
+        ctx.mask._check_held(ctx.held)
         opt, P, st, device = ctx.opt, ctx.P, ctx.opt.stats, grad.device
         st.dense_ring["backward"] = st.dense_ring.get("backward", 0) + ctx.ring
         with st._part("comm", device):

@@ -35,12 +35,15 @@ class _VarlenFunction(torch.autograd.Function):
         o = o[0]
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mask, ctx.scale, ctx.deterministic, ctx.causal = mask, scale, deterministic, causal
+        ctx.held = mask._held() if mask is not None else None
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, o, lse = ctx.saved_tensors
+        if ctx.mask is not None:
+            ctx.mask._check_held(ctx.held)
         grads = _backward(grad_out[None], q[None], k[None], v[None], o[None], lse, ctx.mask, ctx.scale, "bnhd",
                           ctx.deterministic, None, ctx.causal)
         return grads[0][0], grads[1][0], grads[2][0], None, None, None, None

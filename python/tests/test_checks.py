@@ -206,6 +206,42 @@ class GivenMaskAndPredictionParameters(unittest.TestCase):
         self.assertTrue(torch.equal(out, ref))
 
 
+class MaskRefilledBeforeTheBackward(unittest.TestCase):
+    """A Mask saved by a forward and filled again before its backward: the backward would differentiate the new
+    selection, so it is refused (as torch refuses a saved tensor modified in place)."""
+
+    def refills(self, mask):
+        q, k, _ = qkv(*[mask.B, mask.H, mask.Nq, mask.Nk], 32, seed=61)
+        return {"predict": lambda: mask.predict(q, k, topk=0.5, topp=0.0),
+                "set_dense": lambda: mask.set_dense(torch.ones_like(mask.dense)),
+                "set_csr": lambda: mask.set_csr(mask.counts, mask.indices)}
+
+    def test_sparge_attention(self):
+        q, k, v = qkv(1, 2, 128, 128, 32, seed=62, requires_grad=True)
+        for name in ("predict", "set_dense", "set_csr"):
+            with self.subTest(name):
+                mask = sparge.predict_mask(q.detach(), k.detach(), topk=0.2, topp=0.0, block_q=32, block_k=32)
+                out = sparge.sparge_attention(q, k, v, mask=mask)
+                self.refills(mask)[name]()
+                with self.assertRaisesRegex(RuntimeError, "filled again"):
+                    out.sum().backward()
+                out = sparge.sparge_attention(q, k, v, mask=mask)  # a forward after the refill is its own
+                out.sum().backward()
+        out, mask = sparge.sparge_attention(q, k, v, topk=0.2, topp=0.0, block_q=32, block_k=32, return_mask=True)
+        self.refills(mask)["predict"]()
+        with self.assertRaisesRegex(RuntimeError, "filled again"):
+            out.sum().backward()
+
+    def test_varlen(self):
+        q, k, v = (randn(70, 2, 16, seed=63 + i).requires_grad_() for i in range(3))
+        cu = torch.tensor([0, 40, 70], dtype=torch.int32)
+        out, mask = sparge.sparge_attention_varlen(q, k, v, cu, cu, 40, 40, topk=0.3, topp=0.0, block_q=16,
+                                                   block_k=16, return_mask=True)
+        mask.predict(q.detach()[None], k.detach()[None], topk=1.0, topp=0.0, layout="bnhd")
+        with self.assertRaisesRegex(RuntimeError, "filled again"):
+            out.sum().backward()
+
+
 class Float64(unittest.TestCase):
     """gradcheck needs fp64 arithmetic from input to output, which only cpu-ref can give, and only in a library
     that takes SPARGE_F64 tensors there."""
