@@ -91,8 +91,9 @@ class Device:
     def supports(self, op, *, dtype=torch.float32, head_dim=64, block_q=0, block_k=0, B=1, H=1, Nq=1, Nk=1,
                  kv_heads=0, causal=False, varlen=False, rows_aligned=True, deterministic=False):
         """The tier of this device that would run the call described (sparge_op_desc: op one of "pool",
-        "pooled_map", "mask_select", "mask_predict", "forward", "backward"; block sizes 0 for dense attention),
-        or SpargeError (SPARGE_ERR_UNSUPPORTED) saying why each tier refuses it."""
+        "pooled_map", "mask_select", "mask_predict", "forward", "backward"; block sizes 0 for dense attention,
+        kv_heads 0 for H), or SpargeError (SPARGE_ERR_UNSUPPORTED) saying why each tier refuses it. The sizes are
+        checked as sparge's arguments are (TypeError / ValueError)."""
         codes = {"pool": _lib.OP_POOL, "pooled_map": _lib.OP_POOLED_MAP, "mask_select": _lib.OP_MASK_SELECT,
                  "mask_predict": _lib.OP_MASK_PREDICT, "forward": _lib.OP_FORWARD, "backward": _lib.OP_BACKWARD}
         if op not in codes:
@@ -100,8 +101,18 @@ class Device:
         code = {**_DTYPES, torch.float64: _lib.F64}.get(dtype)
         if code is None:
             raise TypeError(f"sparge: no sparge dtype for {dtype}")
-        desc = _lib.sparge_op_desc(codes[op], code, head_dim, block_q, block_k, B, H, Nq, Nk, int(rows_aligned),
-                                   int(deterministic), kv_heads, int(causal), int(varlen))
+        # ctypes would wrap out-of-range integers silently, and the answer would be about another call.
+        head_dim = _checks.integer(head_dim, "head_dim", 1, _lib.INT64_MAX)
+        block_q, block_k = (_checks.integer(b, name, 0, _lib.INT32_MAX) for b, name in ((block_q, "block_q"),
+                                                                                      (block_k, "block_k")))
+        B, H, Nq, Nk = (_checks.integer(n, name, 1, _lib.INT64_MAX) for n, name in ((B, "B"), (H, "H"), (Nq, "Nq"),
+                                                                                   (Nk, "Nk")))
+        kv_heads = _checks.integer(kv_heads, "kv_heads", 0, _lib.INT64_MAX)
+        flags = [int(_checks.flag(f, name)) for f, name in ((rows_aligned, "rows_aligned"),
+                                                            (deterministic, "deterministic"), (causal, "causal"),
+                                                            (varlen, "varlen"))]
+        desc = _lib.sparge_op_desc(codes[op], code, head_dim, block_q, block_k, B, H, Nq, Nk, flags[0], flags[1],
+                                   kv_heads, flags[2], flags[3])
         tier = ctypes.c_char_p()
         with self.guard():
             _lib.call("sparge_device_supports", self.handle, ctypes.byref(desc), ctypes.byref(tier))

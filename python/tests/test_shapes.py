@@ -452,6 +452,17 @@ class DeviceOptions(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "op must be one of"):
             dev.supports("attend")
 
+    def test_supports_checks_its_sizes(self):
+        dev = sparge.open_device("cpu")
+        # Values that a C integer would wrap to a supported call, or that describe no call at all.
+        bad = ((dict(head_dim=2**64 + 64), ValueError), (dict(head_dim=-1), ValueError), (dict(head_dim=0), ValueError),
+               (dict(block_q=2**32 + 64, block_k=64), ValueError), (dict(Nq=0), ValueError),
+               (dict(kv_heads=-2), ValueError), (dict(head_dim=64.0), TypeError), (dict(causal=2), TypeError))
+        for kwargs, error in bad:
+            with self.subTest(**kwargs):
+                with self.assertRaises(error):
+                    dev.supports("forward", **kwargs)
+
 
 if __name__ == "__main__":
     unittest.main()
