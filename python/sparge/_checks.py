@@ -57,13 +57,23 @@ def fractions(topk, topp):
     return topk, topp
 
 
+# sparge takes the scale as a C float: magnitudes at or below half the smallest subnormal round to 0 (the default
+# scale), at or above FLT_MAX plus half an ulp to infinity.
+FLOAT32_ROUNDS_TO_ZERO = 2.0**-150
+FLOAT32_ROUNDS_TO_INF = 2.0**128 - 2.0**103
+
+
 def scale(value):
-    """None (1/sqrt(D)) or a finite nonzero float; sparge's C scale 0 means the default, so 0 cannot pass."""
+    """None (1/sqrt(D)) or a finite nonzero float; sparge's C scale 0 means the default, so 0 cannot pass, and
+    neither can a float that the C float rounds to 0 or to infinity."""
     if value is None:
         return None
     value = real(value, "scale")
     if value == 0.0:
         raise ValueError("sparge: scale = 0 is not supported (None means 1/sqrt(D))")
+    if not FLOAT32_ROUNDS_TO_ZERO < abs(value) < FLOAT32_ROUNDS_TO_INF:
+        raise ValueError(f"sparge: scale = {value} is outside float32's range (sparge takes it as a float32, which "
+                         f"would round it to {'0' if abs(value) <= FLOAT32_ROUNDS_TO_ZERO else 'infinity'})")
     return value
 
 

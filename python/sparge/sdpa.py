@@ -2,7 +2,6 @@
 import contextlib
 import dataclasses
 import math
-import numbers
 import threading
 
 import torch
@@ -71,13 +70,12 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
     """Within the block, torch.nn.functional.scaled_dot_product_attention sends every call that sparge
     computes exactly as asked — 4-D [B,H,N,D] query/key/value of one dtype sparge takes (float32, float16,
     bfloat16) on a device it has a backend for, one head dim, the same head count (or, with enable_gqa=True, a
-    K/V head count dividing query's), no attn_mask, dropout_p 0, scale None or finite and nonzero, is_causal False
-    or, with Nq = Nk, True (where SDPA's top-left causal diagonal is sparge's bottom-right one), a head dim that a
-    tier of the device runs (the CPU's limit is 256; under torch.compile, which cannot trace that query, the shapes
-    alone decide) — to sparge_attention with these mask parameters, self- and cross-attention alike, when both Nq
-    and Nk are >= min_tokens
-    (min_tokens=1024 keeps a 512-token text cross-attention dense). Every other call goes to the function that was
-    there before, unchanged.
+    K/V head count dividing query's), no attn_mask, dropout_p 0, scale None or nonzero and finite in float32,
+    is_causal False or, with Nq = Nk, True (where SDPA's top-left causal diagonal is sparge's bottom-right one), a
+    head dim that a tier of the device runs (the CPU's limit is 256; under torch.compile, which cannot trace that
+    query, the shapes alone decide) — to sparge_attention with these mask parameters, self- and cross-attention
+    alike, when both Nq and Nk are >= min_tokens (min_tokens=1024 keeps a 512-token text cross-attention dense).
+    Every other call goes to the function that was there before, unchanged.
     The previous function is restored on exit. Yields an SdpaRouting that counts routed and passed calls.
 
     The patch replaces the attribute of torch.nn.functional, so it reaches code that calls
@@ -105,8 +103,9 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
     def routable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         if attn_mask is not None or dropout_p != 0.0:
             return False
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                                  or not math.isfinite(scale) or scale == 0.0):
+        try:
+            _checks.scale(scale)
+        except (TypeError, ValueError):
             return False
         if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
             return False

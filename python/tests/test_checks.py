@@ -116,6 +116,8 @@ class TensorArguments(unittest.TestCase):
                  (dict(topp=-0.1), ValueError, r"topp = -0.1 is outside \[0, 1\]"),
                  (dict(scale=float("inf")), ValueError, "scale = inf is not finite"),
                  (dict(scale=True), TypeError, "scale must be a float, got bool"),
+                 (dict(scale=1e-300), ValueError, "outside float32's range .* round it to 0"),
+                 (dict(scale=-1e39), ValueError, "outside float32's range .* round it to infinity"),
                  (dict(deterministic=1), TypeError, "deterministic must be a bool"),
                  (dict(return_mask="yes"), TypeError, "return_mask must be a bool"),
                  (dict(backend=3), TypeError, "backend must be a str"),

@@ -72,6 +72,7 @@ class PatchSdpa(unittest.TestCase):
                  ((q, k, v), dict(scale=0.0)),
                  ((q, k, v), dict(scale=float("inf"))),
                  ((q, k, v), dict(scale=float("nan"))),
+                 ((q, k, v), dict(scale=1e-300)),  # 0 as sparge's float32 scale
                  ((q, short, short), {}),  # below min_tokens
                  ((q, k, v[..., :16]), {})]  # a head dim sparge does not take for v
         with sparge.patch_sdpa(min_tokens=200) as routing:
