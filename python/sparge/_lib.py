@@ -219,9 +219,15 @@ def _load():
                 missing.append(path)
                 continue
             try:
-                return ctypes.CDLL(path), os.path.abspath(path) if os.sep in path else path
+                cdll = ctypes.CDLL(path)
             except OSError as e:
                 tried.append(f"{source}: {path} does not load ({e})")
+                continue
+            lacking = _bind(cdll)
+            if lacking is None:
+                return cdll, os.path.abspath(path) if os.sep in path else path
+            tried.append(f"{source}: {path} is not the libsparge this package needs: it lacks {lacking} (an older "
+                         "build? install the library of the same sparge version)")
         if missing and len(missing) == len(paths):
             if source == "SPARGE_LIBRARY":
                 tried.append(f"SPARGE_LIBRARY={paths[0]}: no such file")
@@ -296,6 +302,18 @@ _state = {}
 _state_lock = threading.Lock()
 
 
+def _bind(cdll):
+    """Set the prototypes of every function the package calls; returns the first one cdll lacks, or None."""
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        try:
+            fn = getattr(cdll, name)
+        except AttributeError:
+            return name
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return None
+
+
 def _loaded():
     """(CDLL, path), loading and binding the library on first use."""
     state = _state.get("lib")
@@ -303,12 +321,7 @@ def _loaded():
         with _state_lock:
             state = _state.get("lib")
             if state is None:
-                cdll, path = _load()
-                for name, (restype, argtypes) in _PROTOTYPES.items():
-                    fn = getattr(cdll, name)
-                    fn.restype = restype
-                    fn.argtypes = argtypes
-                state = _state["lib"] = (cdll, path)
+                state = _state["lib"] = _load()
     return state
 
 

@@ -92,6 +92,25 @@ class Lookup(unittest.TestCase):
         self.assertIn(f"SPARGE_LIBRARY={missing}: no such file", result.stderr)
         self.assertNotIn("bundled", result.stderr)
 
+    def test_a_library_without_sparge_functions_is_passed_over(self):
+        # Any shared object that loads but is no libsparge (as an older build lacks the newer functions).
+        import _ctypes
+        libdir = os.path.dirname(self.library)
+        site = self.copy_package(config=f'version = "0.1.0"\nlibdir = {libdir!r}\n')
+        stale = os.path.join(site, "sparge", "libsparge.so.0")
+        shutil.copy(_ctypes.__file__, stale)
+        self.assertEqual(os.path.dirname(self.library_found(site)), libdir)  # the next place in the order
+        result = self.run_python("""
+            import sparge
+            try:
+                sparge.backends()
+            except sparge.LibraryNotFoundError as e:
+                print(e)
+            """, site, SPARGE_LIBRARY=stale)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn(f"{stale} is not the libsparge this package needs: it lacks sparge_status_name",
+                      result.stdout)
+
     def test_not_found_says_what_was_tried_and_what_to_do(self):
         site = self.copy_package(config='version = "0.1.0"\nlibdir = "/nonexistent/lib"\n')
         result = self.run_python("""
