@@ -182,6 +182,21 @@ class Mask:
         self.predicted = False
         self._fills = 0  # selections written so far (see _held, _check_held)
 
+    def __copy__(self):
+        """A new Mask of the same layout holding the same selection, set from the dense view: a copy that shared
+        the handle would read whatever mask reuses it once this one is released. The pooled map and the row mass
+        of a prediction stay with the original."""
+        if self._fills == 0:
+            return Mask(self.B, self.H, self.Nq, self.Nk, self.block_q, self.block_k, self.torch_device,
+                        self.device.backend, causal=self.causal, cu_seqlens_q=self.cu_seqlens_q,
+                        cu_seqlens_k=self.cu_seqlens_k)
+        return Mask.from_dense(self.dense, self.Nq, self.Nk, self.block_q, self.block_k, self.torch_device,
+                               self.device.backend, causal=self.causal, cu_seqlens_q=self.cu_seqlens_q,
+                               cu_seqlens_k=self.cu_seqlens_k)
+
+    def __deepcopy__(self, memo):
+        return self.__copy__()
+
     def __repr__(self):
         extra = (", causal" if self.causal else "") + (
             f", {self.B} packed sequences (longest {self.max_seqlen_q} x {self.max_seqlen_k})" if self.varlen else "")

@@ -1,6 +1,7 @@
 """Arguments are checked in Python before anything reaches C, and the defects those checks close: a new Mask
 holding a released mask's selection, block sizes wrapped by the C int, numpy arrays, empty tensors, float64 on
 cpu-ref (gradcheck), and mask parameters ignored next to a given mask."""
+import copy
 import gc
 import unittest
 
@@ -50,6 +51,34 @@ class RecycledMaskHandles(unittest.TestCase):
         with self.assertRaisesRegex(sparge.SpargeError, "not predicted"):
             second.pooled_map  # the first owner's prediction does not show through
         sparge.free_cached_masks()
+
+
+class CopiedMasks(unittest.TestCase):
+    """copy.copy and copy.deepcopy (a module holding a Mask, deep-copied for an EMA) give a Mask of its own: a
+    copy sharing the handle would show another mask's selection once the handle is reused."""
+
+    def test_copies_own_their_selection(self):
+        q, k, v = qkv(1, 2, 256, 256, 32, seed=71)
+        for copy_fn in (copy.copy, copy.deepcopy):
+            with self.subTest(copy_fn.__name__):
+                mask = sparge.predict_mask(q, k, topk=0.4, topp=0.0, causal=True)
+                dense, out = mask.dense, sparge.attention_forward(q, k, v, mask)[0]
+                dup = copy_fn(mask)
+                self.assertTrue(dup.causal)
+                del mask
+                gc.collect()  # the original's handle goes to the reuse pool ...
+                sparge.predict_mask(*qkv(1, 2, 256, 256, 32, seed=72)[:2], topk=0.1, topp=0.0, causal=True)
+                self.assertTrue(torch.equal(dup.dense, dense))  # ... and the copy still holds its own selection
+                self.assertTrue(torch.equal(sparge.attention_forward(q, k, v, dup)[0], out))
+        sparge.free_cached_masks()
+
+    def test_copy_of_an_empty_and_of_a_variable_length_mask(self):
+        cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+        empty = copy.copy(sparge.Mask(2, 2, 256, 256, cu_seqlens_q=cu, cu_seqlens_k=cu))
+        self.assertTrue(empty.varlen)
+        self.assertTrue(torch.equal(empty.cu_seqlens_q, cu))
+        with self.assertRaisesRegex(sparge.SpargeError, "holds no selection yet"):
+            empty.dense
 
 
 class BlockSizes(unittest.TestCase):
