@@ -303,8 +303,8 @@ def _heads_to_seq(tensors, layout, P, group, stats, phase):
 
 
 def _wire(t):
-    """t as the collectives carry it: bfloat16 as float16 of the same bits, since gloo has no bfloat16 (before
-    torch 2.x) and an all-to-all only copies."""
+    """t as the collectives carry it: bfloat16 as float16 of the same bits, since gloo lacks bfloat16 in some torch
+    versions (1.13 among them) and an all-to-all only copies."""
     return t.view(torch.float16) if t.dtype == torch.bfloat16 else t
 
 

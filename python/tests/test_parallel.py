@@ -169,7 +169,7 @@ def cases(P):
             "context_gqa_unequal_bnhd": ("context", 2, 4, unequal, 16, "bnhd", False, False, 2, False),
             "context_causal_mqa_narrow_q": ("context", 1, 2, [128, 172], 16, "bhnd", False, True, 1, True,
                                             dict(KW, block_q=16, block_k=32)),
-            # bfloat16 crosses gloo, which has no bfloat16 of its own in older torch
+            # bfloat16 crosses gloo, which lacks bfloat16 in some torch versions
             "ulysses_bf16": ("ulysses", 1, 4, [75, 75], 16, "bnhd", False, False, 2, False, KW, torch.bfloat16),
             "context_bf16": ("context", 1, 4, ragged, 16, "bhnd", False, False, 2, True, KW, torch.bfloat16),
         })
