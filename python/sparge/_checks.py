@@ -172,14 +172,15 @@ def causal_lengths(Nq, Nk, where=""):
 
 def cu_seqlens(t, name, total, role):
     """flash-attn's cumulative sequence lengths: a 1-D int32 tensor (any device) of B+1 offsets, from 0, strictly
-    increasing, ending at `total` (the packed tensor `role`'s tokens). Returns the host copy (the one copy made)."""
+    increasing, ending at `total` (the packed tensor `role`'s tokens). Returns a host copy, never the caller's
+    tensor: a Mask keeps it, and a caller refilling its buffer for the next batch must not change the mask's."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"sparge: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
         raise TypeError(f"sparge: {name} must be torch.int32 (flash-attn's convention), got {t.dtype}")
     if t.dim() != 1 or t.numel() < 2:
         raise ValueError(f"sparge: {name} must be 1-D with B+1 >= 2 entries, got shape {list(t.shape)}")
-    host = t.detach().to("cpu").contiguous()
+    host = t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
     values = host.tolist()
     if values[0] != 0:
         raise ValueError(f"sparge: {name}[0] = {values[0]}, must be 0")

@@ -273,6 +273,16 @@ class Varlen(unittest.TestCase):
                 out = sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 40, 40, zero)
                 self.assertTrue(torch.equal(out, expected))
 
+    def test_mask_keeps_its_own_offsets(self):
+        q, k, v, cu_q, cu_k = ragged(2, 2, [40, 30], [40, 30])
+        cu = cu_q.clone()
+        out, mask = sparge.sparge_attention_varlen(q, k, v, cu, cu, 40, 40, return_mask=True)
+        cu[1] = 50  # the caller's buffer, refilled for the next batch
+        self.assertTrue(torch.equal(mask.cu_seqlens_q, cu_q))
+        with self.assertRaisesRegex(ValueError, "not made for these cu_seqlens"):
+            sparge.sparge_attention_varlen(q, k, v, cu, cu, 50, 50, mask=mask)
+        self.assertTrue(torch.equal(sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 40, 40, mask=mask), out))
+
     def test_cu_seqlens_refused(self):
         q, k, v, cu_q, cu_k = ragged(2, 2, [40, 30], [40, 30])
         before = [t.detach().clone() for t in (q, k, v)]
