@@ -178,7 +178,7 @@ class Mask:
         self.max_seqlen_q, self.max_seqlen_k = shape.Nq, shape.Nk
         self.block_q, self.block_k, self.Nqb, self.Nkb = shape.block_q, shape.block_k, shape.Nqb, shape.Nkb
         self.causal, self.varlen = bool(shape.causal), bool(shape.varlen)
-        self.cu_seqlens_q, self.cu_seqlens_k = cu if cu is not None else (None, None)
+        self._cu = cu  # host copies of the offsets (None for fixed lengths), handed out as copies again
         self.predicted = False
         self._fills = 0  # selections written so far (see _held, _check_held)
 
@@ -207,7 +207,17 @@ class Mask:
         """[(nq, nk)] per batch entry: the sequences' lengths (varlen) or (Nq, Nk) for each of the B entries."""
         if not self.varlen:
             return [(self.Nq, self.Nk)] * self.B
-        return list(zip(self.cu_seqlens_q.diff().tolist(), self.cu_seqlens_k.diff().tolist()))
+        return list(zip(self._cu[0].diff().tolist(), self._cu[1].diff().tolist()))
+
+    @property
+    def cu_seqlens_q(self):
+        """int32 [B+1]: the sequences' query offsets of a variable-length mask (a host copy), or None."""
+        return None if self._cu is None else self._cu[0].clone()
+
+    @property
+    def cu_seqlens_k(self):
+        """int32 [B+1]: the sequences' key offsets of a variable-length mask (a host copy), or None."""
+        return None if self._cu is None else self._cu[1].clone()
 
     @contextlib.contextmanager
     def bound(self):

@@ -278,7 +278,9 @@ class Varlen(unittest.TestCase):
         cu = cu_q.clone()
         out, mask = sparge.sparge_attention_varlen(q, k, v, cu, cu, 40, 40, return_mask=True)
         cu[1] = 50  # the caller's buffer, refilled for the next batch
+        mask.cu_seqlens_k[1] = 50  # and what the mask hands out
         self.assertTrue(torch.equal(mask.cu_seqlens_q, cu_q))
+        self.assertTrue(torch.equal(mask.cu_seqlens_k, cu_k))
         with self.assertRaisesRegex(ValueError, "not made for these cu_seqlens"):
             sparge.sparge_attention_varlen(q, k, v, cu, cu, 50, 50, mask=mask)
         self.assertTrue(torch.equal(sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 40, 40, mask=mask), out))
