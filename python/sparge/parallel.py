@@ -340,9 +340,23 @@ def _sum_copies(x, f, layout):
     return x.view(B, n, H // f, f, D).sum(3)
 
 
+def _empty_forward(ctx, q, k, v, holder):
+    """Inputs without batch entries, tokens or head dim: an empty output as sparge_attention gives, and nothing
+    exchanged (every rank agreed on the shapes, so every rank comes here, and to _empty_backward)."""
+    ctx.empty = True
+    ctx.save_for_backward(q, k, v)
+    holder["mask"] = None
+    return q.new_zeros(q.shape)
+
+
+def _empty_backward(ctx):
+    return tuple(torch.zeros_like(t) for t in ctx.saved_tensors) + (None, None)
+
+
 class _Ulysses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opt, holder):
+        ctx.empty = False
         P, rank = _world(opt.group)
         lengths, shared, opt = _agree(q, k, v, opt, P, rank)
         if len(set(lengths)) > 1:
@@ -351,6 +365,8 @@ class _Ulysses(torch.autograd.Function):
         if shared["H"] % P:
             raise ValueError(f"sparge.parallel: Ulysses spreads heads over ranks: P = {P} must divide H = "
                              f"{shared['H']}")
+        if shared["B"] == 0 or shared["D"] == 0 or lengths[0] == 0:
+            return _empty_forward(ctx, q, k, v, holder)
         copies = _kv_copies(shared["H"], shared["Hkv"], P)
         st, device = opt.stats, q.device
         B, H, n, D = _torch.bhnd_shape(q, opt.layout)
@@ -374,6 +390,8 @@ class _Ulysses(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
+        if ctx.empty:
+            return _empty_backward(ctx)
         qh, kh, vh, oh, lse = ctx.saved_tensors
         ctx.mask._check_held(ctx.held)
         opt, P, st, device = ctx.opt, ctx.P, ctx.opt.stats, grad.device
@@ -473,6 +491,7 @@ class _Source:
 class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opt, holder):
+        ctx.empty = False
         P, rank = _world(opt.group)
         lengths, shared, opt = _agree(q, k, v, opt, P, rank)
         bq, bk = opt.block_q, opt.block_k
@@ -485,6 +504,8 @@ class _ContextParallel(torch.autograd.Function):
                              f"ranks {bad} ({[lengths[s] for s in bad]} tokens) are not multiples of "
                              f"lcm(block_q, block_k) = {unit} (only the last rank's may be ragged; "
                              "see shard_lengths)")
+        if shared["B"] == 0 or shared["D"] == 0:
+            return _empty_forward(ctx, q, k, v, holder)
         g = _Geometry(P, rank, lengths, bq, bk)
         st, device = opt.stats, q.device
         dev = _torch.device_for(q, opt.backend)
@@ -596,6 +617,8 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
+        if ctx.empty:
+            return _empty_backward(ctx)
         q, o, lse = ctx.saved_tensors
         opt, g, st = ctx.opt, ctx.geometry, ctx.opt.stats
         bk, device = g.block_k, grad.device
@@ -786,7 +809,7 @@ def context_parallel_attention(q, k, v, *, group=None, layout="bhnd", topk=0.03,
                    stats if stats is not None else CommStats(), causal, _requires_grad(q, k, v))
     holder = {}
     out = _ContextParallel.apply(q, k, v, opt, holder)
-    if not return_mask:
-        return out
+    if not return_mask or holder["mask"] is None:
+        return (out, None) if return_mask else out
     dense, n, N = holder["mask"]
     return out, Mask.from_dense(dense.to(torch.uint8), n, N, block_q, block_k, q.device, backend)

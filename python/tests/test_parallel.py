@@ -156,6 +156,25 @@ def bad_cases(rank, P):
     return out
 
 
+def empty_cases(rank, P):
+    """Inputs without batch entries, head dim or (Ulysses) tokens: empty outputs and gradients, as one device
+    gives them; returns {case: what happened}."""
+    out = {}
+    for name, (B, n, D) in {"batch": (0, 64, 16), "head_dim": (1, 64, 0), "tokens": (1, 0, 16)}.items():
+        for scheme, fn in (("ulysses", parallel.ulysses_attention), ("context", parallel.context_parallel_attention)):
+            if scheme == "context" and n == 0:
+                continue  # context parallelism needs tokens on every rank
+            q, k, v = (torch.randn(B, 4, n, D, requires_grad=True) for _ in range(3))
+            try:
+                o, mask = fn(q, k, v, return_mask=True, **KW)
+                o.sum().backward()
+                out[f"{scheme}_{name}"] = (list(o.shape) == list(q.shape) and mask is None
+                                           and all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v)))
+            except Exception as e:  # noqa: BLE001  (reported to the parent)
+                out[f"{scheme}_{name}"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def cases(P):
     ragged = parallel.shard_lengths(300, P, block_q=KW["block_q"], block_k=KW["block_k"])
     unequal = {1: [300], 2: [96, 204], 4: [64, 128, 32, 76]}[P]
@@ -191,6 +210,7 @@ def worker(rank, P, port, queue):
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         for name, (scheme, *args) in cases(P).items():
             report[name] = run_scheme(rank, P, scheme, *args)
+        report["empty"] = empty_cases(rank, P)
         if P > 1:
             report["bad"] = bad_cases(rank, P)
         dist.destroy_process_group()
@@ -297,6 +317,12 @@ class Equivalence:
             self.assertEqual(first["received"].get(phase, 0), 0, phase)
             self.assertEqual(last["sent"].get(phase, 0), 0, phase)
         self.assertEqual(first["ring"]["forward"], 0)
+
+    def test_empty_inputs(self):
+        reports = ParallelGroups.get(self.P)
+        for rank in range(self.P):
+            for case, result in reports[rank]["empty"].items():
+                self.assertIs(result, True, f"{case}, rank {rank} of {self.P}")
 
     def test_context_moves_only_kept_blocks(self):
         reports = self.check_case("context_banded")
