@@ -99,10 +99,18 @@ def flag(value, name):
     return value
 
 
-def tensor(t, name, layout_):
-    """A 4-D torch.Tensor of a floating dtype; returns its (B, H, N, D)."""
+def strided(t, name):
+    """A torch.Tensor with memory sparge can read: strided (not sparse, not MKL-DNN)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"sparge: {name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"sparge: {name} has layout {t.layout}; sparge reads strided (dense) tensors (convert it "
+                        "with .to_dense())")
+
+
+def tensor(t, name, layout_):
+    """A 4-D torch.Tensor of a floating dtype; returns its (B, H, N, D)."""
+    strided(t, name)
     if t.dim() != 4:
         raise ValueError(f"sparge: {name} must be 4-D {_SHAPE_NAMES[layout_]} (layout '{layout_}'), got shape "
                          f"{list(t.shape)}")

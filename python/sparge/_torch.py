@@ -212,8 +212,7 @@ def sparge_dtype(t, device_backend, role):
 def view(t, layout, role, device_backend="cpu"):
     """sparge_tensor over t's memory: [B,H,N,D] for layout 'bhnd', or t = [B,N,H,D] seen as [B,H,N,D] for
     'bnhd'. Element strides are passed through, so no copy is made for any strided tensor."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"sparge: {role} must be a torch.Tensor, got {type(t).__name__}")
+    _checks.strided(t, role)
     dtype = sparge_dtype(t, device_backend, role)
     if t.dim() != 4:
         expected = "[B,H,N,D]" if layout == "bhnd" else "[B,N,H,D]"

@@ -282,8 +282,7 @@ class Mask:
         """Set the mask from a dense [B,H,Nqb,Nkb] tensor (nonzero = keep; every row keeps a block). A causal
         mask's rows must keep their diagonal blocks and nothing above them, a variable-length mask's nothing past
         a sequence's blocks (sparge refuses the rest with SpargeError, and the mask keeps what it held)."""
-        if not isinstance(dense, torch.Tensor):
-            raise TypeError(f"sparge: dense mask must be a torch.Tensor, got {type(dense).__name__}")
+        _checks.strided(dense, "dense mask")
         want = (self.B, self.H, self.Nqb, self.Nkb)
         if tuple(dense.shape) != want:
             raise ValueError(f"sparge: dense mask has shape {list(dense.shape)}, the mask needs {list(want)}")

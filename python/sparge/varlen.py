@@ -17,8 +17,7 @@ from .mask import Mask, defaulted_mask_params, given_mask_matches, no_prediction
 
 def _packed(t, name):
     """(T, H, D) of a packed [T, H, D] tensor."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"sparge: {name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+    _checks.strided(t, name)
     if t.dim() != 3:
         raise ValueError(f"sparge: {name} must be 3-D [total_tokens, heads, head_dim] (flash-attn's varlen "
                          f"layout), got shape {list(t.shape)}")

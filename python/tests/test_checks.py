@@ -122,6 +122,19 @@ class TensorArguments(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "k must be a torch.Tensor, got numpy.ndarray"):
             sparge.predict_mask(torch.from_numpy(q), k)
 
+    def test_sparse_tensors_are_a_type_error(self):
+        q, k, v = qkv(1, 1, 64, 64, 32)
+        sparse = q.to_sparse()
+        for fn in (sparge.sparge_attention, sparge.attention_forward):
+            with self.assertRaisesRegex(TypeError, "q has layout torch.sparse_coo; sparge reads strided"):
+                fn(sparse, k, v)
+        packed = q[0].transpose(0, 1)  # [64, 1, 32]
+        with self.assertRaisesRegex(TypeError, "k has layout torch.sparse_coo"):
+            sparge.sparge_attention_varlen(packed, packed.to_sparse(), packed,
+                                           *[torch.tensor([0, 64], dtype=torch.int32)] * 2, 64, 64)
+        with self.assertRaisesRegex(TypeError, "dense mask has layout torch.sparse_coo"):
+            sparge.Mask(1, 1, 64, 64).set_dense(torch.ones(1, 1, 1, 1).to_sparse())
+
     def test_head_counts(self):
         q = randn(1, 4, 64, 32)
         k2, k3 = randn(1, 2, 64, 32), randn(1, 3, 64, 32)
