@@ -75,7 +75,8 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
     head dim that a tier of the device runs (the CPU's limit is 256; under torch.compile, which cannot trace that
     query, the shapes alone decide) — to sparge_attention with these mask parameters, self- and cross-attention
     alike, when both Nq and Nk are >= min_tokens (min_tokens=1024 keeps a 512-token text cross-attention dense).
-    Every other call goes to the function that was there before, unchanged.
+    Every other call goes to the function that was there before, unchanged (inside another patch_sdpa block, to
+    the function that block replaced: the innermost block decides).
     The previous function is restored on exit. Yields an SdpaRouting that counts routed and passed calls.
 
     The patch replaces the attribute of torch.nn.functional, so it reaches code that calls
@@ -98,7 +99,9 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
     sentinel = object()
     with _patch_lock:
         previous = getattr(F, "scaled_dot_product_attention", sentinel)
-    fallback = _math_sdpa if previous is sentinel else previous
+    # Inside another patch_sdpa block, calls this one passes go to torch's function, not to the outer block,
+    # which would route what this block's parameters (min_tokens, ...) keep dense.
+    fallback = _math_sdpa if previous is sentinel else getattr(previous, "sparge_passes_to", previous)
 
     def routable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         if attn_mask is not None or dropout_p != 0.0:
@@ -146,6 +149,7 @@ def patch_sdpa(topk=_checks.DEFAULT_TOPK, topp=_checks.DEFAULT_TOPP, block_q=_ch
             kwargs["enable_gqa"] = enable_gqa
         return fallback(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
 
+    scaled_dot_product_attention.sparge_passes_to = fallback
     with _patch_lock:
         F.scaled_dot_product_attention = scaled_dot_product_attention
     try:

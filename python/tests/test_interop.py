@@ -125,6 +125,16 @@ class PatchSdpa(unittest.TestCase):
             self.assertIs(F.scaled_dot_product_attention, inner)
         self.assertIs(F.scaled_dot_product_attention, self.spy)
 
+    def test_the_innermost_block_decides(self):
+        q, k, v = randn(1, 2, 300, 32, seed=1), randn(1, 2, 300, 32, seed=2), randn(1, 2, 300, 32, seed=3)
+        with sparge.patch_sdpa() as outer:
+            with sparge.patch_sdpa(min_tokens=1024) as inner:
+                F.scaled_dot_product_attention(q, k, v)  # kept dense by the inner block
+            F.scaled_dot_product_attention(q, k, v)
+        self.assertEqual((inner.routed, inner.passed, outer.routed, outer.passed), (0, 1, 1, 0))
+        self.assertEqual(len(self.spy.calls), 1)
+        self.assertIs(self.spy.calls[0][0], q)
+
     def test_without_torch_sdpa(self):
         del F.scaled_dot_product_attention  # torch before 2.0
         q, k, v = randn(1, 2, 50, 16, seed=7), randn(1, 1, 60, 16, seed=8), randn(1, 1, 60, 16, seed=9)
