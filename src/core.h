@@ -84,6 +84,9 @@ sparge_status sparge_check_tensor(const sparge_tensor *t, const char *fn, const 
 /* a*b (and a*b*c ...) into *out, failing on overflow past INT64_MAX/SIZE_MAX. */
 int sparge_mul_overflows(int64_t a, int64_t b, int64_t *out);
 
+/* sparge_mask_create_ex, with fn naming the public call in error messages. */
+sparge_status sparge_mask_create_named(sparge_device *dev, const sparge_mask_layout *l, const char *fn,
+                                       sparge_mask **out);
 /* Ranges of k, p, block sizes and scale. */
 sparge_status sparge_check_mask_params(const sparge_mask_params *p, const char *fn);
 /* Sequence b of a mask: its query tokens [*q0, *q0 + *nq) and key tokens [*k0, *k0 + *nk) in the tensors, and the
@@ -99,7 +102,8 @@ sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, c
                                    sparge_view *qv, sparge_view *kv, const sparge_backend **tier);
 /* The prediction itself, after sparge_check_predict. */
 sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, const sparge_view *kv,
-                                 const sparge_mask_params *params, sparge_mask *mask, const sparge_backend *tier);
+                                 const sparge_mask_params *params, sparge_mask *mask, const sparge_backend *tier,
+                                 const char *fn);
 /* Builds the transpose of the mask's selection unless it is already current: once per selection. */
 sparge_status sparge_mask_ensure_transpose(const sparge_mask *mask);
 /* The mask's device arrays, or an error if it is not usable with these shapes on dev. */

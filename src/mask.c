@@ -40,11 +40,11 @@ void sparge_mask_destroy(sparge_mask *mask)
         release(mask);
 }
 
-static sparge_status alloc_array(sparge_mask *m, int64_t count, size_t elem, void **out)
+static sparge_status alloc_array(sparge_mask *m, int64_t count, size_t elem, void **out, const char *fn)
 {
     int64_t bytes;
     if (sparge_mul_overflows(count, (int64_t)elem, &bytes) || (uint64_t)bytes > SIZE_MAX)
-        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "sparge_mask_create: mask arrays overflow");
+        return SPARGE_FAIL(SPARGE_ERR_OVERFLOW, "%s: mask arrays overflow", fn);
     return m->dev->be->alloc(m->dev->impl, (size_t)bytes, out);
 }
 
@@ -99,9 +99,9 @@ static sparge_status check_layout(const sparge_mask_layout *l, int64_t *max_q, i
     return SPARGE_OK;
 }
 
-sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout *l, sparge_mask **out)
+sparge_status sparge_mask_create_named(sparge_device *dev, const sparge_mask_layout *l, const char *fn,
+                                       sparge_mask **out)
 {
-    static const char fn[] = "sparge_mask_create";
     if (!dev || !l || !out)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s is NULL", fn, !dev ? "device" : !l ? "layout" : "out");
     int64_t Nq, Nk;
@@ -126,10 +126,12 @@ sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout
                               .bk = l->block_k, .causal = l->causal != 0};
     m->Tq = l->Nq;
     m->Tk = l->Nk;
-    if ((s = alloc_array(m, rows, 4, (void **)&m->v.counts)) || (s = alloc_array(m, cells, 4, (void **)&m->v.indices)) ||
-        (s = alloc_array(m, bh * Nkb, 4, (void **)&m->v.t_counts)) ||
-        (s = alloc_array(m, cells, 4, (void **)&m->v.t_indices)) || (s = alloc_array(m, cells, 1, (void **)&m->v.dense)) ||
-        (s = alloc_array(m, rows, 4, (void **)&m->v.row_mass))) {
+    if ((s = alloc_array(m, rows, 4, (void **)&m->v.counts, fn)) ||
+        (s = alloc_array(m, cells, 4, (void **)&m->v.indices, fn)) ||
+        (s = alloc_array(m, bh * Nkb, 4, (void **)&m->v.t_counts, fn)) ||
+        (s = alloc_array(m, cells, 4, (void **)&m->v.t_indices, fn)) ||
+        (s = alloc_array(m, cells, 1, (void **)&m->v.dense, fn)) ||
+        (s = alloc_array(m, rows, 4, (void **)&m->v.row_mass, fn))) {
         release(m);
         return s;
     }
@@ -141,7 +143,7 @@ sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout
         }
         memcpy(m->host_seq, l->cu_seqlens_q, n * sizeof(int32_t));
         memcpy(m->host_seq + n, l->cu_seqlens_k, n * sizeof(int32_t));
-        if ((s = alloc_array(m, (int64_t)(2 * n), 4, (void **)&m->dev_seq)) ||
+        if ((s = alloc_array(m, (int64_t)(2 * n), 4, (void **)&m->dev_seq, fn)) ||
             (s = dev->be->copy(dev->impl, m->dev_seq, m->host_seq, 2 * n * sizeof(int32_t), SPARGE_COPY_H2D))) {
             release(m);
             return s;
@@ -153,11 +155,16 @@ sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout
     return SPARGE_OK;
 }
 
+sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout *l, sparge_mask **out)
+{
+    return sparge_mask_create_named(dev, l, "sparge_mask_create_ex", out);
+}
+
 sparge_status sparge_mask_create(sparge_device *dev, int64_t B, int64_t H, int64_t Nq, int64_t Nk, int block_q,
                                  int block_k, sparge_mask **out)
 {
     const sparge_mask_layout l = {.B = B, .H = H, .Nq = Nq, .Nk = Nk, .block_q = block_q, .block_k = block_k};
-    return sparge_mask_create_ex(dev, &l, out);
+    return sparge_mask_create_named(dev, &l, "sparge_mask_create", out);
 }
 
 void sparge_mask_seq(const sparge_mask *m, int64_t b, int64_t *tb, int64_t *q0, int64_t *nq, int64_t *k0, int64_t *nk)
@@ -206,11 +213,11 @@ static sparge_status check_mask_device(sparge_device *dev, const sparge_mask *ma
     return SPARGE_OK;
 }
 
-static sparge_status ensure(sparge_mask *m, float **buf, int64_t count)
+static sparge_status ensure(sparge_mask *m, float **buf, int64_t count, const char *fn)
 {
     if (*buf)
         return SPARGE_OK;
-    return alloc_array(m, count, sizeof(float), (void **)buf);
+    return alloc_array(m, count, sizeof(float), (void **)buf, fn);
 }
 
 /* A new selection is under way: what the mask held, its transpose included, no longer applies. */
@@ -266,7 +273,8 @@ sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, c
 }
 
 sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, const sparge_view *kv,
-                                 const sparge_mask_params *params, sparge_mask *mask, const sparge_backend *be)
+                                 const sparge_mask_params *params, sparge_mask *mask, const sparge_backend *be,
+                                 const char *fn)
 {
     sparge_status s;
     const sparge_mask_view *m = &mask->v;
@@ -278,9 +286,9 @@ sparge_status sparge_run_predict(sparge_device *dev, const sparge_view *qv, cons
         mask->pooled_d = 0;
     }
     int64_t bh = m->B * m->H;
-    if ((s = ensure(mask, &mask->pooled_q, bh * m->Nqb * qv->D)) ||
-        (s = ensure(mask, &mask->pooled_k, m->B * Hkv * m->Nkb * qv->D)) ||
-        (s = ensure(mask, &mask->map, bh * m->Nqb * m->Nkb)))
+    if ((s = ensure(mask, &mask->pooled_q, bh * m->Nqb * qv->D, fn)) ||
+        (s = ensure(mask, &mask->pooled_k, m->B * Hkv * m->Nkb * qv->D, fn)) ||
+        (s = ensure(mask, &mask->map, bh * m->Nqb * m->Nkb, fn)))
         return s;
     mask->pooled_d = qv->D;
     mask->pooled_hkv = Hkv;
@@ -315,8 +323,9 @@ sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, co
 {
     sparge_view qv, kv;
     const sparge_backend *be;
-    sparge_status s = sparge_check_predict(dev, q, k, params, mask, "sparge_mask_predict", &qv, &kv, &be);
-    return s ? s : sparge_run_predict(dev, &qv, &kv, params, mask, be);
+    static const char fn[] = "sparge_mask_predict";
+    sparge_status s = sparge_check_predict(dev, q, k, params, mask, fn, &qv, &kv, &be);
+    return s ? s : sparge_run_predict(dev, &qv, &kv, params, mask, be, fn);
 }
 
 sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled_map, const sparge_mask_params *params,
@@ -570,6 +579,9 @@ static int write_file(const char *path, const void *data, size_t n)
 sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, int64_t head_dim, sparge_dtype dtype)
 {
     static const char fn[] = "sparge_mask_export";
+    sparge_status s = need_filled(mask, fn);
+    if (s)
+        return s;
     if (!prefix)
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: prefix is NULL", fn);
     if (head_dim <= 0)
@@ -577,8 +589,7 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
     if (!sparge_dtype_size(dtype))
         return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: unknown dtype %d", fn, (int)dtype);
     sparge_mask_stats st;
-    sparge_status s = sparge_mask_get_stats(mask, &st, NULL, NULL);
-    if (s)
+    if ((s = sparge_mask_get_stats(mask, &st, NULL, NULL)))
         return s;
     const sparge_mask_view *m = &mask->v;
     const size_t cells = (size_t)(m->B * m->H * m->Nqb * m->Nkb), len = strlen(prefix) + 16;

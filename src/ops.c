@@ -262,12 +262,12 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     if ((s = need_dev(dev, fn)) || (s = sparge_check_mask_params(&p, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
         (s = check_forward_disjoint(roles, lse, fn)))
         return s;
-    if (!p.block_q) p.block_q = 128;
-    if (!p.block_k) p.block_k = 64;
     sparge_mask *m = mask, *tmp = NULL;
-    const sparge_mask_layout layout = {.B = qv.B, .H = qv.H, .Nq = qv.N, .Nk = kv.N, .block_q = p.block_q,
-                                       .block_k = p.block_k, .causal = p.causal};
-    if (!m && (s = sparge_mask_create_ex(dev, &layout, &tmp)))
+    /* Blocks of 0 are the defaults for the temporary mask; a given mask's own otherwise (sparge_check_predict). */
+    const sparge_mask_layout layout = {.B = qv.B, .H = qv.H, .Nq = qv.N, .Nk = kv.N,
+                                       .block_q = p.block_q ? p.block_q : 128, .block_k = p.block_k ? p.block_k : 64,
+                                       .causal = p.causal};
+    if (!m && (s = sparge_mask_create_named(dev, &layout, fn, &tmp)))
         return s;
     if (!m)
         m = tmp;
@@ -277,7 +277,7 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     sparge_op_desc d = attention_desc(SPARGE_OP_FORWARD, roles, 4, m, 0, m->v.causal);
     if (!(s = sparge_check_predict(dev, q, k, &p, m, fn, &pq, &pk, &predict_tier)) &&
         !(s = sparge_pick_tier(dev, &d, fn, &forward_tier)) &&
-        !(s = sparge_run_predict(dev, &pq, &pk, &p, m, predict_tier))) {
+        !(s = sparge_run_predict(dev, &pq, &pk, &p, m, predict_tier, fn))) {
         sparge_fwd_args a = {qv, kv, vv, ov, lse, resolve_scale(p.scale, qv.D), m->v.bq, m->v.bk, m->v.causal, &m->v};
         sparge_dev_lock(dev);
         s = forward_tier->forward(dev->impl, &a);

@@ -161,8 +161,8 @@ double sparge_dtype_tolerance(sparge_dtype t);
 /* ---------------------------------------------------------------- masks */
 
 typedef struct {
-    int block_q;  /* query block size bq (0 → 128) */
-    int block_k;  /* key block size bk (0 → 64) */
+    int block_q;  /* query block size bq (0 → 128, or the mask's when a mask is given) */
+    int block_k;  /* key block size bk (0 → 64, or the mask's when a mask is given) */
     double topk;  /* Top-k fraction in [0,1]; 0 disables */
     double topp;  /* Top-p mass in [0,1]; 0 disables; topk = topp = 0 is invalid */
     float scale;  /* softmax scale for the pooled map; 0 → 1/sqrt(D) */
@@ -290,8 +290,8 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
                                         sparge_tensor *dk, sparge_tensor *dv);
 
 /* SpargeAttention2 in one call: predict the hybrid mask, then attend.
- * mask may be NULL (a temporary one is used) or a mask created for these shapes
- * (kept afterwards for the backward). lse may be NULL. */
+ * mask may be NULL (a temporary one is used, blocks of 0 in params meaning 128 x 64) or a mask created for these
+ * shapes (kept afterwards for the backward; blocks of 0 mean the mask's). lse may be NULL. */
 sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                const sparge_tensor *v, const sparge_mask_params *params, sparge_tensor *o,
                                float *lse, sparge_mask *mask);

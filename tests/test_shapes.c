@@ -401,12 +401,75 @@ static void test_bad_layouts(void **state)
 #undef REFUSED
 }
 
+/* sparge_attention with a causal varlen mask of its own blocks and params whose blocks are 0 (the mask's, as for
+ * sparge_mask_predict) predicts and attends as sparge_mask_predict then sparge_attention_forward do; a refusal of
+ * the temporary mask and an export of an empty mask name the call that was made and write nothing. */
+static void test_attention_given_mask(void **state)
+{
+    (void)state;
+    enum { H = 4, HK = 2, D = 16 };
+    sparge_device *dev;
+    assert_int_equal(sparge_device_open("cpu", &dev), SPARGE_OK);
+    const int32_t cq[4] = {0, 1, 70, 100}, ck[4] = {0, 9, 90, 130};
+    const sparge_mask_layout l = {.B = 3, .H = H, .Nq = 100, .Nk = 130, .block_q = 32, .block_k = 16, .causal = 1,
+                                  .cu_seqlens_q = cq, .cu_seqlens_k = ck};
+    tu_rng g = {41};
+    tu_tensor q = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, H, 100, D), k = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, HK, 130, D),
+              v = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, HK, 130, D), o = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, H, 100, D),
+              o2 = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, H, 100, D);
+    tu_fill_normal(&q, &g, 1.0);
+    tu_fill_normal(&k, &g, 1.0);
+    tu_fill_normal(&v, &g, 1.0);
+    float lse[H * 100], lse2[H * 100];
+    sparge_mask *m, *m2;
+    assert_int_equal(sparge_mask_create_ex(dev, &l, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create_ex(dev, &l, &m2), SPARGE_OK);
+    const sparge_mask_params own = {0, 0, 0.2, 0.4, 0.0f, 1}, explicit = {32, 16, 0.2, 0.4, 0.0f, 1};
+    if (sparge_attention(dev, &q.t, &k.t, &v.t, &own, &o.t, lse, m) != SPARGE_OK)
+        fail_msg("sparge_attention with the mask's blocks: %s", sparge_last_error());
+    assert_int_equal(sparge_mask_predict(dev, &q.t, &k.t, &explicit, m2), SPARGE_OK);
+    assert_int_equal(sparge_attention_forward(dev, &q.t, &k.t, &v.t, m2, NULL, &o2.t, lse2), SPARGE_OK);
+    uint8_t d1[3 * H * 3 * 6], d2[sizeof d1];
+    assert_int_equal(sparge_mask_get_dense(m, d1), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_dense(m2, d2), SPARGE_OK);
+    assert_memory_equal(d1, d2, sizeof d1);
+    double *od = tu_get(&o), *o2d = tu_get(&o2);
+    assert_memory_equal(od, o2d, sizeof(double) * (size_t)tu_numel(&o));
+    free(od);
+    free(o2d);
+    assert_memory_equal(lse, lse2, sizeof lse);
+    /* The temporary mask of a causal call with Nq > Nk: refused as sparge_attention's, o and lse untouched. */
+    tu_tensor kshort = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, HK, 60, D), vshort = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, HK, 60, D);
+    tu_fill_normal(&kshort, &g, 1.0);
+    tu_fill_normal(&vshort, &g, 1.0);
+    tu_poison(&o);
+    memset(lse, 0xff, sizeof lse);
+    const sparge_mask_params causal = {0, 0, 0.2, 0.4, 0.0f, 1};
+    assert_int_equal(sparge_attention(dev, &q.t, &kshort.t, &vshort.t, &causal, &o.t, lse, NULL), SPARGE_ERR_SHAPE);
+    if (!strstr(sparge_last_error(), "sparge_attention: "))
+        fail_msg("the refusal does not name sparge_attention: %s", sparge_last_error());
+    assert_true(tu_still_poisoned(&o));
+    for (size_t i = 0; i < sizeof lse; i++)
+        assert_int_equal(((unsigned char *)lse)[i], 0xff);
+    /* An export of a mask that holds no selection. */
+    sparge_mask *empty;
+    assert_int_equal(sparge_mask_create_ex(dev, &l, &empty), SPARGE_OK);
+    assert_int_equal(sparge_mask_export(empty, "/nonexistent-dir/mask", D, SPARGE_F32), SPARGE_ERR_MASK);
+    if (!strstr(sparge_last_error(), "sparge_mask_export: "))
+        fail_msg("the refusal does not name sparge_mask_export: %s", sparge_last_error());
+    sparge_mask_destroy(empty);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(m2);
+    tu_free(&q), tu_free(&k), tu_free(&v), tu_free(&o), tu_free(&o2), tu_free(&kshort), tu_free(&vshort);
+    sparge_device_close(dev);
+}
+
 int main(void)
 {
     if (sparge_device_open("cpu-ref", &ref) != SPARGE_OK)
         return 1;
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_reference_definitions), cmocka_unit_test(test_bad_layouts),
-                                       cmocka_unit_test(test_devices)};
+                                       cmocka_unit_test(test_attention_given_mask), cmocka_unit_test(test_devices)};
     int rc = cmocka_run_group_tests_name("shapes", tests, NULL, NULL);
     sparge_device_close(ref);
     return rc;
