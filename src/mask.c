@@ -593,11 +593,14 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
         return s;
     const sparge_mask_view *m = &mask->v;
     const size_t cells = (size_t)(m->B * m->H * m->Nqb * m->Nkb), len = strlen(prefix) + 16;
+    /* A varlen mask's rows are its sequences' blocks: the offsets say which rows and columns are real. */
+    const size_t json_len = 1024 + (mask->host_seq ? 2 * (size_t)(m->B + 1) * 12 : 0);
     uint8_t *dense = malloc(cells);
-    char *paths = malloc(4 * len), json[512];
-    if (!dense || !paths) {
+    char *paths = malloc(4 * len), *json = malloc(json_len);
+    if (!dense || !paths || !json) {
         free(dense);
         free(paths);
+        free(json);
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
     }
     char *u8 = paths, *js = paths + len, *u8_tmp = paths + 2 * len, *js_tmp = paths + 3 * len;
@@ -605,20 +608,28 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
     snprintf(js, len, "%s.json", prefix);
     snprintf(u8_tmp, len, "%s.u8.part", prefix);
     snprintf(js_tmp, len, "%s.json.part", prefix);
-    const int n = snprintf(json, sizeof json,
-                           "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, "
-                           "\"block_k\": %d, \"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
-                           "\"causal\": %s, \"varlen\": %s, \"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n",
-                           (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk, (long long)head_dim,
-                           m->bq, m->bk, (long long)m->Nqb, (long long)m->Nkb, st.sparsity, sparge_dtype_name(dtype),
-                           m->causal ? "true" : "false", mask->host_seq ? "true" : "false");
+    size_t n = (size_t)snprintf(json, json_len,
+                                "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, "
+                                "\"block_k\": %d, \"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
+                                "\"causal\": %s, \"varlen\": %s, ",
+                                (long long)m->B, (long long)m->H, (long long)m->Nq, (long long)m->Nk,
+                                (long long)head_dim, m->bq, m->bk, (long long)m->Nqb, (long long)m->Nkb, st.sparsity,
+                                sparge_dtype_name(dtype), m->causal ? "true" : "false",
+                                mask->host_seq ? "true" : "false");
+    for (int t = 0; mask->host_seq && t < 2; t++) {
+        n += (size_t)snprintf(json + n, json_len - n, "\"cu_seqlens_%c\": [", t ? 'k' : 'q');
+        for (int64_t b = 0; b <= m->B; b++)
+            n += (size_t)snprintf(json + n, json_len - n, "%d%s", mask->host_seq[t * (m->B + 1) + b],
+                                  b < m->B ? ", " : "], ");
+    }
+    n += (size_t)snprintf(json + n, json_len - n, "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n");
     const char *failed = NULL;
     int have_u8 = 0, have_js = 0; /* temporary files this call created */
     if ((s = to_host(mask, dense, m->dense, (int64_t)cells)))
         failed = "";
     else if (!(have_u8 = write_file(u8_tmp, dense, cells)))
         failed = u8_tmp;
-    else if (!(have_js = write_file(js_tmp, json, (size_t)n)))
+    else if (!(have_js = write_file(js_tmp, json, n)))
         failed = js_tmp;
     else if (rename(u8_tmp, u8))
         failed = u8;
@@ -636,5 +647,6 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
         remove(js_tmp);
     free(dense);
     free(paths);
+    free(json);
     return s;
 }

@@ -238,8 +238,8 @@ sparge_status sparge_mask_get_dense(const sparge_mask *mask, uint8_t *dense_host
 sparge_status sparge_mask_get_pooled_map(const sparge_mask *mask, float *map_host);
 
 /* Write the dense view as PREFIX.u8 (uint8 [B,H,Nqb,Nkb]) and its description
- * (shape, blocks, sparsity, and the attention's head_dim and dtype) as PREFIX.json,
- * the files peer benchmark scripts read. Synchronizes. */
+ * (shape, blocks, sparsity, the attention's head_dim and dtype, causal and varlen, and a varlen mask's
+ * cu_seqlens_q and cu_seqlens_k) as PREFIX.json, the files peer benchmark scripts read. Synchronizes. */
 sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, int64_t head_dim, sparge_dtype dtype);
 
 typedef struct {

@@ -4,10 +4,12 @@
  * definitions it does not share code with: grouped heads equal repeated K/V heads, a varlen batch equals its
  * sequences run one at a time, causal attention equals a naive token-masked softmax. Bad layouts are refused
  * and write nothing. */
+#define _POSIX_C_SOURCE 200809L /* mkstemp */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "testutil.h"
@@ -464,12 +466,76 @@ static void test_attention_given_mask(void **state)
     sparge_device_close(dev);
 }
 
+/* A varlen mask's export states its sequences' offsets, from which a mask of the same layout is created and takes
+ * the exported bytes back; a mask of other offsets refuses them and keeps its own selection. */
+static void test_export_varlen(void **state)
+{
+    (void)state;
+    enum { H = 2, D = 8 };
+    const int32_t cq[4] = {0, 30, 31, 70}, ck[4] = {0, 50, 51, 90}, other[4] = {0, 40, 41, 70};
+    const sparge_mask_layout l = {.B = 3, .H = H, .Nq = 70, .Nk = 90, .block_q = 16, .block_k = 8, .causal = 1,
+                                  .cu_seqlens_q = cq, .cu_seqlens_k = ck};
+    tu_rng g = {43};
+    tu_tensor q = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, H, 70, D), k = tu_alloc(ref, SPARGE_F32, TU_BHND, 1, 1, 90, D);
+    tu_fill_normal(&q, &g, 1.0);
+    tu_fill_normal(&k, &g, 1.0);
+    sparge_mask *m;
+    assert_int_equal(sparge_mask_create_ex(ref, &l, &m), SPARGE_OK);
+    const sparge_mask_params mp = {0, 0, 0.3, 0.3, 0.0f, 1};
+    assert_int_equal(sparge_mask_predict(ref, &q.t, &k.t, &mp, m), SPARGE_OK);
+    char prefix[] = "/tmp/sparge-test-varlen-XXXXXX", path[64], text[1024] = {0};
+    int fd = mkstemp(prefix);
+    assert_true(fd >= 0);
+    close(fd);
+    remove(prefix);
+    assert_int_equal(sparge_mask_export(m, prefix, D, SPARGE_F32), SPARGE_OK);
+    snprintf(path, sizeof path, "%s.json", prefix);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    assert_true(fread(text, 1, sizeof text - 1, f) > 0);
+    fclose(f);
+    remove(path);
+    static const char *const want[] = {"\"B\": 3,", "\"Nqb\": 3,", "\"Nkb\": 7,", "\"causal\": true,",
+                                       "\"varlen\": true,", "\"cu_seqlens_q\": [0, 30, 31, 70],",
+                                       "\"cu_seqlens_k\": [0, 50, 51, 90],"};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        if (!strstr(text, want[i]))
+            fail_msg("export JSON lacks %s: %s", want[i], text);
+    uint8_t bytes[3 * H * 3 * 7], held[sizeof bytes], back[sizeof bytes];
+    snprintf(path, sizeof path, "%s.u8", prefix);
+    f = fopen(path, "rb");
+    assert_non_null(f);
+    assert_int_equal(fread(bytes, 1, sizeof bytes + 1, f), sizeof bytes);
+    fclose(f);
+    remove(path);
+    assert_int_equal(sparge_mask_get_dense(m, held), SPARGE_OK);
+    assert_memory_equal(bytes, held, sizeof bytes);
+    sparge_mask *same, *shifted;
+    assert_int_equal(sparge_mask_create_ex(ref, &l, &same), SPARGE_OK);
+    assert_int_equal(sparge_mask_set_dense(same, bytes), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_dense(same, back), SPARGE_OK);
+    assert_memory_equal(back, bytes, sizeof bytes);
+    sparge_mask_layout lo = l;
+    lo.cu_seqlens_q = other;
+    assert_int_equal(sparge_mask_create_ex(ref, &lo, &shifted), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(ref, &q.t, &k.t, &mp, shifted), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_dense(shifted, held), SPARGE_OK);
+    assert_int_equal(sparge_mask_set_dense(shifted, bytes), SPARGE_ERR_INVALID);
+    assert_int_equal(sparge_mask_get_dense(shifted, back), SPARGE_OK);
+    assert_memory_equal(back, held, sizeof back);
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(same);
+    sparge_mask_destroy(shifted);
+    tu_free(&q), tu_free(&k);
+}
+
 int main(void)
 {
     if (sparge_device_open("cpu-ref", &ref) != SPARGE_OK)
         return 1;
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_reference_definitions), cmocka_unit_test(test_bad_layouts),
-                                       cmocka_unit_test(test_attention_given_mask), cmocka_unit_test(test_devices)};
+                                       cmocka_unit_test(test_attention_given_mask), cmocka_unit_test(test_export_varlen),
+                                       cmocka_unit_test(test_devices)};
     int rc = cmocka_run_group_tests_name("shapes", tests, NULL, NULL);
     sparge_device_close(ref);
     return rc;
