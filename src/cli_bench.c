@@ -263,22 +263,39 @@ int cli_bench(int argc, char **argv)
             return 2;
         }
         cu[0] = 0;
-        for (const char *p = varlen; *p; n_seq++) {
+        int64_t total = 0;
+        /* Every comma separates two lengths: an empty one ("100,,200", "100,") is refused like any non-number. */
+        for (const char *p = varlen;; p++) {
             const size_t len = strcspn(p, ",");
-            char one[32];
-            snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), p);
             if (n_seq == 64) {
                 fprintf(stderr, "sparge bench: --varlen takes at most 64 lengths\n");
                 return 2;
             }
-            cu[n_seq + 1] = cu[n_seq] + (int32_t)cli_int(one, "--varlen", 1, IMAX - cu[n_seq]);
-            p += len + (p[len] == ',');
+            char *one = malloc(len + 1);
+            if (!one) {
+                fprintf(stderr, "sparge bench: out of memory\n");
+                return 1;
+            }
+            memcpy(one, p, len);
+            one[len] = 0;
+            total += cli_int(one, "--varlen", 1, Nq);
+            free(one);
+            if (total > Nq)
+                break;
+            cu[++n_seq] = (int32_t)total;
+            p += len;
+            if (!*p)
+                break;
         }
-        if (!n_seq || cu[n_seq] != Nq) {
+        if (total != Nq) {
             fprintf(stderr, "sparge bench: --varlen lengths must sum to --N = %lld\n", (long long)Nq);
             return 2;
         }
     }
+    /* The lengths as parsed ("100,200"), for the header and the output file's rows. */
+    char lengths[64 * 12] = "";
+    for (int sq = 0; sq < n_seq; sq++)
+        snprintf(lengths + strlen(lengths), sizeof lengths - strlen(lengths), "%s%d", sq ? "," : "", cu[sq + 1] - cu[sq]);
     if (causal && Nq > Nk) {
         fprintf(stderr, "sparge bench: --causal needs --N <= --Nk\n");
         return 2;
@@ -376,7 +393,7 @@ int cli_bench(int argc, char **argv)
     if (causal)
         printf(", causal");
     if (varlen)
-        printf(", %d packed sequences (%s)", n_seq, varlen);
+        printf(", %d packed sequences (%s)", n_seq, lengths);
     printf("\n\n");
     printf("%-12s %8s %8s %9s %9s %11s %9s %9s %9s %9s %9s\n", "level", "sparsity", "mask ms", "fwd ms", "fwd+mask",
            "fwd TFLOP/s", "eff TF/s", "bwd ms", "bwd TF/s", "step ms", "speedup");

@@ -80,6 +80,17 @@ bad --D bench $small --D 0
 bad 300 bench $small --D 300
 bad --block-q bench $small --block-q 4294967424
 bad --block-k bench $small --block-k 0
+# ---- sparge bench: grouped heads, causal, packed sequences (--N 64)
+bad --kv-heads bench $small --kv-heads 0
+bad --kv-heads bench $small --H 2 --kv-heads 3
+bad --causal bench $small --Nk 32 --causal
+bad --varlen bench $small --varlen 32,30
+bad --varlen bench $small --varlen 32,x
+bad --varlen bench $small --varlen 32,32,
+bad --varlen bench $small --varlen ''
+bad --varlen bench $small --varlen 0000000000000000000000000000064xyz
+bad --varlen bench $small --B 2 --varlen 32,32
+bad --varlen bench $small --Nk 80 --varlen 32,32
 # ---- sparge bench: mask parameters and levels
 bad --topk bench $small --topk 2
 bad --topp bench $small --topp nan
@@ -122,6 +133,7 @@ good check --help
 good bench $small --sparsity dense,0.5
 good bench --backend cpu-ref --B 1 --H 2 --N 40 --Nk 72 --D 8 --dtype bf16 --layout bnhd --ops mask,fwd \
     --sparsity hybrid,0.5 --reps 1 --warmup 0 --option strict=on
+good bench $small --H 2 --kv-heads 1 --causal --varlen 1,20,43 --sparsity dense,0.5 --deterministic --output "$tmp/run.json"
 good bench --backend=cpu --N=50 --D=8 --block-q=16 --block-k=8 --timing=each --reps=1 --warmup=0 --fallback \
     --option simd=generic --deterministic --sparsity 0.25 --output "$tmp/run.csv"
 
