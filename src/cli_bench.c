@@ -47,7 +47,8 @@ static const char help[] =
     "  --option NAME=VALUE set a device option (repeatable; sparge info lists them)\n"
     "  --fallback          let a call the device's first tier cannot run fall back to its next tier\n"
     "                      (default: strict=on, so every figure comes from the tier the table names)\n"
-    "  --output FILE       also write the rows as CSV (.csv) or JSON (.json)\n"
+    "  --output FILE       also write the rows as CSV (.csv) or JSON (.json), each with the run's shape\n"
+    "                      (K/V heads, causal, the --varlen lengths)\n"
     "  --export-mask PFX   write the last level's mask as PFX.json + PFX.u8 (dense uint8 [B,H,Nqb,Nkb])\n"
     "\n"
     "example: sparge bench --backend cuda --H 12 --N 32760 --D 128 --dtype bf16 --sparsity dense,0.9,0.95,hybrid\n";
@@ -481,25 +482,29 @@ int cli_bench(int argc, char **argv)
         if (json)
             fprintf(f, "[\n");
         else
-            fprintf(f, "device,B,H,Nq,Nk,D,dtype,layout,block_q,block_k,level,sparsity,token_density,mask_ms,fwd_ms,"
-                       "fwd_mask_ms,bwd_ms,fwd_tflops,bwd_tflops,step_ms\n");
+            fprintf(f, "device,B,H,Nq,Nk,D,dtype,layout,block_q,block_k,kv_heads,causal,varlen,level,sparsity,token_density,"
+                       "mask_ms,fwd_ms,fwd_mask_ms,bwd_ms,fwd_tflops,bwd_tflops,step_ms\n");
         for (int i = 0; i < nrows; i++) {
             bench_row *r = &rows[i];
             if (json)
                 fprintf(f,
                         "  {\"device\": \"%s\", \"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, "
-                        "\"dtype\": \"%s\", \"layout\": \"%s\", \"block_q\": %d, \"block_k\": %d, \"level\": \"%s\", "
+                        "\"dtype\": \"%s\", \"layout\": \"%s\", \"block_q\": %d, \"block_k\": %d, \"kv_heads\": %lld, "
+                        "\"causal\": %s, \"varlen\": [%s], \"level\": \"%s\", "
                         "\"sparsity\": %.6f, \"token_density\": %.6f, \"mask_ms\": %.6g, \"fwd_ms\": %.6g, "
                         "\"fwd_mask_ms\": %.6g, \"bwd_ms\": %.6g, \"step_ms\": %.6g}%s\n",
                         sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
-                        (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
+                        (long long)D, sparge_dtype_name(dt), layout, bq, bk, (long long)Hkv, causal ? "true" : "false",
+                        lengths, r->level, r->sparsity, r->density,
                         isnan(r->mask_ms) ? -1.0 : r->mask_ms, isnan(r->fwd_ms) ? -1.0 : r->fwd_ms,
                         isnan(r->fwd_mask_ms) ? -1.0 : r->fwd_mask_ms, isnan(r->bwd_ms) ? -1.0 : r->bwd_ms,
                         isnan(r->step_ms) ? -1.0 : r->step_ms, i + 1 < nrows ? "," : "");
             else
-                fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.6g,%.2f,%.2f,%.6g\n",
+                fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%lld,%d,\"%s\",%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.6g,%.2f,"
+                           "%.2f,%.6g\n",
                         sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
-                        (long long)D, sparge_dtype_name(dt), layout, bq, bk, r->level, r->sparsity, r->density,
+                        (long long)D, sparge_dtype_name(dt), layout, bq, bk, (long long)Hkv, causal, lengths, r->level,
+                        r->sparsity, r->density,
                         r->mask_ms, r->fwd_ms, r->fwd_mask_ms, r->bwd_ms, flops / (r->fwd_ms * 1e9), 2.5 * flops / (r->bwd_ms * 1e9),
                         r->step_ms);
         }

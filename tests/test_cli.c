@@ -67,6 +67,33 @@ static void test_bench_csv(void **state)
     }
 }
 
+/* The rows of --output state the run's grouped heads, causal flag and packed sequences: the attendable pairs and
+ * so the TFLOP/s depend on them. */
+static void test_bench_output_layout(void **state)
+{
+    (void)state;
+    static const char *const ext[2] = {"csv", "json"};
+    static const char *const want[2][2] = {{",kv_heads,causal,varlen,level,", ",1,1,\"100,200\",0.5,"},
+                                           {"\"kv_heads\": 1, \"causal\": true, \"varlen\": [100,200], \"level\": \"0.5\""}};
+    for (int e = 0; e < 2; e++) {
+        char out[64], command[512], text[4096] = {0};
+        snprintf(out, sizeof out, "/tmp/sparge-test-cli-%d.%s", (int)getpid(), ext[e]);
+        snprintf(command, sizeof command,
+                 SPARGE_CLI " bench --backend cpu-ref --H 2 --kv-heads 1 --N 300 --D 16 --causal --varlen 100,200 "
+                            "--reps 1 --warmup 0 --sparsity 0.5 --output %s >/dev/null",
+                 out);
+        assert_int_equal(run(command), 0);
+        FILE *f = fopen(out, "r");
+        assert_non_null(f);
+        assert_true(fread(text, 1, sizeof text - 1, f) > 0);
+        fclose(f);
+        unlink(out);
+        for (int i = 0; i < 2 && want[e][i]; i++)
+            if (!strstr(text, want[e][i]))
+                fail_msg("--output %s lacks %s:\n%s", ext[e], want[e][i], text);
+    }
+}
+
 /* --settle idles before each timed operation (here the dense and the 50 % forward: two) and says so. */
 static void test_bench_settle(void **state)
 {
@@ -121,6 +148,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bench_csv),
+        cmocka_unit_test(test_bench_output_layout),
         cmocka_unit_test(test_bench_settle),
         cmocka_unit_test(test_bench_rejects_bad_options),
         cmocka_unit_test(test_check_usage),
