@@ -167,6 +167,14 @@ static const row rows[] = {
     LROW("varlen-causal-gqa", ALL, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
          "200,129,40,300/260,129,64,300", 0),
     LROW("varlen-causal-d96", ALL, 0, 2, 1, 0, 0, 96, 128, 64, ALL_DT, BHND, 0.1, 0.5, 1, "100,257,40,190", 0),
+    /* Edges of these layouts: sequences of one token (alone in their blocks, causal with one key or a few), blocks
+     * longer than every sequence (one block per row, causal rows that are all diagonal) with one K/V head, and the
+     * selection arms on causal rows (Top-p = 1 keeps every allowed block, Top-k alone). */
+    LROW("varlen-one-token", ALL, 0, 4, 1, 0, 0, 32, 64, 32, ALL_DT, BOTH, 0.2, 0.5, 1, "1,100,1,64/1,130,5,64", 0),
+    LROW("varlen-big-blocks", ALL, 0, 2, 2, 0, 0, 64, 256, 128, F32 | BF16, BHND, 0.3, 0.3, 0, "3,200,1/50,7,2", 0),
+    LPAIR("causal-mqa-big-blocks", ALL, 2, 3, 1, 90, 200, 64, 256, 512, F32 | BF16, BNHD, 1, 0, 0),
+    LROW("causal-topp1", ALL, 1, 4, 2, 150, 260, 64, 64, 32, F32 | BF16, BHND, 0.0, 1.0, 1, NULL, 0),
+    LROW("causal-topk", ALL, 2, 2, 1, 190, 190, 64, 32, 64, F32 | F16, BNHD, 0.3, 0.0, 1, NULL, 0),
     /* strict=on: a chained device whose first tier does not take these must refuse them cleanly */
     {"strict-causal-gqa", ALL, 1, 4, 300, 300, 64, 128, 64, BF16, BHND, 0.1, 0.5, 0.0, "strict=on", 0, 2, 1, NULL},
     /* experimental=on: their tensor-core backwards (staged copies for grouped heads and padded head dims, the
