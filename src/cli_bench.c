@@ -49,7 +49,8 @@ static const char help[] =
     "                      (default: strict=on, so every figure comes from the tier the table names)\n"
     "  --output FILE       also write the rows as CSV (.csv) or JSON (.json), each with the run's shape\n"
     "                      (K/V heads, causal, the --varlen lengths)\n"
-    "  --export-mask PFX   write the last level's mask as PFX.json + PFX.u8 (dense uint8 [B,H,Nqb,Nkb])\n"
+    "  --export-mask PFX   write the last masked level's mask as PFX.json + PFX.u8 (dense uint8 [B,H,Nqb,Nkb];\n"
+    "                      with --varlen the dense level's too: every block of every sequence)\n"
     "\n"
     "example: sparge bench --backend cuda --H 12 --N 32760 --D 128 --dtype bf16 --sparsity dense,0.9,0.95,hybrid\n";
 
@@ -318,6 +319,11 @@ int cli_bench(int argc, char **argv)
         fprintf(stderr, "sparge bench: --sparsity takes a comma list of dense, hybrid or a sparsity in [0, 1)\n");
         return 2;
     }
+    if (export_pfx && !varlen && words_in(levels, "dense")) {
+        fprintf(stderr, "sparge bench: --export-mask has no mask to write: every level of --sparsity is dense, which "
+                        "runs without one\n");
+        return 2;
+    }
     const sparge_dtype dt_arg = dtype_s ? cli_dtype(dtype_s, "--dtype") : SPARGE_F32;
     /* The largest tensor, B·H·max(Nq, Nk)·D elements of 4 bytes, must be addressable. */
     const double elems = (double)B * (double)H * (double)(Nq > Nk ? Nq : Nk) * (double)D;
@@ -468,7 +474,7 @@ int cli_bench(int argc, char **argv)
                r->bwd_ms, 2.5 * flops / (r->bwd_ms * 1e9), r->step_ms, dense_fwd / r->fwd_mask_ms);
         fflush(stdout);
         nrows++;
-        if (export_pfx && !dense && (s = sparge_mask_export(mask, export_pfx, D, dt)))
+        if (export_pfx && c.mask && (s = sparge_mask_export(mask, export_pfx, D, dt)))
             return cli_fail("exporting the mask", s);
     }
     free(list);

@@ -115,6 +115,7 @@ bad nosuch bench $small --option nosuch=1
 bad sse9 bench $small --option simd=sse9
 bad --bogus bench $small --bogus
 bad /nonexistent-dir bench $small --sparsity 0.5 --output /nonexistent-dir/out.csv
+bad --export-mask bench $small --sparsity dense --export-mask "$tmp/mask"
 # ---- sparge check and info
 bad foo check --backend foo
 bad --bogus check --bogus
@@ -133,7 +134,8 @@ good check --help
 good bench $small --sparsity dense,0.5
 good bench --backend cpu-ref --B 1 --H 2 --N 40 --Nk 72 --D 8 --dtype bf16 --layout bnhd --ops mask,fwd \
     --sparsity hybrid,0.5 --reps 1 --warmup 0 --option strict=on
-good bench $small --H 2 --kv-heads 1 --causal --varlen 1,20,43 --sparsity dense,0.5 --deterministic --output "$tmp/run.json"
+good bench $small --H 2 --kv-heads 1 --causal --varlen 1,20,43 --sparsity dense,0.5 --deterministic \
+    --output "$tmp/run.json" --export-mask "$tmp/mask"
 good bench --backend=cpu --N=50 --D=8 --block-q=16 --block-k=8 --timing=each --reps=1 --warmup=0 --fallback \
     --option simd=generic --deterministic --sparsity 0.25 --output "$tmp/run.csv"
 
