@@ -375,6 +375,13 @@ int cli_bench(int argc, char **argv)
     sparge_op_desc desc = {.dtype = dt, .head_dim = D, .block_q = masked ? bq : 0, .block_k = masked ? bk : 0, .B = B,
                            .H = H, .Nq = Nq, .Nk = Nk, .rows_aligned = 1, .kv_heads = Hkv, .causal = causal,
                            .varlen = varlen != NULL};
+    if (varlen) { /* as the calls describe themselves (sparge_op_desc): the sequences and the longest one */
+        desc.B = n_seq;
+        desc.Nq = 0;
+        for (int sq = 0; sq < n_seq; sq++)
+            desc.Nq = cu[sq + 1] - cu[sq] > desc.Nq ? cu[sq + 1] - cu[sq] : desc.Nq;
+        desc.Nk = desc.Nq;
+    }
     if (check_tiers(c.dev, desc, want_mask && masked, want_fwd || want_bwd, want_bwd, det))
         return 1;
     if ((s = cli_fill_random(c.dev, &c.q, (uint64_t)seed)) || (s = cli_fill_random(c.dev, &c.k, (uint64_t)seed + 1)) ||
