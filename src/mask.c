@@ -213,6 +213,15 @@ static sparge_status check_mask_device(sparge_device *dev, const sparge_mask *ma
     return SPARGE_OK;
 }
 
+/* A mask's params may repeat its causal flag, not ask for one it was created without. */
+static sparge_status check_causal_params(const sparge_mask_params *params, const sparge_mask *mask, const char *fn)
+{
+    if (params->causal && !mask->v.causal)
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for causal attention but the mask was created without it "
+                           "(sparge_mask_create_ex with causal = 1)", fn);
+    return SPARGE_OK;
+}
+
 static sparge_status ensure(sparge_mask *m, float **buf, int64_t count, const char *fn)
 {
     if (*buf)
@@ -257,9 +266,8 @@ sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, c
                            params->block_q, params->block_k, m->bq, m->bk);
     if ((s = sparge_check_tensors_for_mask(mask, qv, kv, fn)))
         return s;
-    if (params->causal && !m->causal)
-        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for causal attention but the mask was created without it "
-                           "(sparge_mask_create_ex with causal = 1)", fn);
+    if ((s = check_causal_params(params, mask, fn)))
+        return s;
     if (kv->D != qv->D)
         return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: q has D=%lld but k has D=%lld", fn, (long long)qv->D, (long long)kv->D);
     if (kv->dtype != qv->dtype)
@@ -335,7 +343,7 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
     sparge_status s;
     sparge_view mv;
     if ((s = check_mask_device(dev, mask, fn)) || (s = sparge_check_mask_params(params, fn)) ||
-        (s = sparge_check_tensor(pooled_map, fn, "pooled_map", 0, &mv)))
+        (s = check_causal_params(params, mask, fn)) || (s = sparge_check_tensor(pooled_map, fn, "pooled_map", 0, &mv)))
         return s;
     if (mv.dtype != SPARGE_F32)
         return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: pooled_map must be f32", fn);

@@ -398,6 +398,13 @@ static void test_bad_layouts(void **state)
     assert_int_equal(sparge_mask_create(ref, 1, 6, 32, 32, 16, 16, &plain), SPARGE_OK);
     sparge_tensor k6 = sparge_tensor_bhnd(kb, SPARGE_F32, 1, 2, 32, 8);
     REFUSED(SPARGE_ERR_MASK, sparge_mask_predict(ref, &q, &k6, &mp, plain), "causal");
+    float mb[6 * 2 * 2];
+    for (size_t i = 0; i < sizeof mb / sizeof mb[0]; i++)
+        mb[i] = 0.25f * (float)(i % 4);
+    sparge_tensor map = sparge_tensor_bhnd(mb, SPARGE_F32, 1, 6, 2, 2);
+    REFUSED(SPARGE_ERR_MASK, sparge_mask_select(ref, &map, &mp, plain), "causal");
+    uint8_t held[6 * 2 * 2];
+    REFUSED(SPARGE_ERR_MASK, sparge_mask_get_dense(plain, held), "no selection");
     sparge_mask_destroy(plain);
     sparge_mask_destroy(m);
 #undef REFUSED
