@@ -410,6 +410,103 @@ static void test_bad_layouts(void **state)
 #undef REFUSED
 }
 
+/* Refusals on a causal varlen mask with grouped K/V heads, on the cpu tier: each call fails with its status and a
+ * message, O, LSE, dQ, dK and dV keep their poison and the mask its selection. */
+static void test_layout_refusals_write_nothing(void **state)
+{
+    (void)state;
+    enum { H = 4, HK = 2, T = 90, D = 8 };
+    static float q[H * T * D], k[HK * T * D], v[HK * T * D], o[H * T * D], d_o[H * T * D], lse[H * T], dq[H * T * D],
+        dk[HK * T * D], dv[HK * T * D], lse_fwd[H * T];
+    static uint16_t v16[HK * T * D];
+    tu_rng g = {47};
+    for (int i = 0; i < H * T * D; i++)
+        q[i] = (float)tu_normal(&g), d_o[i] = (float)tu_normal(&g);
+    for (int i = 0; i < HK * T * D; i++)
+        k[i] = (float)tu_normal(&g), v[i] = (float)tu_normal(&g);
+    sparge_device *dev;
+    assert_int_equal(sparge_device_open("cpu", &dev), SPARGE_OK);
+    const int32_t cu[4] = {0, 1, 40, 90};
+    const sparge_mask_layout l = {.B = 3, .H = H, .Nq = T, .Nk = T, .block_q = 16, .block_k = 8, .causal = 1,
+                                  .cu_seqlens_q = cu, .cu_seqlens_k = cu};
+    sparge_mask *m, *empty, *plain;
+    assert_int_equal(sparge_mask_create_ex(dev, &l, &m), SPARGE_OK);
+    assert_int_equal(sparge_mask_create_ex(dev, &l, &empty), SPARGE_OK);
+    assert_int_equal(sparge_mask_create(dev, 1, H, T, T, 16, 8, &plain), SPARGE_OK);
+    sparge_tensor Q = sparge_tensor_bhnd(q, SPARGE_F32, 1, H, T, D), K = sparge_tensor_bhnd(k, SPARGE_F32, 1, HK, T, D),
+                  V = sparge_tensor_bhnd(v, SPARGE_F32, 1, HK, T, D), O = sparge_tensor_bhnd(o, SPARGE_F32, 1, H, T, D),
+                  DO = sparge_tensor_bhnd(d_o, SPARGE_F32, 1, H, T, D),
+                  DQ = sparge_tensor_bhnd(dq, SPARGE_F32, 1, H, T, D),
+                  DK = sparge_tensor_bhnd(dk, SPARGE_F32, 1, HK, T, D),
+                  DV = sparge_tensor_bhnd(dv, SPARGE_F32, 1, HK, T, D);
+    const sparge_mask_params mp = {0, 0, 0.2, 0.3, 0.0f, 1}, plain_mp = {0, 0, 0.2, 0.3, 0.0f, 0};
+    assert_int_equal(sparge_mask_predict(dev, &Q, &K, &mp, m), SPARGE_OK);
+    assert_int_equal(sparge_mask_predict(dev, &Q, &K, &plain_mp, plain), SPARGE_OK);
+    static float o_fwd[H * T * D];
+    sparge_tensor OF = sparge_tensor_bhnd(o_fwd, SPARGE_F32, 1, H, T, D);
+    assert_int_equal(sparge_attention_forward(dev, &Q, &K, &V, m, NULL, &OF, lse_fwd), SPARGE_OK);
+    uint8_t before[3 * H * 3 * 7], after[sizeof before];
+    assert_int_equal(sparge_mask_get_dense(m, before), SPARGE_OK);
+#define EXPECT_FAIL(want, call)                                                                                        \
+    do {                                                                                                               \
+        float *outs_[5] = {o, lse, dq, dk, dv};                                                                        \
+        const size_t sizes_[5] = {sizeof o, sizeof lse, sizeof dq, sizeof dk, sizeof dv};                              \
+        for (int i_ = 0; i_ < 5; i_++)                                                                                 \
+            memset(outs_[i_], 0xff, sizes_[i_]);                                                                       \
+        assert_int_equal(sparge_mask_get_shape(NULL, NULL), SPARGE_ERR_NULL); /* a message the call must replace */ \
+        const sparge_status s_ = (call);                                                                               \
+        if (s_ != (want) || strstr(sparge_last_error(), "get_shape") || !strstr(sparge_last_error(), ": "))          \
+            fail_msg("%s: %s, \"%s\" (expected %s)", #call, sparge_status_name(s_), sparge_last_error(),               \
+                     sparge_status_name(want));                                                                        \
+        for (int i_ = 0; i_ < 5; i_++)                                                                                 \
+            for (size_t j_ = 0; j_ < sizes_[i_]; j_++)                                                                 \
+                if (((unsigned char *)outs_[i_])[j_] != 0xff)                                                          \
+                    fail_msg("%s wrote output %d byte %zu", #call, i_, j_);                                            \
+        assert_int_equal(sparge_mask_get_dense(m, after), SPARGE_OK);                                                  \
+        assert_memory_equal(after, before, sizeof before);                                                             \
+    } while (0)
+    const sparge_attn_params det = {0.0f, 1, 1};
+    sparge_tensor Kshort = sparge_tensor_bhnd(k, SPARGE_F32, 1, HK, T - 1, D),
+                  DKs = sparge_tensor_bhnd(dk, SPARGE_F32, 1, HK, T - 1, D),
+                  DVs = sparge_tensor_bhnd(dv, SPARGE_F32, 1, HK, T - 1, D),
+                  K3 = sparge_tensor_bhnd(k, SPARGE_F32, 1, 3, T, D), V16 = sparge_tensor_bhnd(v16, SPARGE_F16, 1, HK, T, D),
+                  DKq = sparge_tensor_bhnd(dk, SPARGE_F32, 1, HK, T, D / 2);
+    /* the sequences as a padded batch */
+    sparge_tensor Qb = sparge_tensor_bhnd(q, SPARGE_F32, 3, H, 30, D), Kb = sparge_tensor_bhnd(k, SPARGE_F32, 3, HK, 30, D),
+                  Ob = sparge_tensor_bhnd(o, SPARGE_F32, 3, H, 30, D);
+    /* forward */
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention_forward(dev, &Q, &Kshort, &Kshort, m, NULL, &O, lse));
+    EXPECT_FAIL(SPARGE_ERR_SHAPE, sparge_attention_forward(dev, &Q, &K3, &K3, m, NULL, &O, lse));
+    EXPECT_FAIL(SPARGE_ERR_DTYPE, sparge_attention_forward(dev, &Q, &K, &V16, m, NULL, &O, lse));
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention_forward(dev, &Q, &K, &V, empty, NULL, &O, lse));
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention_forward(dev, &Q, &K, &V, plain, &det, &O, lse));
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention_forward(dev, &Qb, &Kb, &Kb, m, NULL, &Ob, lse));
+    /* deterministic backward */
+    EXPECT_FAIL(SPARGE_ERR_NULL, sparge_attention_backward(dev, &Q, &K, &V, &OF, &DO, NULL, m, &det, &DQ, &DK, &DV));
+    EXPECT_FAIL(SPARGE_ERR_SHAPE, sparge_attention_backward(dev, &Q, &K, &V, &OF, &DO, lse_fwd, m, &det, &DQ, &DKq,
+                                                            &DV));
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_attention_backward(dev, &Q, &K, &V, &OF, &DO, lse_fwd, m, &det, &DQ, &DK,
+                                                              &DK));
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention_backward(dev, &Q, &K, &V, &OF, &DO, lse_fwd, empty, &det, &DQ, &DK,
+                                                           &DV));
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention_backward(dev, &Q, &Kshort, &Kshort, &OF, &DO, lse_fwd, m, &det, &DQ,
+                                                           &DKs, &DVs));
+    /* prediction, the one-call attention, import, statistics, export */
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_mask_predict(dev, &Qb, &Kb, &mp, m));
+    EXPECT_FAIL(SPARGE_ERR_SHAPE, sparge_mask_predict(dev, &Q, &K3, &mp, m));
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_attention(dev, &Q, &Kshort, &Kshort, &mp, &O, lse, m));
+    uint8_t all[sizeof before];
+    memset(all, 1, sizeof all);
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_mask_set_dense(m, all));
+    EXPECT_FAIL(SPARGE_ERR_NULL, sparge_mask_get_stats(m, NULL, NULL, NULL));
+    EXPECT_FAIL(SPARGE_ERR_NULL, sparge_mask_export(m, NULL, D, SPARGE_F32));
+#undef EXPECT_FAIL
+    sparge_mask_destroy(m);
+    sparge_mask_destroy(empty);
+    sparge_mask_destroy(plain);
+    sparge_device_close(dev);
+}
+
 /* sparge_attention with a causal varlen mask of its own blocks and params whose blocks are 0 (the mask's, as for
  * sparge_mask_predict) predicts and attends as sparge_mask_predict then sparge_attention_forward do; a refusal of
  * the temporary mask and an export of an empty mask name the call that was made and write nothing. */
@@ -541,6 +638,7 @@ int main(void)
     if (sparge_device_open("cpu-ref", &ref) != SPARGE_OK)
         return 1;
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_reference_definitions), cmocka_unit_test(test_bad_layouts),
+                                       cmocka_unit_test(test_layout_refusals_write_nothing),
                                        cmocka_unit_test(test_attention_given_mask), cmocka_unit_test(test_export_varlen),
                                        cmocka_unit_test(test_devices)};
     int rc = cmocka_run_group_tests_name("shapes", tests, NULL, NULL);
