@@ -259,6 +259,8 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     sparge_view qv, kv, vv, ov;
     tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
     sparge_mask_params p = params ? *params : sparge_mask_params_default();
+    if (!params) /* the defaults' blocks are 0's: the temporary mask's 128 x 64, or the given mask's own */
+        p.block_q = p.block_k = 0;
     if ((s = need_dev(dev, fn)) || (s = sparge_check_mask_params(&p, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
         (s = check_forward_disjoint(roles, lse, fn)))
         return s;

@@ -291,8 +291,9 @@ sparge_status sparge_attention_backward(sparge_device *dev, const sparge_tensor 
                                         sparge_tensor *dk, sparge_tensor *dv);
 
 /* SpargeAttention2 in one call: predict the hybrid mask, then attend.
- * mask may be NULL (a temporary one is used, blocks of 0 in params meaning 128 x 64) or a mask created for these
- * shapes (kept afterwards for the backward; blocks of 0 mean the mask's). lse may be NULL. */
+ * params NULL: sparge_mask_params_default() with blocks of 0. mask may be NULL (a temporary one is used, blocks of
+ * 0 meaning 128 x 64) or a mask created for these shapes (kept afterwards for the backward; blocks of 0 mean the
+ * mask's). lse may be NULL. */
 sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                const sparge_tensor *v, const sparge_mask_params *params, sparge_tensor *o,
                                float *lse, sparge_mask *mask);

@@ -508,7 +508,8 @@ static void test_layout_refusals_write_nothing(void **state)
 }
 
 /* sparge_attention with a causal varlen mask of its own blocks and params whose blocks are 0 (the mask's, as for
- * sparge_mask_predict) predicts and attends as sparge_mask_predict then sparge_attention_forward do; a refusal of
+ * sparge_mask_predict), or no params, predicts and attends as sparge_mask_predict then sparge_attention_forward do
+ * with those blocks; a refusal of
  * the temporary mask and an export of an empty mask name the call that was made and write nothing. */
 static void test_attention_given_mask(void **state)
 {
@@ -544,6 +545,13 @@ static void test_attention_given_mask(void **state)
     free(od);
     free(o2d);
     assert_memory_equal(lse, lse2, sizeof lse);
+    /* Without params: the defaults (k = 0.03, p = 0.2) on the mask's own blocks, as with blocks of 0. */
+    const sparge_mask_params paper = {0, 0, 0.03, 0.2, 0.0f, 0};
+    assert_int_equal(sparge_attention(dev, &q.t, &k.t, &v.t, NULL, &o.t, lse, m), SPARGE_OK);
+    assert_int_equal(sparge_attention(dev, &q.t, &k.t, &v.t, &paper, &o2.t, lse2, m2), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_dense(m, d1), SPARGE_OK);
+    assert_int_equal(sparge_mask_get_dense(m2, d2), SPARGE_OK);
+    assert_memory_equal(d1, d2, sizeof d1);
     /* The temporary mask of a causal call with Nq > Nk: refused as sparge_attention's, o and lse untouched. */
     tu_tensor kshort = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, HK, 60, D), vshort = tu_alloc(dev, SPARGE_F32, TU_BNHD, 1, HK, 60, D);
     tu_fill_normal(&kshort, &g, 1.0);
