@@ -1,9 +1,9 @@
 /* Calls from several threads at once (docs/RELIABILITY.md, "Threads"), on every device present: selections
  * and predictions on distinct masks of one device; forwards, backwards (the first of them building the
- * transpose) and getters on ONE shared mask; devices opened and closed, options set and the build and
- * topology text asked for; masks used and destroyed after their device handle was closed. Every result is
- * compared with the same work done on one thread. Under ThreadSanitizer (tests/tsan.sh) any unsynchronised
- * access in the library fails the run as well.
+ * transpose) and getters on ONE shared mask (plain, and causal varlen with grouped heads); devices opened and
+ * closed, options set and the build and topology text asked for; masks used and destroyed after their device
+ * handle was closed. Every result is compared with the same work done on one thread. Under ThreadSanitizer
+ * (tests/tsan.sh) any unsynchronised access in the library fails the run as well.
  *
  * CMocka's assertions are not thread-safe: worker threads record what went wrong and the test's thread
  * asserts after joining them. */
@@ -220,8 +220,22 @@ static void test_parallel_selections(void **state)
 
 /* ------------------------------------------------------------------ readers of one shared mask */
 
-enum { SH_B = 1, SH_H = 2, SH_NQ = 96, SH_NK = 80, SH_D = 16, SH_BQ = 16, SH_BK = 16 };
-enum { SH_NQB = SH_NQ / SH_BQ, SH_NKB = SH_NK / SH_BK };
+/* A shared mask's layout and its tensors' shapes: q [B,H,Tq,D], k and v [B,Hkv,Tk,D] (packed, B = 1, when varlen). */
+typedef struct {
+    const char *name;
+    int64_t B, H, Hkv, Tq, Tk;
+    sparge_mask_layout layout;
+} shared_shape;
+
+enum { SH_D = 16 };
+static const int32_t sh_cu_q[4] = {0, 1, 33, 80}, sh_cu_k[4] = {0, 5, 40, 96};
+static const shared_shape shared_shapes[] = {
+    {"plain", 1, 2, 2, 96, 80, {.B = 1, .H = 2, .Nq = 96, .Nk = 80, .block_q = 16, .block_k = 16}},
+    /* one query token, ragged blocks, one K/V head for two query heads */
+    {"causal varlen mqa", 1, 2, 1, 80, 96,
+     {.B = 3, .H = 2, .Nq = 80, .Nk = 96, .block_q = 16, .block_k = 16, .causal = 1, .cu_seqlens_q = sh_cu_q,
+      .cu_seqlens_k = sh_cu_k}},
+};
 
 typedef struct {
     sparge_device *dev;
@@ -258,17 +272,20 @@ static void *reader_worker(void *arg)
     sparge_device *dev = r->dev;
     const sparge_attn_params det = {0.0f, 1};
     sparge_tensor out[3] = {{0}};
-    float *lse = NULL, *host = malloc((size_t)(SH_B * SH_H * SH_NQ * SH_D) * sizeof(float));
-    int32_t *tc = malloc(sizeof(int32_t) * SH_H * SH_NKB), *ti = malloc(sizeof(int32_t) * SH_H * SH_NKB * SH_NQB);
-    const int64_t N[3] = {SH_NQ, SH_NK, SH_NK};
-    sparge_status s = SPARGE_OK;
+    const sparge_tensor *like[3] = {r->q, r->k, r->k};
+    const int64_t nlse = r->q->shape[0] * r->q->shape[1] * r->q->shape[2], nqd = nlse * SH_D;
+    sparge_mask_shape ms;
+    sparge_status s = sparge_mask_get_shape(r->mask, &ms);
+    const int64_t ntc = ms.B * ms.H * ms.Nkb, nti = ntc * ms.Nqb;
+    float *lse = NULL, *host = malloc((size_t)nqd * sizeof(float) + tensor_bytes(r->k));
+    int32_t *tc = malloc(sizeof(int32_t) * (size_t)ntc), *ti = malloc(sizeof(int32_t) * (size_t)nti);
     for (int i = 0; i < 3 && !s; i++) {
         void *p = NULL;
-        s = sparge_malloc(dev, (size_t)(SH_B * SH_H * N[i] * SH_D) * sizeof(float), &p);
-        out[i] = sparge_tensor_bhnd(p, SPARGE_F32, SH_B, SH_H, N[i], SH_D);
+        s = sparge_malloc(dev, tensor_bytes(like[i]), &p);
+        out[i] = sparge_tensor_bhnd(p, SPARGE_F32, like[i]->shape[0], like[i]->shape[1], like[i]->shape[2], SH_D);
     }
     if (!s)
-        s = sparge_malloc(dev, (size_t)(SH_B * SH_H * SH_NQ) * sizeof(float), (void **)&lse);
+        s = sparge_malloc(dev, (size_t)nlse * sizeof(float), (void **)&lse);
     if (s || !host || !tc || !ti)
         snprintf(r->out.error, sizeof r->out.error, "allocating the outputs failed");
     pthread_barrier_wait(r->go); /* every reader starts at once, before any has built the transpose */
@@ -288,16 +305,16 @@ static void *reader_worker(void *arg)
         else if ((s = sparge_memcpy_to_host(dev, host, out[0].data, tensor_bytes(&out[0]))))
             record(&r->out, "sparge_memcpy_to_host", s);
         else
-            r->out.mismatches += !(rel_error(host, r->o_host, SH_B * SH_H * SH_NQ * SH_D) <= 1e-6);
-        if (!s && (s = sparge_memcpy_to_host(dev, host, lse, (size_t)(SH_B * SH_H * SH_NQ) * sizeof(float))))
+            r->out.mismatches += !(rel_error(host, r->o_host, nqd) <= 1e-6);
+        if (!s && (s = sparge_memcpy_to_host(dev, host, lse, (size_t)nlse * sizeof(float))))
             record(&r->out, "sparge_memcpy_to_host", s);
         else if (!s)
-            r->out.mismatches += !(rel_error(host, r->lse_host, SH_B * SH_H * SH_NQ) <= 1e-6);
+            r->out.mismatches += !(rel_error(host, r->lse_host, nlse) <= 1e-6);
         if (!s && (s = sparge_mask_get_csr(r->mask, NULL, NULL, tc, ti)))
             record(&r->out, "sparge_mask_get_csr", s);
         else if (!s)
-            r->out.mismatches += memcmp(tc, r->t_counts, sizeof(int32_t) * SH_H * SH_NKB) != 0 ||
-                                 memcmp(ti, r->t_indices, sizeof(int32_t) * SH_H * SH_NKB * SH_NQB) != 0;
+            r->out.mismatches += memcmp(tc, r->t_counts, sizeof(int32_t) * (size_t)ntc) != 0 ||
+                                 memcmp(ti, r->t_indices, sizeof(int32_t) * (size_t)nti) != 0;
         if (!s && (s = sparge_mask_get_stats(r->mask, &st, NULL, NULL)))
             record(&r->out, "sparge_mask_get_stats", s);
     }
@@ -312,79 +329,89 @@ static void *reader_worker(void *arg)
 
 /* Each round a new selection on the shared mask (one writer, alone), then 8 readers at once: half run the
  * deterministic backward (the first of them builds the transpose), half the forward and the getters. Their
- * results must equal those computed on one thread with a second mask holding the same selection. */
+ * results must equal those computed on one thread with a second mask holding the same selection. Plain masks,
+ * and a causal varlen mask with one K/V head for two query heads. */
 static void test_shared_mask_readers(void **state)
 {
     (void)state;
     char names[8][32];
     const int ndev = present_devices(names, 8);
-    for (int d = 0; d < ndev; d++) {
-        sparge_device *dev;
-        assert_int_equal(sparge_device_open(names[d], &dev), SPARGE_OK);
-        sparge_tensor q = dev_random(dev, SH_B, SH_H, SH_NQ, SH_D, 1), k = dev_random(dev, SH_B, SH_H, SH_NK, SH_D, 2),
-                      v = dev_random(dev, SH_B, SH_H, SH_NK, SH_D, 3), d_o = dev_random(dev, SH_B, SH_H, SH_NQ, SH_D, 4),
-                      o = dev_tensor(dev, SH_B, SH_H, SH_NQ, SH_D), dq = dev_tensor(dev, SH_B, SH_H, SH_NQ, SH_D),
-                      dk = dev_tensor(dev, SH_B, SH_H, SH_NK, SH_D), dv = dev_tensor(dev, SH_B, SH_H, SH_NK, SH_D);
-        float *lse = NULL;
-        assert_int_equal(sparge_malloc(dev, sizeof(float) * SH_B * SH_H * SH_NQ, (void **)&lse), SPARGE_OK);
-        float *o_host = malloc(tensor_bytes(&o)), *lse_host = malloc(sizeof(float) * SH_B * SH_H * SH_NQ);
-        float *grads[3] = {malloc(tensor_bytes(&dq)), malloc(tensor_bytes(&dk)), malloc(tensor_bytes(&dv))};
-        int32_t *tc = malloc(sizeof(int32_t) * SH_H * SH_NKB), *ti = malloc(sizeof(int32_t) * SH_H * SH_NKB * SH_NQB);
-        sparge_mask *shared, *solo;
-        assert_int_equal(sparge_mask_create(dev, SH_B, SH_H, SH_NQ, SH_NK, SH_BQ, SH_BK, &shared), SPARGE_OK);
-        assert_int_equal(sparge_mask_create(dev, SH_B, SH_H, SH_NQ, SH_NK, SH_BQ, SH_BK, &solo), SPARGE_OK);
-        const sparge_attn_params det = {0.0f, 1};
-        outcome out[ROUNDS][THREADS];
-        for (int round = 0; round < ROUNDS; round++) {
-            const sparge_mask_params mp = {SH_BQ, SH_BK, 0.1 * round, 0.4 + 0.1 * round, 0.0f};
-            sparge_tensor map = dev_map(dev, SH_B, SH_H, SH_NQB, SH_NKB, 50 + (uint64_t)round);
-            /* the single-threaded results, on the solo mask */
-            assert_int_equal(sparge_mask_select(dev, &map, &mp, solo), SPARGE_OK);
-            assert_int_equal(sparge_attention_forward(dev, &q, &k, &v, solo, NULL, &o, lse), SPARGE_OK);
-            assert_int_equal(sparge_attention_backward(dev, &q, &k, &v, &o, &d_o, lse, solo, &det, &dq, &dk, &dv),
-                             SPARGE_OK);
-            assert_int_equal(sparge_mask_get_csr(solo, NULL, NULL, tc, ti), SPARGE_OK);
-            assert_int_equal(sparge_memcpy_to_host(dev, o_host, o.data, tensor_bytes(&o)), SPARGE_OK);
-            assert_int_equal(sparge_memcpy_to_host(dev, lse_host, lse, sizeof(float) * SH_B * SH_H * SH_NQ), SPARGE_OK);
-            const sparge_tensor *g[3] = {&dq, &dk, &dv};
+    for (int d = 0; d < ndev; d++)
+        for (size_t sh_i = 0; sh_i < sizeof shared_shapes / sizeof shared_shapes[0]; sh_i++) {
+            const shared_shape *sh = &shared_shapes[sh_i];
+            sparge_device *dev;
+            assert_int_equal(sparge_device_open(names[d], &dev), SPARGE_OK);
+            const int64_t B = sh->B, H = sh->H, Hkv = sh->Hkv, Tq = sh->Tq, Tk = sh->Tk;
+            sparge_tensor q = dev_random(dev, B, H, Tq, SH_D, 1), k = dev_random(dev, B, Hkv, Tk, SH_D, 2),
+                          v = dev_random(dev, B, Hkv, Tk, SH_D, 3), d_o = dev_random(dev, B, H, Tq, SH_D, 4),
+                          o = dev_tensor(dev, B, H, Tq, SH_D), dq = dev_tensor(dev, B, H, Tq, SH_D),
+                          dk = dev_tensor(dev, B, Hkv, Tk, SH_D), dv = dev_tensor(dev, B, Hkv, Tk, SH_D);
+            const int64_t nlse = B * H * Tq;
+            float *lse = NULL;
+            assert_int_equal(sparge_malloc(dev, sizeof(float) * (size_t)nlse, (void **)&lse), SPARGE_OK);
+            float *o_host = malloc(tensor_bytes(&o)), *lse_host = malloc(sizeof(float) * (size_t)nlse);
+            float *grads[3] = {malloc(tensor_bytes(&dq)), malloc(tensor_bytes(&dk)), malloc(tensor_bytes(&dv))};
+            sparge_mask *shared, *solo;
+            assert_int_equal(sparge_mask_create_ex(dev, &sh->layout, &shared), SPARGE_OK);
+            assert_int_equal(sparge_mask_create_ex(dev, &sh->layout, &solo), SPARGE_OK);
+            sparge_mask_shape ms;
+            assert_int_equal(sparge_mask_get_shape(shared, &ms), SPARGE_OK);
+            const int64_t ntc = ms.B * ms.H * ms.Nkb, nti = ntc * ms.Nqb;
+            int32_t *tc = malloc(sizeof(int32_t) * (size_t)ntc), *ti = malloc(sizeof(int32_t) * (size_t)nti);
+            const sparge_attn_params det = {0.0f, 1};
+            outcome out[ROUNDS][THREADS];
+            for (int round = 0; round < ROUNDS; round++) {
+                const sparge_mask_params mp = {0, 0, 0.1 * round, 0.4 + 0.1 * round, 0.0f};
+                sparge_tensor map = dev_map(dev, ms.B, ms.H, ms.Nqb, ms.Nkb, 50 + (uint64_t)round);
+                /* the single-threaded results, on the solo mask */
+                assert_int_equal(sparge_mask_select(dev, &map, &mp, solo), SPARGE_OK);
+                assert_int_equal(sparge_attention_forward(dev, &q, &k, &v, solo, NULL, &o, lse), SPARGE_OK);
+                assert_int_equal(
+                    sparge_attention_backward(dev, &q, &k, &v, &o, &d_o, lse, solo, &det, &dq, &dk, &dv), SPARGE_OK);
+                assert_int_equal(sparge_mask_get_csr(solo, NULL, NULL, tc, ti), SPARGE_OK);
+                assert_int_equal(sparge_memcpy_to_host(dev, o_host, o.data, tensor_bytes(&o)), SPARGE_OK);
+                assert_int_equal(sparge_memcpy_to_host(dev, lse_host, lse, sizeof(float) * (size_t)nlse),
+                                 SPARGE_OK);
+                const sparge_tensor *g[3] = {&dq, &dk, &dv};
+                for (int i = 0; i < 3; i++)
+                    assert_int_equal(sparge_memcpy_to_host(dev, grads[i], g[i]->data, tensor_bytes(g[i])),
+                                     SPARGE_OK);
+                /* the writer, alone: a new selection whose transpose nobody has built yet */
+                assert_int_equal(sparge_mask_select(dev, &map, &mp, shared), SPARGE_OK);
+                assert_int_equal(sparge_synchronize(dev), SPARGE_OK);
+                pthread_barrier_t go;
+                assert_int_equal(pthread_barrier_init(&go, NULL, THREADS), 0);
+                reader r[THREADS];
+                memset(r, 0, sizeof r);
+                for (int t = 0; t < THREADS; t++)
+                    r[t] = (reader){dev, shared, &q, &k, &v, &o, &d_o, lse, o_host, lse_host,
+                                    {grads[0], grads[1], grads[2]}, tc, ti, &go, t % 2, {{0}, 0}};
+                pthread_t th[THREADS];
+                start_all(th, THREADS, reader_worker, r, sizeof r[0]);
+                join_all(th, THREADS);
+                pthread_barrier_destroy(&go);
+                for (int t = 0; t < THREADS; t++)
+                    out[round][t] = r[t].out;
+                print_message("%s, %s mask, round %d (k %.1f, p %.1f): 4 backwards building the transpose, "
+                              "4 forwards and getters at once\n", names[d], sh->name, round, mp.topk, mp.topp);
+                sparge_free(dev, map.data);
+            }
+            sparge_mask_destroy(shared);
+            sparge_mask_destroy(solo);
+            sparge_tensor *all[8] = {&q, &k, &v, &d_o, &o, &dq, &dk, &dv};
+            for (int i = 0; i < 8; i++)
+                sparge_free(dev, all[i]->data);
+            sparge_free(dev, lse);
+            free(o_host);
+            free(lse_host);
             for (int i = 0; i < 3; i++)
-                assert_int_equal(sparge_memcpy_to_host(dev, grads[i], g[i]->data, tensor_bytes(g[i])), SPARGE_OK);
-            /* the writer, alone: a new selection whose transpose nobody has built yet */
-            assert_int_equal(sparge_mask_select(dev, &map, &mp, shared), SPARGE_OK);
-            assert_int_equal(sparge_synchronize(dev), SPARGE_OK);
-            pthread_barrier_t go;
-            assert_int_equal(pthread_barrier_init(&go, NULL, THREADS), 0);
-            reader r[THREADS];
-            memset(r, 0, sizeof r);
-            for (int t = 0; t < THREADS; t++)
-                r[t] = (reader){dev, shared, &q, &k, &v, &o, &d_o, lse, o_host, lse_host,
-                                {grads[0], grads[1], grads[2]}, tc, ti, &go, t % 2, {{0}, 0}};
-            pthread_t th[THREADS];
-            start_all(th, THREADS, reader_worker, r, sizeof r[0]);
-            join_all(th, THREADS);
-            pthread_barrier_destroy(&go);
-            for (int t = 0; t < THREADS; t++)
-                out[round][t] = r[t].out;
-            print_message("%s, round %d (k %.1f, p %.1f): 4 backwards building the transpose, 4 forwards and "
-                          "getters at once\n", names[d], round, mp.topk, mp.topp);
-            sparge_free(dev, map.data);
+                free(grads[i]);
+            free(tc);
+            free(ti);
+            sparge_device_close(dev);
+            for (int round = 0; round < ROUNDS; round++)
+                assert_clean(out[round], THREADS);
         }
-        sparge_mask_destroy(shared);
-        sparge_mask_destroy(solo);
-        sparge_tensor *all[8] = {&q, &k, &v, &d_o, &o, &dq, &dk, &dv};
-        for (int i = 0; i < 8; i++)
-            sparge_free(dev, all[i]->data);
-        sparge_free(dev, lse);
-        free(o_host);
-        free(lse_host);
-        for (int i = 0; i < 3; i++)
-            free(grads[i]);
-        free(tc);
-        free(ti);
-        sparge_device_close(dev);
-        for (int round = 0; round < ROUNDS; round++)
-            assert_clean(out[round], THREADS);
-    }
 }
 
 /* ------------------------------------------------------------------ devices, options, build and topology text */
