@@ -271,14 +271,12 @@ sparge_status sparge_cpu_backward(void *impl, const sparge_bwd_args *a)
                     sparge_row_rule(i, nqs, nks, (int)bq, (int)bk, a->causal, &allowed, &d0, &d1);
                     if (!mk && cnt > allowed)
                         cnt = allowed;
+                    const kv_source src = {k_, kv, vv, b, hk, k0, bk, nks, kbuf, vbuf};
                     for (int64_t c = 0; c < cnt; c++) {
-                        const float *kt, *vt;
-                        int64_t ldk, ldv;
-                        const int64_t j = idx[c];
-                        const int64_t nk =
-                            kv_block_f32(k_, kv, vv, b, hk, k0, bk, nks, idx, c, cnt, kbuf, vbuf, &kt, &ldk, &vt, &ldv);
-                        block_grads(k_, &hd, i, ldt, D, lse + t0, kt, ldk, vt, ldv, nq, nk, pt, dst, diag, t0, j * bk);
-                        k_->gemm(nq, D, nk, dst, 1, ldt, kt, ldk, acc, D, c > 0, NULL); /* dQ += dS K */
+                        const kv_tile t = kv_block_f32(&src, idx, c, cnt);
+                        block_grads(k_, &hd, i, ldt, D, lse + t0, t.k, t.ldk, t.v, t.ldv, nq, t.rows, pt, dst, diag, t0,
+                                    idx[c] * bk);
+                        k_->gemm(nq, D, t.rows, dst, 1, ldt, t.k, t.ldk, acc, D, c > 0, NULL); /* dQ += dS K */
                     }
                     if (cnt == 0)
                         memset(acc, 0, (size_t)(nq * D) * sizeof(float));

@@ -127,22 +127,35 @@ static inline void prefetch_rows(const sparge_view *x, int64_t b, int64_t h, int
         prefetch_span(row_ptr(x, b, h, n0 + r), bytes);
 }
 
-/* The K and V rows of kept key block idx[c] (of bk tokens; nks in the sequence, from token k0) as f32 tiles
- * (kt, vt with leading dimensions ldk, ldv), the next kept block's rows prefetched. Returns the block's rows. */
-static inline int64_t kv_block_f32(const sparge_simd_ops *k_, const sparge_view *kv, const sparge_view *vv, int64_t b,
-                                   int64_t hk, int64_t k0, int64_t bk, int64_t nks, const int32_t *idx, int64_t c,
-                                   int64_t cnt, float *kbuf, float *vbuf, const float **kt, int64_t *ldk,
-                                   const float **vt, int64_t *ldv)
+/* Where the kept key blocks of one query block come from: K/V head hk of batch b, the sequence's keys from token k0
+ * (nks of them, in blocks of bk), staged through kbuf and vbuf when their rows are not f32. */
+typedef struct {
+    const sparge_simd_ops *k_;
+    const sparge_view *kv, *vv;
+    int64_t b, hk, k0, bk, nks;
+    float *kbuf, *vbuf;
+} kv_source;
+
+/* One key block's K and V rows as f32 tiles (leading dimensions ldk, ldv). */
+typedef struct {
+    const float *k, *v;
+    int64_t ldk, ldv, rows;
+} kv_tile;
+
+/* The tile of kept key block idx[c] (of cnt), the next kept block's rows prefetched. */
+static inline kv_tile kv_block_f32(const kv_source *src, const int32_t *idx, int64_t c, int64_t cnt)
 {
-    const int64_t j = idx[c], nk = block_rows(j, bk, nks);
+    const int64_t j = idx[c], bk = src->bk, nks = src->nks;
+    kv_tile t;
+    t.rows = block_rows(j, bk, nks);
     if (c + 1 < cnt) {
         const int64_t jn = idx[c + 1], nkn = block_rows(jn, bk, nks);
-        prefetch_rows(kv, b, hk, k0 + jn * bk, nkn);
-        prefetch_rows(vv, b, hk, k0 + jn * bk, nkn);
+        prefetch_rows(src->kv, src->b, src->hk, src->k0 + jn * bk, nkn);
+        prefetch_rows(src->vv, src->b, src->hk, src->k0 + jn * bk, nkn);
     }
-    *kt = rows_f32(k_, kv, b, hk, k0 + j * bk, nk, kbuf, ldk);
-    *vt = rows_f32(k_, vv, b, hk, k0 + j * bk, nk, vbuf, ldv);
-    return nk;
+    t.k = rows_f32(src->k_, src->kv, src->b, src->hk, src->k0 + j * bk, t.rows, src->kbuf, &t.ldk);
+    t.v = rows_f32(src->k_, src->vv, src->b, src->hk, src->k0 + j * bk, t.rows, src->vbuf, &t.ldv);
+    return t;
 }
 
 /* cpu-ref: rows [n0, n0 + rows) of (b, h) of x as contiguous doubles [rows×D], and back. */

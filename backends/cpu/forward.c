@@ -142,16 +142,15 @@ sparge_status sparge_cpu_forward(void *impl, const sparge_fwd_args *a)
                 m[r] = -INFINITY;
                 l[r] = 0.0f;
             }
+            const kv_source src = {k_, kv, vv, b, hk, k0, bk, nks, kbuf, vbuf};
             for (int64_t c = 0; c < cnt; c++) {
-                const float *kt, *vt;
-                int64_t ldk, ldv;
-                const int64_t j = idx[c], nk = kv_block_f32(k_, kv, vv, b, hk, k0, bk, nks, idx, c, cnt, kbuf, vbuf, &kt,
-                                                            &ldk, &vt, &ldv);
-                k_->gemm(nk, nq, D, kt, ldk, 1, qt, ldt, st_, ldt, 0, NULL); /* Sᵀ = K (sQ)ᵀ */
+                const int64_t j = idx[c];
+                const kv_tile t = kv_block_f32(&src, idx, c, cnt);
+                k_->gemm(t.rows, nq, D, t.k, t.ldk, 1, qt, ldt, st_, ldt, 0, NULL); /* Sᵀ = K (sQ)ᵀ */
                 if (a->causal && j >= d0)
-                    sparge_cpu_causal_tile(st_, ldt, nk, nq, j * bk, i * bq, nks - nqs);
-                k_->softmax_cols(st_, ldt, nk, nq, m, l, corr);                 /* Pᵀ, m, l */
-                k_->gemm(nq, D, nk, st_, 1, ldt, vt, ldv, ot, D, c > 0, corr); /* O = corr·O + P V */
+                    sparge_cpu_causal_tile(st_, ldt, t.rows, nq, j * bk, i * bq, nks - nqs);
+                k_->softmax_cols(st_, ldt, t.rows, nq, m, l, corr);                 /* Pᵀ, m, l */
+                k_->gemm(nq, D, t.rows, st_, 1, ldt, t.v, t.ldv, ot, D, c > 0, corr); /* O = corr·O + P V */
             }
             for (int64_t r = 0; r < nq; r++) {
                 inv[r] = 1.0f / l[r];
