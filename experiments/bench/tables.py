@@ -10,8 +10,10 @@
                                                  the rates against --peak (GFLOP/s, the machine's FMA peak)
                                                  and the speedups over dense, taken run by run: a command's own
                                                  dense level where it has one, else the first command's
-Dense-equivalent rates: 4·B·H·Nq·Nk·D / t for the forward, 2.5× that for the backward; effective rates count
-only the kept token pairs (× token_density).
+Dense-equivalent rates: 4·B·H·pairs·D / t for the forward, 2.5× that for the backward, where pairs counts the
+(query, key) pairs attention may use, as `sparge bench` does: Nq·Nk, with packed sequences (the `varlen` column)
+each sequence's own, with `causal` those up to each query's bottom-right diagonal; effective rates count only the
+kept token pairs (× token_density).
 """
 import csv
 import math
@@ -39,7 +41,12 @@ def read(path):
 
 
 def flops(row):
-    return 4.0 * float(row["B"]) * float(row["H"]) * float(row["Nq"]) * float(row["Nk"]) * float(row["D"])
+    """The forward's dense-equivalent FLOP of a row (files written before the causal and varlen columns: neither)."""
+    lengths = [int(n) for n in row.get("varlen", "").split(",") if n]
+    seqs = [(n, n) for n in lengths] if lengths else [(int(row["Nq"]), int(row["Nk"]))]
+    causal = row.get("causal", "0") not in ("0", "")
+    pairs = sum(nq * (nk - nq) + nq * (nq + 1) / 2 if causal else nq * nk for nq, nk in seqs)
+    return 4.0 * float(row["B"]) * float(row["H"]) * pairs * float(row["D"])
 
 
 def fmt(x, spec):
@@ -99,11 +106,9 @@ def cell(values, spec, unit=""):
 def runs_table(peak, out_csv, named):
     """named: [(label, path)], each label once per run, runs in order. Returns Markdown lines."""
     groups = OrderedDict()  # (label, level) -> [row of each run]
-    first = None
     for label, path in named:
         for r in read(path):
             groups.setdefault((label, r["level"]), []).append(r)
-            first = first or r
     with open(out_csv, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["command", "level", "runs", "sparsity", "token_density"] +
@@ -111,7 +116,6 @@ def runs_table(peak, out_csv, named):
         for (label, level), rs in groups.items():
             w.writerow([label, level, len(rs), rs[0]["sparsity"], rs[0]["token_density"]] +
                        [f"{x:.6g}" for t in TIMES for x in spread([number(r[t]) for r in rs])])
-    f0 = flops(first)
     out = [f"Median over the runs (range in brackets); GFLOP/s dense-equivalent, % of the FMA peak of "
            f"{peak:.1f} GFLOP/s measured in the same invocation (effective: the kept token pairs only); speedups "
            f"over dense taken run by run.", "",
@@ -127,6 +131,7 @@ def runs_table(peak, out_csv, named):
     for (label, level), rs in groups.items():
         ms = {t: [number(r[t]) for r in rs] for t in TIMES}
         density = float(rs[0]["token_density"])
+        f0 = flops(rs[0])
         fr = spread([rate(f0, t, "GFLOP/s") for t in ms["fwd_ms"]])[0]
         br = spread([rate(2.5 * f0, t, "GFLOP/s") for t in ms["bwd_ms"]])[0]
         f_rates, b_rates = (f"{x:.0f}, {x * density:.0f} ({100 * x * density / peak:.1f} %)" if math.isfinite(x)

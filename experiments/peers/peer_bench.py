@@ -98,6 +98,9 @@ def load_mask(prefix):
     """(meta, bool [B,H,Nqb,Nkb]) of an exported mask."""
     with open(prefix + ".json") as f:
         meta = json.load(f)
+    if meta.get("varlen"):
+        sys.exit(f"peer_bench: {prefix}.json is a mask of packed sequences (varlen: its B counts sequences, Nq and Nk "
+                 "are the longest); the peers here take fixed-length batches: export a mask without --varlen")
     shape = (meta["B"], meta["H"], meta["Nqb"], meta["Nkb"])
     raw = open(prefix + ".u8", "rb").read()
     if len(raw) != math.prod(shape):

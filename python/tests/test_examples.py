@@ -1,6 +1,7 @@
 """The examples run: dit_bench.py's --tiny smoke run (CPU) writes its table's rows, swap_attention.py on the CPU,
-parallel_check.py says that it needs a GPU."""
+parallel_check.py says that it needs a GPU; experiments/peers/peer_bench.py refuses masks it would misread."""
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -10,10 +11,11 @@ import unittest
 from helpers import sparge, torch  # noqa: F401  (skips the module without torch)
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "experiments", "peers")
 
 
-def run(script, *args):
-    return subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], capture_output=True, text=True,
+def run(script, *args, where=EXAMPLES):
+    return subprocess.run([sys.executable, os.path.join(where, script), *args], capture_output=True, text=True,
                           timeout=600)
 
 
@@ -62,3 +64,22 @@ class Examples(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PeerBench(unittest.TestCase):
+    def test_refuses_a_mask_of_packed_sequences(self):
+        """A varlen export's B counts sequences and its Nq, Nk are the longest one's: read as a fixed-length batch
+        it would time and check another shape."""
+        meta = {"B": 2, "H": 1, "Nq": 200, "Nk": 200, "D": 32, "block_q": 128, "block_k": 64, "Nqb": 2, "Nkb": 4,
+                "sparsity": 0.0, "dtype": "f32", "causal": False, "varlen": True, "cu_seqlens_q": [0, 100, 300],
+                "cu_seqlens_k": [0, 100, 300], "layout": "dense uint8 [B,H,Nqb,Nkb]"}  # sparge_mask_export's
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = os.path.join(tmp, "packed")
+            with open(prefix + ".json", "w") as f:
+                json.dump(meta, f)
+            with open(prefix + ".u8", "wb") as f:
+                f.write(bytes([1]) * (2 * 1 * 2 * 4))
+            result = run("peer_bench.py", "--device", "cpu", "--mask", prefix, "--sparge", where=PEERS)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("packed sequences", result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
