@@ -245,7 +245,7 @@ void exp_welch(const exp_summary *a, const exp_summary *b, double level, exp_tes
 typedef enum {
     EXP_OPT_FLAG,   /* int: set to 1; takes no value */
     EXP_OPT_STR,    /* const char *: the value itself */
-    EXP_OPT_OUT,    /* FILE *: a path, opened for writing once every other value is good; closed by exp_main */
+    EXP_OPT_OUT,    /* FILE *: a path, opened for writing once every other value is good; kept by exp_close_outputs */
     EXP_OPT_INT,    /* int: a whole number in [min, max] */
     EXP_OPT_I64,    /* int64_t: a whole number in [min, max] */
     EXP_OPT_DBL,    /* double: a number in [min, max] (a bound is left out where excl says so) */
@@ -306,6 +306,18 @@ typedef struct {
     double value[3];     /* DC, block/field, noise */
 } exp_knobs;
 
+/* An output option's file while the run writes it: PATH.partPID beside PATH, renamed to PATH by exp_close_outputs
+ * once the run has succeeded, so that a failed run leaves no partial file and an earlier PATH stays whole. A path that
+ * exists and is not a regular file (/dev/stdout, a pipe, a symbolic link) is written in place (part NULL). */
+typedef struct {
+    FILE **f;         /* the option's FILE * */
+    const char *name; /* "--csv" */
+    const char *path;
+    char *part;
+} exp_output;
+
+enum { EXP_MAX_OUTPUTS = 8 };
+
 /* The common options, and what follows from them. */
 typedef struct {
     const char *backend;     /* --backend (default "cpu") */
@@ -323,6 +335,8 @@ typedef struct {
     int families[3];         /* --families (default uniform,sink,video); --input replaces them by EXP_FILE */
     int nfamilies;
     exp_gen_params gen[3];   /* per family: its defaults with the knobs applied (by exp_parse) */
+    exp_output outputs[EXP_MAX_OUTPUTS]; /* opened by exp_parse */
+    int noutputs;
     const struct exp_driver *driver;
 } exp_opts;
 
@@ -364,9 +378,13 @@ typedef struct exp_driver {
 /* The common defaults with d's changes. */
 void exp_opts_init(exp_opts *o, const exp_driver *d);
 /* Reads argv[1..] against the common options and the driver's: every name first (an unknown one, a missing value,
- * or --help / -h ends it there), then the values, then the outputs are opened. Returns 0; 1 for --help; -1 with a
- * message naming the option in err. */
+ * or --help / -h ends it there), then the values, then the outputs are opened (two options naming one path are
+ * refused). Returns 0; 1 for --help; -1 with a message naming the option in err, and then no output exists. */
 int exp_parse(exp_opts *o, int argc, char **argv, char *err, size_t err_len);
+/* Closes the outputs exp_parse opened. With ok, each is flushed and renamed to its path; a write that failed is
+ * reported and then, as without ok, every output's partial file is removed. Returns 0, or -1 after a message on
+ * stderr. */
+int exp_close_outputs(exp_opts *o, int ok);
 /* The driver's help: what it does, then every option (its own first) with its current value as the default. */
 void exp_usage(FILE *out, exp_opts *o);
 /* A driver's whole main: options, outputs, run, the inputs, done. Returns the exit status: 0; 2 for a bad command

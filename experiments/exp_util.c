@@ -9,6 +9,9 @@
 #include <string.h>
 #include <time.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "exp.h"
 
 _Static_assert(SPARGE_F32 == 0 && SPARGE_F16 == 1 && SPARGE_BF16 == 2, "--dtype stores its choice's index");
@@ -476,6 +479,8 @@ static void apply_knobs(exp_opts *o)
     }
 }
 
+static int open_output(exp_opts *o, const exp_opt *op, const char *path, char *err, size_t err_len);
+
 int exp_parse(exp_opts *o, int argc, char **argv, char *err, size_t err_len)
 {
     const exp_driver *d = o->driver;
@@ -512,18 +517,81 @@ int exp_parse(exp_opts *o, int argc, char **argv, char *err, size_t err_len)
         o->families[0] = EXP_FILE, o->nfamilies = 1;
     apply_knobs(o);
     for (int i = 0; i < n; i++) {
-        FILE **f = t[i].ptr;
         if (!path[i] || ignored(d, t[i].name))
             continue;
-        if (!(*f = fopen(path[i], "w")))
-            return exp_fail(err, err_len, "%s: %s cannot write '%s': %s", d->name, t[i].name, path[i],
-                            strerror(errno));
-        if (t[i].header)
-            fputs(t[i].header, *f);
+        for (int j = 0; j < i; j++)
+            if (path[j] && !ignored(d, t[j].name) && !strcmp(path[i], path[j])) {
+                exp_close_outputs(o, 0);
+                return exp_fail(err, err_len, "%s: %s and %s name the same file '%s'", d->name, t[j].name, t[i].name,
+                                path[i]);
+            }
+        if (open_output(o, &t[i], path[i], err, err_len)) {
+            exp_close_outputs(o, 0);
+            return -1;
+        }
     }
     if (!o->md)
         o->md = stdout;
     return 0;
+}
+
+/* Opens output op at path as an exp_output (exp.h) with its header written. Returns 0, or -1 with the message. */
+static int open_output(exp_opts *o, const exp_opt *op, const char *path, char *err, size_t err_len)
+{
+    const char *name = o->driver->name;
+    if (o->noutputs == EXP_MAX_OUTPUTS)
+        return exp_fail(err, err_len, "%s: more than %d outputs", name, EXP_MAX_OUTPUTS);
+    struct stat st;
+    char *part = NULL;
+    if (lstat(path, &st) || S_ISREG(st.st_mode)) {
+        size_t len = strlen(path) + 32;
+        if (!(part = malloc(len)))
+            return exp_fail(err, err_len, "%s: %s: out of memory", name, op->name);
+        snprintf(part, len, "%s.part%ld", path, (long)getpid());
+    }
+    FILE *f = fopen(part ? part : path, "w");
+    if (!f) {
+        int e = errno;
+        free(part);
+        return exp_fail(err, err_len, "%s: %s cannot write '%s': %s", name, op->name, path, strerror(e));
+    }
+    if (op->header)
+        fputs(op->header, f);
+    *(FILE **)op->ptr = f;
+    o->outputs[o->noutputs++] = (exp_output){.f = op->ptr, .name = op->name, .path = path, .part = part};
+    return 0;
+}
+
+int exp_close_outputs(exp_opts *o, int ok)
+{
+    const char *name = o->driver->name;
+    int rc = 0;
+    for (int i = 0; i < o->noutputs; i++) {
+        exp_output *out = &o->outputs[i];
+        errno = 0;
+        int failed = ferror(*out->f);
+        failed |= fclose(*out->f) != 0;
+        int e = errno;
+        *out->f = NULL;
+        if (ok && failed) {
+            fprintf(stderr, "%s: %s: writing '%s' failed%s%s\n", name, out->name, out->path, e ? ": " : "",
+                    e ? strerror(e) : "");
+            ok = 0, rc = -1;
+        }
+    }
+    for (int i = 0; i < o->noutputs; i++) {
+        exp_output *out = &o->outputs[i];
+        if (out->part && ok && rename(out->part, out->path)) {
+            fprintf(stderr, "%s: %s: cannot rename '%s' to '%s': %s\n", name, out->name, out->part, out->path,
+                    strerror(errno));
+            ok = 0, rc = -1;
+        }
+        if (out->part && !ok)
+            unlink(out->part);
+        free(out->part);
+    }
+    o->noutputs = 0;
+    return rc;
 }
 
 /* ---------------------------------------------------------------- inputs */
@@ -563,20 +631,6 @@ static int next_input(const exp_opts *o, exp_input *in)
     return o->driver->equal && exp_equal_sparsity_rules(&in->s, o->topk, o->hybrid_k, in->equal) ? -1 : 1;
 }
 
-/* Closes the outputs that exp_parse opened. */
-static void close_outputs(exp_opts *o)
-{
-    exp_opt t[MAX_OPTS];
-    int n = all_options(o, t);
-    for (int i = 0; i < n; i++) {
-        FILE **f = t[i].kind == EXP_OPT_OUT ? t[i].ptr : NULL;
-        if (f && *f && *f != stdout)
-            fclose(*f);
-        if (f)
-            *f = NULL;
-    }
-}
-
 int exp_main(const exp_driver *d, int argc, char **argv)
 {
     exp_opts o;
@@ -601,7 +655,12 @@ int exp_main(const exp_driver *d, int argc, char **argv)
     }
     if (!rc && d->done)
         rc = d->done(&o);
-    close_outputs(&o);
+    if (exp_close_outputs(&o, !rc) && !rc)
+        rc = 1;
+    if (!rc && (fflush(stdout) || ferror(stdout))) {
+        fprintf(stderr, "%s: writing the standard output failed\n", d->name);
+        rc = 1;
+    }
     return rc;
 }
 

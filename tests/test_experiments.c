@@ -617,7 +617,7 @@ static void test_parse_refused(void **state)
     reset(&o, &own);
     assert_int_equal(parse_line(&o, "--int 2 --quiet --md /dev/null", err, sizeof err), 0);
     assert_true(o.quiet && t_int == 2);
-    fclose(o.md);
+    assert_int_equal(exp_close_outputs(&o, 1), 0);
     reset(&o, &own);
     assert_int_equal(parse_line(&o, "--tokens 5", err, sizeof err), -1);
     assert_non_null(strstr(err, "unknown option '--tokens'"));
@@ -680,12 +680,26 @@ static void test_usage(void **state)
     free(text);
 }
 
-/* Outputs open once the command line is good, with their header; an ignored one is not created. */
+/* The first line of file path into got (empty when it cannot be read). */
+static void first_line(const char *path, char *got, size_t len)
+{
+    got[0] = 0;
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (!fgets(got, (int)len, f))
+            got[0] = 0;
+        fclose(f);
+    }
+}
+
+/* Outputs open once the command line is good, with their header; an ignored one is not created. An output appears at
+ * its path only when the run succeeds: a refused command line or a failed run leaves no file, and a file already there
+ * stays as it was. */
 static void test_parse_outputs(void **state)
 {
     (void)state;
     exp_opts o;
-    char err[512], line[1024], out[256], csv[256];
+    char err[512], line[1024], out[256], csv[256], got[16];
     snprintf(out, sizeof out, "%s", tmp_path("out"));
     snprintf(csv, sizeof csv, "%s", tmp_path("csv"));
     unlink(csv);
@@ -699,18 +713,44 @@ static void test_parse_outputs(void **state)
     assert_int_equal(parse_line(&o, line, err, sizeof err), 0);
     assert_non_null(t_out);
     assert_null(o.csv);
-    fclose(t_out);
-    FILE *f = fopen(out, "r");
-    assert_non_null(f);
-    char got[16] = {0};
-    assert_non_null(fgets(got, sizeof got, f));
+    assert_int_equal(access(out, F_OK), -1); /* written beside its path until the run is over */
+    fputs("1,2\n", t_out);
+    assert_int_equal(exp_close_outputs(&o, 1), 0);
+    assert_null(t_out);
+    first_line(out, got, sizeof got);
     assert_string_equal(got, "a,b\n");
-    fclose(f);
     assert_int_equal(access(csv, F_OK), -1);
+    /* a failed run leaves the earlier file whole */
+    reset(&o, &test_driver);
+    snprintf(line, sizeof line, "--out %s", out);
+    assert_int_equal(parse_line(&o, line, err, sizeof err), 0);
+    fputs("partial", t_out);
+    assert_int_equal(exp_close_outputs(&o, 0), 0);
+    first_line(out, got, sizeof got);
+    assert_string_equal(got, "a,b\n");
     unlink(out);
     reset(&o, &test_driver);
     assert_int_equal(parse_line(&o, "--out /nonexistent-dir/x.csv", err, sizeof err), -1);
     assert_non_null(strstr(err, "--out"));
+    /* an output that cannot be opened takes back those opened before it */
+    reset(&o, &test_driver);
+    snprintf(line, sizeof line, "--out %s --md /nonexistent-dir/x.md", out);
+    assert_int_equal(parse_line(&o, line, err, sizeof err), -1);
+    assert_non_null(strstr(err, "--md"));
+    assert_null(t_out);
+    assert_int_equal(access(out, F_OK), -1);
+    /* two outputs on one path */
+    reset(&o, &test_driver);
+    snprintf(line, sizeof line, "--out %s --md %s", out, out);
+    assert_int_equal(parse_line(&o, line, err, sizeof err), -1);
+    assert_non_null(strstr(err, "--out and --md name the same file"));
+    assert_int_equal(access(out, F_OK), -1);
+    /* a device that is not a regular file is written in place; a failed write fails the run */
+    reset(&o, &test_driver);
+    assert_int_equal(parse_line(&o, "--md /dev/full", err, sizeof err), 0);
+    for (int i = 0; i < 10000; i++)
+        fputs("a line of Markdown that the device has no room for\n", o.md);
+    assert_int_equal(exp_close_outputs(&o, 1), -1);
 }
 
 /* exp_main's loop: every family times every seed, in order, with the session open and the rules at equal sparsity
@@ -762,6 +802,20 @@ static void test_driver_loop(void **state)
     assert_int_equal(nseen, 3);
     char *bad[] = {"exp_test", "--seeds", "-1"};
     assert_int_equal(exp_main(&d, 3, bad), 2);
+    /* the failed run's --csv is not left behind */
+    char csv[256];
+    snprintf(csv, sizeof csv, "%s", tmp_path("loop"));
+    unlink(csv);
+    char *with_csv[] = {"exp_test", "--quiet", "--tokens", "256", "--heads", "1", "--families", "sink,uniform",
+                        "--seeds", "2", "--csv", csv};
+    nseen = 0;
+    assert_int_equal(exp_main(&d, (int)(sizeof with_csv / sizeof with_csv[0]), with_csv), 7);
+    assert_int_equal(access(csv, F_OK), -1);
+    d.each = record_input;
+    nseen = 0;
+    assert_int_equal(exp_main(&d, (int)(sizeof with_csv / sizeof with_csv[0]), with_csv), 0);
+    assert_int_equal(access(csv, F_OK), 0);
+    unlink(csv);
 }
 
 /* Student's t and Welch's test against published values: t quantiles of tables, the incomplete beta's closed forms,
