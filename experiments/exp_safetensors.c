@@ -5,9 +5,12 @@
 #define _POSIX_C_SOURCE 200809L
 #define _FILE_OFFSET_BITS 64
 #include <sys/types.h>
+#include <sys/stat.h>
 #include <ctype.h>
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "exp.h"
 
@@ -218,7 +221,7 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
         return exp_fail(err, err_len, "%s: this reader needs a little-endian host", path);
     FILE *fp = fopen(path, "rb");
     if (!fp)
-        return exp_fail(err, err_len, "%s: cannot open", path);
+        return exp_fail(err, err_len, "%s: cannot open: %s", path, strerror(errno));
     uint8_t len8[8];
     char *hdr = NULL;
     int rc = -1;
@@ -397,10 +400,21 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
     hdr[len++] = '}';
     while (len % 8) /* the data section starts 8-byte aligned; trailing spaces are allowed */
         hdr[len++] = ' ';
-    FILE *fp = fopen(path, "wb");
-    if (!fp) {
+    /* written beside path and renamed at the end, so that a failed or interrupted write leaves the file that was
+     * there (a path that exists and is not a regular file is written in place) */
+    struct stat st;
+    char part[4096 + 32];
+    int in_place = !lstat(path, &st) && !S_ISREG(st.st_mode);
+    if (strlen(path) > 4096) {
         free(hdr);
-        return exp_fail(err, err_len, "%s: cannot create", path);
+        return exp_fail(err, err_len, "%.64s...: path too long", path);
+    }
+    snprintf(part, sizeof part, "%s.part%ld", path, (long)getpid());
+    FILE *fp = fopen(in_place ? path : part, "wb");
+    if (!fp) {
+        int e = errno;
+        free(hdr);
+        return exp_fail(err, err_len, "%s: cannot create: %s", path, strerror(e));
     }
     uint8_t len8[8];
     for (int i = 0; i < 8; i++)
@@ -421,8 +435,16 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
             }
         }
     }
-    if (fclose(fp) || !ok)
-        return exp_fail(err, err_len, "%s: write failed", path);
+    int e = ok ? 0 : errno;
+    if (fclose(fp) && ok)
+        ok = 0, e = errno;
+    if (ok && !in_place && rename(part, path))
+        ok = 0, e = errno;
+    if (!ok) {
+        if (!in_place)
+            unlink(part);
+        return exp_fail(err, err_len, "%s: write failed%s%s", path, e ? ": " : "", e ? strerror(e) : "");
+    }
     return 0;
 }
 

@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -385,6 +387,47 @@ static void test_safetensors_roundtrip(void **state)
         exp_st_close(&f);
         unlink(path);
     }
+}
+
+/* A write that fails part-way (here at a file-size limit) leaves the file that was at the path and no partial file; a
+ * directory that does not exist is refused with the reason. */
+static void test_safetensors_write_fails(void **state)
+{
+    (void)state;
+    static float big[64 * 1024];
+    float small[3] = {1.0f, 2.0f, 3.0f};
+    const char *names[1] = {"x"};
+    int nd[1] = {1};
+    int64_t shape_small[1][8] = {{3}}, shape_big[1][8] = {{64 * 1024}};
+    char err[640], *path = tmp_path("fail"), part[300];
+    snprintf(part, sizeof part, "%s.part%ld", path, (long)getpid());
+    const float *data_small[1] = {small}, *data_big[1] = {big};
+    assert_int_equal(exp_st_write(path, 1, names, data_small, nd, (const int64_t(*)[8])shape_small, SPARGE_F32, NULL,
+                                  err, sizeof err),
+                     0);
+    struct rlimit old, lim;
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = old;
+    lim.rlim_cur = 16384;
+    void (*old_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    int rc = exp_st_write(path, 1, names, data_big, nd, (const int64_t(*)[8])shape_big, SPARGE_F32, NULL, err,
+                          sizeof err);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old), 0);
+    signal(SIGXFSZ, old_handler);
+    assert_int_equal(rc, -1);
+    assert_non_null(strstr(err, "write failed"));
+    assert_int_equal(access(part, F_OK), -1);
+    exp_st_file f;
+    assert_int_equal(exp_st_open(path, &f, err, sizeof err), 0);
+    assert_int_equal(f.count, 1);
+    assert_int_equal(exp_st_find(&f, "x")->shape[0], 3);
+    exp_st_close(&f);
+    unlink(path);
+    assert_int_equal(exp_st_write("/nonexistent-dir/x.safetensors", 1, names, data_small, nd,
+                                  (const int64_t(*)[8])shape_small, SPARGE_F32, NULL, err, sizeof err),
+                     -1);
+    assert_non_null(strstr(err, "No such file or directory"));
 }
 
 /* A file laid out by hand (not by our writer): metadata, odd key order and
@@ -1035,6 +1078,7 @@ int main(void)
         cmocka_unit_test(test_calibration),
         cmocka_unit_test(test_decomposition),
         cmocka_unit_test(test_safetensors_roundtrip),
+        cmocka_unit_test(test_safetensors_write_fails),
         cmocka_unit_test(test_safetensors_handmade),
         cmocka_unit_test(test_load_qkv),
         cmocka_unit_test(test_parse_values),
