@@ -1017,10 +1017,25 @@ static void test_config(void **state)
     assert_non_null(strstr(err, "unknown key"));
     assert_int_equal(tr_config_set(&c, "depth=two", err, sizeof err), -1);
     assert_int_equal(tr_config_set(&c, "loss=l1", err, sizeof err), -1);
+    /* a seed is not negative (it would wrap to 2^64 - 1) */
+    assert_int_equal(tr_config_set(&c, "seed=-1", err, sizeof err), -1);
+    assert_non_null(strstr(err, "seed=-1"));
+    assert_int_equal(tr_config_set(&c, "data_seed=+3", err, sizeof err), -1);
+    assert_true(c.seed == 0 && c.data_seed == 1);
     assert_int_equal(tr_config_check(&c, err, sizeof err), 0);
     c.heads = 5;
     assert_int_equal(tr_config_check(&c, err, sizeof err), -1);
     assert_non_null(strstr(err, "heads"));
+    /* switches are 0 or 1 */
+    static const char *const switches[] = {"device_ops=2", "tf32=-1", "stage_attention=7"};
+    for (size_t i = 0; i < sizeof switches / sizeof switches[0]; i++) {
+        tr_config_defaults(&c);
+        assert_int_equal(tr_config_set(&c, switches[i], err, sizeof err), 0);
+        assert_int_equal(tr_config_check(&c, err, sizeof err), -1);
+        if (!strstr(err, switches[i]))
+            fail_msg("'%s': message '%s' does not name it", switches[i], err);
+    }
+    tr_config_defaults(&c);
     /* the run's record reads back as the same configuration */
     tr_config r, back;
     tr_config_defaults(&r);
@@ -1047,13 +1062,50 @@ static void test_config(void **state)
     assert_int_equal(tr_config_load(&c, cfg, err, sizeof err), -1);
     assert_non_null(strstr(err, ":5:"));
     assert_int_equal(c.frames, 4);
+    /* a key set twice in one file is refused with both lines (overrides after the file still apply in order) */
+    f = fopen(cfg, "w");
+    fprintf(f, "frames = 4\nheight=8\n--frames=6\n");
+    fclose(f);
+    tr_config_defaults(&c);
+    assert_int_equal(tr_config_load(&c, cfg, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":3: frames is already set on line 1"));
+    /* a line too long for the reader is refused, not split */
+    f = fopen(cfg, "w");
+    fprintf(f, "tag = ");
+    for (int i = 0; i < 1100; i++)
+        fputc('x', f);
+    fprintf(f, "\nframes = 2\n");
+    fclose(f);
+    tr_config_defaults(&c);
+    assert_int_equal(tr_config_load(&c, cfg, err, sizeof err), -1);
+    assert_non_null(strstr(err, ":1: line longer than"));
     unlink(cfg);
+    assert_int_equal(tr_config_load(&c, cfg, err, sizeof err), -1);
+    assert_non_null(strstr(err, "No such file or directory"));
+}
+
+/* A checkpoint path that cannot be written is refused before the first step, and leaves nothing behind. */
+static void test_unwritable_out(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    char err[512], *dir = temp_dir();
+    c.steps = 3;
+    snprintf(c.out, sizeof c.out, "/nonexistent-dir/out.safetensors");
+    snprintf(c.log, sizeof c.log, "%s/log.csv", dir);
+    assert_int_equal(tr_train(&c, err, sizeof err), -1);
+    assert_non_null(strstr(err, "out=/nonexistent-dir/out.safetensors"));
+    assert_non_null(strstr(err, "No such file or directory"));
+    assert_int_equal(access(c.log, F_OK), -1); /* no step ran */
+    rmdir(dir);
+    free(dir);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config),
+        cmocka_unit_test(test_unwritable_out),
         cmocka_unit_test(test_data),
         cmocka_unit_test(test_gradient_dense),
         cmocka_unit_test(test_gradient_hybrid_mask),

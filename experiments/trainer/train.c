@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "exp.h"
 #include "trainer.h"
@@ -90,22 +91,35 @@ static char *trim(char *s)
     return s;
 }
 
-int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_len)
+enum { NKEYS = sizeof KEYS / sizeof KEYS[0] };
+
+/* Splits "key = value" (leading dashes allowed) in buf into its trimmed key and value; the index of the key in KEYS,
+ * -1 for none, -2 when there is no '='. */
+static int split_assignment(char *buf, char **key, char **val)
 {
-    char buf[1024];
-    snprintf(buf, sizeof buf, "%s", assignment);
     char *s = buf;
     while (*s == '-')
         s++;
     char *eq = strchr(s, '=');
     if (!eq)
-        return exp_fail(err, err_len, "'%s' is not key=value", assignment);
+        return -2;
     *eq = 0;
-    char *key = trim(s), *val = trim(eq + 1);
-    for (size_t i = 0; i < sizeof KEYS / sizeof KEYS[0]; i++) {
+    *key = trim(s), *val = trim(eq + 1);
+    for (int i = 0; i < NKEYS; i++)
+        if (!strcmp(KEYS[i].name, *key))
+            return i;
+    return -1;
+}
+
+int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_len)
+{
+    char buf[1024], *key = NULL, *val = NULL;
+    snprintf(buf, sizeof buf, "%s", assignment);
+    int i = split_assignment(buf, &key, &val);
+    if (i == -2)
+        return exp_fail(err, err_len, "'%s' is not key=value", assignment);
+    if (i >= 0) {
         const key_def *k = &KEYS[i];
-        if (strcmp(k->name, key))
-            continue;
         char *field = (char *)c + k->offset, *end = NULL;
         errno = 0;
         switch (k->kind) {
@@ -125,7 +139,7 @@ int tr_config_set(tr_config *c, const char *assignment, char *err, size_t err_le
         }
         case K_U64: {
             unsigned long long v = strtoull(val, &end, 10);
-            if (*val == 0 || *end || errno)
+            if (*val == 0 || *val == '-' || *val == '+' || *end || errno)
                 return exp_fail(err, err_len, "%s=%s: not an unsigned integer", key, val);
             *(uint64_t *)field = v;
             return 0;
@@ -176,21 +190,34 @@ int tr_config_load(tr_config *c, const char *path, char *err, size_t err_len)
 {
     FILE *f = fopen(path, "r");
     if (!f)
-        return exp_fail(err, err_len, "%s: cannot open", path);
-    char line[1024], msg[768];
-    int lineno = 0;
+        return exp_fail(err, err_len, "%s: cannot open: %s", path, strerror(errno));
+    char line[1024], msg[768], buf[1024], *key, *val;
+    int lineno = 0, set_on[NKEYS] = {0}; /* the line that set each key */
     while (fgets(line, sizeof line, f)) {
         lineno++;
+        size_t len = strlen(line);
+        if (len == sizeof line - 1 && line[len - 1] != '\n' && !feof(f)) {
+            fclose(f);
+            return exp_fail(err, err_len, "%s:%d: line longer than %zu characters", path, lineno, sizeof line - 2);
+        }
         char *hash = strchr(line, '#');
         if (hash)
             *hash = 0;
         char *s = trim(line);
         if (!*s)
             continue;
+        snprintf(buf, sizeof buf, "%s", s);
+        int k = split_assignment(buf, &key, &val);
+        if (k >= 0 && set_on[k]) {
+            fclose(f);
+            return exp_fail(err, err_len, "%s:%d: %s is already set on line %d", path, lineno, key, set_on[k]);
+        }
         if (tr_config_set(c, s, msg, sizeof msg)) {
             fclose(f);
             return exp_fail(err, err_len, "%s:%d: %s", path, lineno, msg);
         }
+        if (k >= 0)
+            set_on[k] = lineno;
     }
     fclose(f);
     return 0;
@@ -229,6 +256,13 @@ int tr_config_check(const tr_config *c, char *err, size_t err_len)
         return exp_fail(err, err_len, "lr >= 0, beta1/beta2 in [0, 1), adam_eps > 0");
     if (c->time_limit < 0 || c->ckpt_shard_mib < 0 || (c->save_optimizer != 0 && c->save_optimizer != 1))
         return exp_fail(err, err_len, "time_limit >= 0, ckpt_shard_mib >= 0, save_optimizer 0 or 1");
+    const struct {
+        const char *name;
+        int value;
+    } flags[] = {{"device_ops", c->device_ops}, {"tf32", c->tf32}, {"stage_attention", c->stage_attention}};
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
+        if (flags[i].value != 0 && flags[i].value != 1)
+            return exp_fail(err, err_len, "%s=%d: must be 0 or 1", flags[i].name, flags[i].value);
     if (!(c->target_sparsity >= 0 && c->target_sparsity < 1) || c->calib_iters < 1 || c->calib_iters > 60)
         return exp_fail(err, err_len, "target_sparsity=%g calib_iters=%d: in [0, 1) and [1, 60]", c->target_sparsity,
                         c->calib_iters);
@@ -675,9 +709,23 @@ static void print_record(const tr_config *cfg)
     free(line);
 }
 
+/* Whether a file can be created at path: one beside it is created and removed, so that a run learns at its start, not
+ * after its last step, that its checkpoint cannot be written. */
+static int check_writable(const char *key, const char *path, char *err, size_t err_len)
+{
+    char probe[sizeof ((tr_config *)0)->out + 32];
+    snprintf(probe, sizeof probe, "%s.part%ld", path, (long)getpid());
+    FILE *f = fopen(probe, "wb");
+    if (!f)
+        return exp_fail(err, err_len, "%s=%s: cannot write there: %s", key, path, strerror(errno));
+    fclose(f);
+    unlink(probe);
+    return 0;
+}
+
 int tr_train(const tr_config *cfg, char *err, size_t err_len)
 {
-    if (tr_config_check(cfg, err, err_len))
+    if (tr_config_check(cfg, err, err_len) || (cfg->out[0] && check_writable("out", cfg->out, err, err_len)))
         return -1;
     if (cfg->loss == TR_LOSS_VD && !cfg->teacher[0] && !cfg->init[0])
         return exp_fail(err, err_len,
