@@ -42,6 +42,11 @@ state='' to=$here/.gpu-carry out='' budget=540 debs='' from=''
 declare -A plan_opt=()
 while [ $# -gt 0 ]; do
     case $1 in
+    --state|--to|--out|--budget|--debs|--from|--teachers|--seeds|--sparsities|--ft-steps|--min-steps|--max-steps|\
+        --window|--tol)
+        [ $# -ge 2 ] || { echo "gpu_train.sh: $1 needs a value (see --help)" >&2; exit 2; } ;;
+    esac
+    case $1 in
     --state) state=$2; shift 2 ;;
     --to) to=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
@@ -49,13 +54,36 @@ while [ $# -gt 0 ]; do
     --debs) debs=$2; shift 2 ;;
     --from) from=$2; shift 2 ;;
     --teachers|--seeds|--sparsities|--ft-steps|--min-steps|--max-steps|--window|--tol) plan_opt[${1#--}]=$2; shift 2 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-case $cmd in status|stage|next|absorb|tables) ;; -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+case $cmd in status|stage|next|absorb|tables) ;; -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
 *) echo "gpu_train.sh: the first argument is status, stage, next, absorb or tables (see --help)" >&2; exit 2 ;; esac
 [ -n "$state" ] || { echo "gpu_train.sh: --state DIR is needed" >&2; exit 2; }
+case $budget in '' | *[!0-9]*) echo "gpu_train.sh: --budget takes whole seconds, not '$budget'" >&2; exit 2 ;; esac
+# plan_error NAME VALUE: what is wrong with a value of plan option NAME, or nothing
+plan_error() {
+    case $1 in
+    teachers|seeds|ft-steps|min-steps|max-steps|window)
+        case $2 in '' | *[!0-9]* | 0*) echo "a whole number >= 1" ;; esac ;;
+    tol) awk -v x="$2" 'BEGIN { exit !(x ~ /^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$/ && x + 0 > 0) }' ||
+        echo "a number > 0" ;;
+    sparsities)
+        awk -v l="$2" 'BEGIN { n = split(l, s, ","); if (!n) exit 1
+                               for (i = 1; i <= n; i++)
+                                   if (!(s[i] ~ /^(0?\.[0-9]+|0)$/ && s[i] + 0 > 0 && s[i] + 0 < 1)) exit 1 }' ||
+            echo "comma-separated block sparsities in (0, 1), e.g. 0.95,0.9" ;;
+    esac
+}
+for k in "${!plan_opt[@]}"; do
+    why=$(plan_error "$k" "${plan_opt[$k]}")
+    [ -z "$why" ] || { echo "gpu_train.sh: --$k takes $why, not '${plan_opt[$k]}'" >&2; exit 2; }
+done
+if [ "${plan_opt[min-steps]:-8000}" -gt "${plan_opt[max-steps]:-30000}" ]; then
+    echo "gpu_train.sh: --min-steps ${plan_opt[min-steps]:-8000} is above --max-steps ${plan_opt[max-steps]:-30000}" >&2
+    exit 2
+fi
 mkdir -p "$state"
 state=$(cd "$state" && pwd)
 # shellcheck source=paper-repro/claims.sh

@@ -8,10 +8,13 @@
 #   --backend NAME  sparge backend for every entry (default cpu; e.g. cuda)
 #   --bindir DIR    where the exp_* drivers are (default: ./experiments if built here, else build them in
 #                   build-repro/, configured --without-cuda --without-hip for CPU runs; CONFIGURE_FLAGS overrides)
-#   --out DIR       results directory (default paper-repro/results, or results/NAME for another backend)
+#   --out DIR       results directory (default paper-repro/results, or results/NAME for another backend;
+#                   with --quick ${TMPDIR:-/tmp}/sparge-repro-quick, so that a smoke test never replaces them)
 #   --only LIST     comma-separated subset of: fig1,table1,sensitivity,decomposition,ablation,speed
 #   --quick         small shapes (a smoke test in seconds; results are not the committed ones)
 #   -- ARGS         passed to every driver (e.g. -- --dtype bf16)
+# An entry's Markdown is written beside its name and renamed when the entry is complete: a failed entry leaves the
+# files of its earlier run as they were.
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,21 +22,38 @@ top=$(cd "$here/.." && pwd)
 backend=cpu
 bindir=
 out=
-only=fig1,table1,sensitivity,decomposition,ablation,speed
+all_entries=fig1,table1,sensitivity,decomposition,ablation,speed
+only=$all_entries
 quick=0
+value() { # FLAG NUMBER-OF-ARGUMENTS-LEFT: FLAG needs a value after it
+    [ "$2" -ge 2 ] || { echo "run.sh: $1 needs a value (see --help)" >&2; exit 2; }
+}
 while [ $# -gt 0 ]; do
     case $1 in
-    --backend) backend=$2; shift 2 ;;
-    --bindir) bindir=$2; shift 2 ;;
-    --out) out=$2; shift 2 ;;
-    --only) only=$2; shift 2 ;;
+    --backend) value "$1" $#; backend=$2; shift 2 ;;
+    --bindir) value "$1" $#; bindir=$2; shift 2 ;;
+    --out) value "$1" $#; out=$2; shift 2 ;;
+    --only) value "$1" $#; only=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 extra="$*"
+[ -n "$backend" ] || { echo "run.sh: --backend needs a name" >&2; exit 2; }
+entries=$(echo "$only" | tr ',' ' ')
+[ -n "$(echo "$only" | tr -d ', ')" ] || { echo "run.sh: --only needs at least one of $all_entries" >&2; exit 2; }
+for entry in $entries; do
+    case ,$all_entries, in
+    *,"$entry",*) ;;
+    *) echo "run.sh: --only: unknown entry '$entry' (entries: $all_entries)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "$bindir" ] && [ ! -d "$bindir" ]; then
+    echo "run.sh: --bindir $bindir: no such directory" >&2
+    exit 2
+fi
 
 if [ -z "$bindir" ]; then
     if [ -x ./experiments/exp_table1 ]; then
@@ -59,6 +79,7 @@ case $backend in
 cpu|cpu-ref) default_out=$here/results ;;
 *) default_out=$here/results/$(echo "$backend" | tr -c 'A-Za-z0-9_\n-' '_') ;;
 esac
+[ "$quick" = 0 ] || default_out=${TMPDIR:-/tmp}/sparge-repro-quick
 out=${out:-$default_out}
 mkdir -p "$out"
 
@@ -101,6 +122,8 @@ families_of() { # the input names of a driver's CSV (first column), in order, sp
 commit=$(git -C "$top" rev-parse --short HEAD 2>/dev/null || echo unknown)
 cpu_model=$(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo 2>/dev/null | head -n1)
 machine="$(uname -m), $(nproc 2>/dev/null || echo '?') cores${cpu_model:+, $cpu_model}"
+part= # the Markdown file of the entry being written; removed if the script stops before the entry is complete
+trap '[ -z "$part" ] || rm -f "$part"' EXIT
 header() { # file, title, paper's claim, command
     {
         echo "# $2"
@@ -115,7 +138,6 @@ header() { # file, title, paper's claim, command
     } >"$1"
 }
 
-entries=$(echo "$only" | tr ',' ' ')
 count=$(echo "$entries" | wc -w)
 step=0
 t_all=$(date +%s)
@@ -123,16 +145,23 @@ for entry in $entries; do
     step=$((step + 1))
     t0=$(date +%s)
     case $entry in
+    fig1) md=fig1_failure.md ;;
+    table1) md=table1.md ;;
+    sensitivity) md=table1_sensitivity.md ;;
+    *) md=$entry.md ;;
+    esac
+    part=$out/$md.part$$
+    case $entry in
     fig1)
         echo "== [$step/$count] Fig. 1: where Top-k and Top-p fail (per-row kept mass, kept blocks, output error)"
         cmd="exp_failure --backend $backend $common $extra"
         claim="Paper: Top-k keeps too little mass on near-uniform rows; Top-p keeps only the sink on sink-dominated"
         claim="$claim rows (a row [0.6, 0.2, 0.1, …] at p = 0.6 keeps 1 block); the hybrid avoids both."
-        header "$out/fig1_failure.md" "Fig. 1 — Top-k and Top-p failure analysis" "$claim" \
+        header "$part" "Fig. 1 — Top-k and Top-p failure analysis" "$claim" \
             "$cmd --csv fig1_failure.csv --rows-csv fig1_failure_rows.csv"
         # shellcheck disable=SC2086
         "$bindir/exp_failure" --backend "$backend" $common $extra --csv "$out/fig1_failure.csv" \
-            --rows-csv "$out/fig1_failure_rows.csv" >>"$out/fig1_failure.md"
+            --rows-csv "$out/fig1_failure_rows.csv" >>"$part"
         plot fig1_failure.gp "$out/fig1_failure.png" "csv='$out/fig1_failure_rows.csv'; families='$(families_of "$out/fig1_failure.csv")'"
         ;;
     table1)
@@ -145,11 +174,11 @@ for entry in $entries; do
         claim="$claim near-uniform, or with the rows' flatness spread smoothly, Top-k wins at equal sparsity"
         claim="$claim (table1_sensitivity.md), so the match with the paper's uniform margin is a property of this input"
         claim="$claim model, not evidence about the paper's attention. 'video' has no paper number."
-        header "$out/table1.md" "Table 1 — relative L1 error at equal sparsity" "$claim" \
+        header "$part" "Table 1 — relative L1 error at equal sparsity" "$claim" \
             "$cmd --csv table1.csv"
         # shellcheck disable=SC2086
         "$bindir/exp_table1" --backend "$backend" --families uniform,sink,video --seeds "$seeds" $common $extra \
-            --csv "$out/table1.csv" >>"$out/table1.md"
+            --csv "$out/table1.csv" >>"$part"
         # family rule ours paper ours/Top-k paper/Top-k (means over seeds), in the CSV's order
         awk -F, 'NR > 1 { key = $1 " " $3; sum[key] += $10; n[key]++; paper[key] = $12; order[key] = NR; fam[key] = $1 }
                  END { for (k in sum) {
@@ -164,7 +193,7 @@ for entry in $entries; do
         ;;
     sensitivity)
         echo "== [$step/$count] Table 1 sensitivity: orderings under changes of the input model (1 seed each)"
-        f=$out/table1_sensitivity.md
+        f=$part
         claim="Paper orderings (Table 1): uniform — Top-p and hybrid beat Top-k; skewed — Top-k and hybrid beat"
         claim="$claim Top-p. Each row below changes one knob of our input model (experiments/README.md) and re-runs the"
         claim="$claim equal-sparsity comparison; the first row of each family is the default used in table1.md. Each"
@@ -214,11 +243,11 @@ for entry in $entries; do
         claim="$claim O − O_s = (1−α)(μ_dropped − μ_kept), the μ the attention-weighted means of the dropped and kept"
         claim="$claim values. It is an identity, so what is measured is the residual between sparge's outputs and the"
         claim="$claim formula, at the Table 1 masks (equal sparsity)."
-        header "$out/decomposition.md" "Error decomposition of block-sparse attention" "$claim" \
+        header "$part" "Error decomposition of block-sparse attention" "$claim" \
             "$cmd --csv decomposition.csv --tokens-csv decomposition_tokens.csv"
         # shellcheck disable=SC2086
         "$bindir/exp_decomp" --backend "$backend" --stride 256 $common $extra --csv "$out/decomposition.csv" \
-            --tokens-csv "$out/decomposition_tokens.csv" >>"$out/decomposition.md"
+            --tokens-csv "$out/decomposition_tokens.csv" >>"$part"
         plot decomposition.gp "$out/decomposition.png" "csv='$out/decomposition_tokens.csv'; families='$(families_of "$out/decomposition.csv")'"
         ;;
     ablation)
@@ -229,10 +258,10 @@ for entry in $entries; do
         claim="$claim fine-tuning, which needs training — here the arms and an equal-sparsity sweep are scored by the"
         claim="$claim output error of one attention call, one seed per family: a point's ordering within the seed spread"
         claim="$claim of table1.md (÷ Top-k, ± std) is not significant."
-        header "$out/ablation.md" "Mask-rule ablation (training-free error proxy)" "$claim" \
+        header "$part" "Mask-rule ablation (training-free error proxy)" "$claim" \
             "$cmd --csv ablation.csv"
         # shellcheck disable=SC2086
-        "$bindir/exp_ablation" --backend "$backend" $common $extra --csv "$out/ablation.csv" >>"$out/ablation.md"
+        "$bindir/exp_ablation" --backend "$backend" $common $extra --csv "$out/ablation.csv" >>"$part"
         plot ablation.gp "$out/ablation.png" "csv='$out/ablation.csv'; families='$(families_of "$out/ablation.csv")'"
         ;;
     speed)
@@ -241,7 +270,7 @@ for entry in $entries; do
         claim="Paper: 16.2× attention speedup at 95 % sparsity over full attention (RTX 5090). Ours: the same ratio"
         claim="$claim on this machine's backend — different hardware and kernels, so only the shape of the curve is"
         claim="$claim comparable."
-        header "$out/speed.md" "Attention speed against sparsity" "$claim" \
+        header "$part" "Attention speed against sparsity" "$claim" \
             "$cmd --csv speed.csv"
         # On a GPU backend, the peers (SDPA, FlexAttention with the same masks) come from the peer script
         # when python3 has torch with CUDA; the masks go to a scratch directory, not into the results.
@@ -256,7 +285,7 @@ for entry in $entries; do
         esac
         # shellcheck disable=SC2086
         "$bindir/exp_speed" --backend "$backend" $speed_shape $extra --csv "$out/speed.csv" \
-            ${masks:+--export-masks "$masks/mask"} >>"$out/speed.md"
+            ${masks:+--export-masks "$masks/mask"} >>"$part"
         plot speed.gp "$out/speed.png" "csv='$out/speed.csv'; label='$backend'"
         if [ -n "$masks" ]; then
             echo "   peers: experiments/peers/peer_bench.py on the same masks"
@@ -265,7 +294,7 @@ for entry in $entries; do
                 --csv "$out/speed_peers.csv" >"$masks/peers.txt" 2>&1; then
                 { echo; echo "Peers on the same shapes and masks (\`experiments/peers/peer_bench.py\`," \
                       "CSV in speed_peers.csv):"
-                  echo; echo '```'; cat "$masks/peers.txt"; echo '```'; } >>"$out/speed.md"
+                  echo; echo '```'; cat "$masks/peers.txt"; echo '```'; } >>"$part"
             else
                 echo "run.sh: the peer script failed (output below); speed.md has sparge's numbers only" >&2
                 cat "$masks/peers.txt" >&2
@@ -273,8 +302,9 @@ for entry in $entries; do
             rm -rf "$masks"
         fi
         ;;
-    *) echo "run.sh: unknown entry '$entry'" >&2; exit 2 ;;
     esac
+    mv "$part" "$out/$md"
+    part=
     echo "   done in $(($(date +%s) - t0)) s"
 done
 echo "== all entries done in $(($(date +%s) - t_all)) s; results in $out"

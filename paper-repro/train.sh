@@ -31,7 +31,13 @@ here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/.." && pwd)
 bindir= device= device_ops=1 out= only=teacher,table3,table6,table2,discrim seeds=3 jobs=$(nproc 2>/dev/null || echo 1)
 quick=0 tables_only=0 teacher_file= hybrid_k=0.035
+value() { # FLAG NUMBER-OF-ARGUMENTS-LEFT: FLAG needs a value after it
+    [ "$2" -ge 2 ] || { echo "train.sh: $1 needs a value (see --help)" >&2; exit 2; }
+}
 while [ $# -gt 0 ]; do
+    case $1 in
+    --bindir|--device|--device-ops|--out|--only|--seeds|--jobs|--teacher|--hybrid-k) value "$1" $# ;;
+    esac
     case $1 in
     --bindir) bindir=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
@@ -45,7 +51,7 @@ while [ $# -gt 0 ]; do
     --quick) quick=1; shift ;;
     --tables-only) tables_only=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
     *) echo "train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -54,9 +60,19 @@ for kv in "${overrides[@]}"; do
     case $kv in *=*) ;; *) echo "train.sh: '$kv' after -- is not KEY=VALUE" >&2; exit 2 ;; esac
 done
 [ -z "$teacher_file" ] || [ -f "$teacher_file" ] || { echo "train.sh: --teacher $teacher_file: no such file" >&2; exit 2; }
-case $seeds$jobs in *[!0-9]*) echo "train.sh: --seeds and --jobs take positive integers" >&2; exit 2 ;; esac
+case $seeds in '' | *[!0-9]*) echo "train.sh: --seeds takes a positive integer, not '$seeds'" >&2; exit 2 ;; esac
+case $jobs in '' | *[!0-9]*) echo "train.sh: --jobs takes a positive integer, not '$jobs'" >&2; exit 2 ;; esac
+[ "$seeds" -ge 1 ] || { echo "train.sh: --seeds must be >= 1" >&2; exit 2; }
+[ "$jobs" -ge 1 ] || { echo "train.sh: --jobs must be >= 1" >&2; exit 2; }
 case $device_ops in 0|1) ;; *) echo "train.sh: --device-ops takes 0 or 1" >&2; exit 2 ;; esac
-[ "$seeds" -ge 1 ] && [ "$jobs" -ge 1 ] || { echo "train.sh: --seeds and --jobs must be >= 1" >&2; exit 2; }
+# the hybrid's topk= (sparge-train would refuse anything else, but only after the teacher has trained)
+awk -v k="$hybrid_k" 'BEGIN { exit !(k ~ /^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$/ && k + 0 > 0 && k + 0 <= 1) }' ||
+    { echo "train.sh: --hybrid-k takes a number in (0, 1], not '$hybrid_k'" >&2; exit 2; }
+entries=$(echo "$only" | tr ',' ' ')
+[ -n "$(echo "$only" | tr -d ', ')" ] || { echo "train.sh: --only needs at least one of teacher,table3,table6,table2,discrim" >&2; exit 2; }
+for entry in $entries; do
+    case $entry in teacher|table3|table6|table2|discrim) ;; *) echo "train.sh: --only: unknown entry '$entry'" >&2; exit 2 ;; esac
+done
 
 if [ -z "$bindir" ]; then
     if [ -x ./experiments/trainer/sparge-train ]; then
@@ -288,10 +304,6 @@ Here: the same Top-p (p = $table2_p) applied to the teacher and to the models fi
 
 # ---------------------------------------------------------------- entries
 
-entries=$(echo "$only" | tr ',' ' ')
-for entry in $entries; do
-    case $entry in teacher|table3|table6|table2|discrim) ;; *) echo "train.sh: unknown entry $entry" >&2; exit 2 ;; esac
-done
 if [ "$tables_only" = 1 ]; then
     for t in table3 table6 table2; do
         case " $entries " in *" $t "*) ;; *) continue ;; esac

@@ -1,0 +1,113 @@
+#!/bin/sh
+# The paper-repro scripts refuse bad invocations before they run anything: each `bad` line must exit with status 2,
+# name the offending flag or value on stderr and leave the output directory it was given without files; `--help` prints
+# the whole header comment and nothing of the code. A failed run.sh entry keeps the files of the entry's earlier run.
+# Run by `make check` with SPARGE_SRCDIR and SPARGE_BUILDDIR set; by hand: tests/script_errors.sh SRCDIR BUILDDIR.
+src=${1:-${SPARGE_SRCDIR:-.}}
+build=${2:-${SPARGE_BUILDDIR:-.}}
+if [ ! -f "$src/paper-repro/run.sh" ]; then
+    echo "script_errors.sh: no paper-repro/run.sh under '$src' (pass the source directory or set SPARGE_SRCDIR)" >&2
+    exit 99
+fi
+command -v bash >/dev/null 2>&1 || { echo "script_errors.sh: train.sh and gpu_train.sh need bash" >&2; exit 77; }
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/sparge-scripts-XXXXXX") || exit 99
+trap 'rm -rf "$tmp"' EXIT
+failed=0
+count=0
+
+fail() {
+    failed=$((failed + 1))
+    printf 'FAIL: %s\n' "$1"
+    sed 's/^/    | /' "$tmp/err" | head -n 5
+}
+
+# bad WORD SHELL SCRIPT ARGS...: status 2, WORD in the message, nothing in $tmp/out.
+bad() {
+    word=$1 sh=$2 script=$3
+    shift 3
+    count=$((count + 1))
+    rm -rf "$tmp/out"
+    mkdir "$tmp/out"
+    $sh "$src/paper-repro/$script" "$@" >"$tmp/stdout" 2>"$tmp/err" </dev/null
+    status=$?
+    what="$script $*"
+    if [ "$status" -ne 2 ]; then
+        fail "$what exited $status, not 2"
+    elif ! grep -qF -- "$word" "$tmp/err"; then
+        fail "$what exited 2 but its message does not name '$word'"
+    elif [ -n "$(ls -A "$tmp/out")" ]; then
+        fail "$what exited 2 but wrote $(ls -A "$tmp/out" | head -n 3 | tr '\n' ' ')"
+    else
+        echo "ok: $what -> 2: $(head -n 1 "$tmp/err")"
+    fi
+}
+
+# help SHELL SCRIPT LAST-WORDS: --help exits 0 with the header up to its last line and no line of code.
+help() {
+    count=$((count + 1))
+    $1 "$src/paper-repro/$2" --help >"$tmp/stdout" 2>"$tmp/err"
+    status=$?
+    if [ "$status" -ne 0 ]; then
+        fail "$2 --help exited $status"
+    elif grep -q '^set ' "$tmp/stdout"; then
+        fail "$2 --help prints the script's code"
+    elif ! tail -n 1 "$tmp/stdout" | grep -qF -- "$3"; then
+        fail "$2 --help does not end with '$3' (cut short?)"
+    else
+        echo "ok: $2 --help"
+    fi
+}
+
+o=$tmp/out
+help sh run.sh "as they were."
+bad --out sh run.sh --out
+bad --bogus sh run.sh --bogus --out "$o"
+bad "'bogus'" sh run.sh --only fig1,bogus --out "$o"
+bad --only sh run.sh --only , --out "$o"
+bad --bindir sh run.sh --bindir "$tmp/none" --out "$o"
+
+help bash train.sh "(e.g. block_k=8)"
+bad --seeds bash train.sh --out "$o" --seeds
+bad --seeds bash train.sh --out "$o" --seeds 0
+bad --jobs bash train.sh --out "$o" --jobs x
+bad --hybrid-k bash train.sh --out "$o" --hybrid-k 2
+bad --hybrid-k bash train.sh --out "$o" --hybrid-k abc
+bad "'x'" bash train.sh --out "$o" --only teacher,x
+bad --device-ops bash train.sh --out "$o" --device-ops 3
+bad --only bash train.sh --out "$o" --only ,
+
+help bash gpu_train.sh "one has been timed)."
+bad --state bash gpu_train.sh status --state
+bad --budget bash gpu_train.sh status --state "$o" --budget abc
+bad --teachers bash gpu_train.sh status --state "$o" --teachers x
+bad --sparsities bash gpu_train.sh status --state "$o" --sparsities 95
+bad --tol bash gpu_train.sh status --state "$o" --tol foo
+bad --min-steps bash gpu_train.sh status --state "$o" --min-steps 500 --max-steps 400
+# a refused plan is not fixed in the state: the corrected call takes its options
+count=$((count + 1))
+rm -rf "$o"
+bash "$src/paper-repro/gpu_train.sh" status --state "$o" --teachers x >/dev/null 2>"$tmp/err"
+if bash "$src/paper-repro/gpu_train.sh" status --state "$o" --teachers 2 >"$tmp/stdout" 2>"$tmp/err" &&
+    grep -q '^teachers=2$' "$o/plan.env"; then
+    echo "ok: gpu_train.sh status after a refused plan takes the corrected one"
+else
+    fail "gpu_train.sh status after a refused --teachers x does not take --teachers 2"
+fi
+
+# run.sh: an entry whose driver fails leaves the entry's earlier Markdown as it was, and no partial file
+if [ -x "$build/experiments/exp_table1" ]; then
+    count=$((count + 1))
+    rm -rf "$o"
+    if sh "$src/paper-repro/run.sh" --quick --only table1 --bindir "$build/experiments" --out "$o" >/dev/null 2>&1 &&
+        cp "$o/table1.md" "$tmp/before.md" &&
+        ! sh "$src/paper-repro/run.sh" --quick --only table1 --bindir "$build/experiments" --out "$o" -- --dtype f64 \
+            >/dev/null 2>"$tmp/err" &&
+        cmp -s "$o/table1.md" "$tmp/before.md" && [ -z "$(ls "$o" | grep '\.part')" ]; then
+        echo "ok: run.sh keeps table1.md when the entry fails"
+    else
+        fail "run.sh: a failed table1 entry changed table1.md or left a partial file"
+    fi
+fi
+
+echo "$((count - failed)) of $count checks passed"
+[ "$failed" -eq 0 ]
