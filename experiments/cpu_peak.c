@@ -4,6 +4,7 @@
  * Usage: cpu_peak [seconds per measurement, default 0.5] */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -114,10 +115,24 @@ static int cmp_double(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
-    double seconds = argc > 1 ? atof(argv[1]) : 0.5;
-    if (!(seconds > 0.0)) {
-        fprintf(stderr, "usage: %s [seconds per measurement > 0]\n", argv[0]);
+    static const char usage[] = "usage: %s [SECONDS]\nThe f32 FMA peak of every SIMD tier on one thread and on all: "
+                                "the median of 5 measurements of SECONDS each (a number in (0, 60], default 0.5).\n";
+    if (argc == 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+        printf(usage, argv[0]);
+        return 0;
+    }
+    double seconds = 0.5;
+    if (argc > 2) {
+        fprintf(stderr, usage, argv[0]);
         return 2;
+    }
+    if (argc == 2) {
+        char *end;
+        seconds = strtod(argv[1], &end);
+        if (end == argv[1] || *end || !(seconds > 0.0 && seconds <= 60.0)) {
+            fprintf(stderr, "%s: SECONDS wants a number in (0, 60], not '%s'\n", argv[0], argv[1]);
+            return 2;
+        }
     }
     tier tiers[3];
     int n = 0;

@@ -1,7 +1,7 @@
 #!/bin/sh
-# The paper-repro scripts refuse bad invocations before they run anything: each `bad` line must exit with status 2,
-# name the offending flag or value on stderr and leave the output directory it was given without files; `--help` prints
-# the whole header comment and nothing of the code. A failed run.sh entry keeps the files of the entry's earlier run.
+# The paper-repro scripts (and experiments/cpu_peak) refuse bad invocations before they run anything: each `bad` line
+# must exit with status 2, name the offending flag or value on stderr and leave the output directory it was given
+# without files; `--help` prints the whole header comment and nothing of the code. A failed run.sh entry keeps the files of the entry's earlier run.
 # Run by `make check` with SPARGE_SRCDIR and SPARGE_BUILDDIR set; by hand: tests/script_errors.sh SRCDIR BUILDDIR.
 src=${1:-${SPARGE_SRCDIR:-.}}
 build=${2:-${SPARGE_BUILDDIR:-.}}
@@ -106,6 +106,28 @@ if [ -x "$build/experiments/exp_table1" ]; then
         echo "ok: run.sh keeps table1.md when the entry fails"
     else
         fail "run.sh: a failed table1 entry changed table1.md or left a partial file"
+    fi
+fi
+
+# experiments/cpu_peak: its one argument is a number of seconds in (0, 60] (inf used to run for ever)
+peak=$build/experiments/cpu_peak
+if [ -x "$peak" ]; then
+    if command -v timeout >/dev/null 2>&1; then to="timeout 30"; else to=; fi
+    for a in 1e400 abc 5x 0; do
+        count=$((count + 1))
+        $to "$peak" "$a" >/dev/null 2>"$tmp/err"
+        status=$?
+        if [ "$status" -eq 2 ] && grep -qF "'$a'" "$tmp/err"; then
+            echo "ok: cpu_peak $a -> 2: $(head -n 1 "$tmp/err")"
+        else
+            fail "cpu_peak $a exited $status, not 2 with '$a' named"
+        fi
+    done
+    count=$((count + 1))
+    if "$peak" --help >"$tmp/stdout" 2>"$tmp/err" && grep -q '^usage' "$tmp/stdout"; then
+        echo "ok: cpu_peak --help"
+    else
+        fail "cpu_peak --help does not exit 0 with its usage"
     fi
 fi
 
