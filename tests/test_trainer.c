@@ -1084,6 +1084,58 @@ static void test_config(void **state)
     assert_non_null(strstr(err, "No such file or directory"));
 }
 
+/* The steps of a loss log (its first column) in order into steps[]; returns how many, -1 without the header line. */
+static int log_steps(const char *path, long long *steps, int cap)
+{
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    int n = 0;
+    if (!f || !fgets(line, sizeof line, f) || strncmp(line, "step,loss,", 10)) {
+        if (f)
+            fclose(f);
+        return -1;
+    }
+    while (n < cap && fgets(line, sizeof line, f))
+        steps[n++] = atoll(line);
+    fclose(f);
+    return n;
+}
+
+/* A resumed run's loss log: the rows of the steps after the checkpoint are those of the resumed run, once (a run
+ * stopped after its checkpoint had logged a step that runs again), and a new log file gets its header. */
+static void test_resume_log(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.log_every = 100;
+    char err[512], ckpt[256], logp[256], fresh[256], *dir = temp_dir();
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt.safetensors", dir);
+    snprintf(logp, sizeof logp, "%s/log.csv", dir);
+    snprintf(fresh, sizeof fresh, "%s/fresh.csv", dir);
+    c.steps = 3;
+    snprintf(c.out, sizeof c.out, "%s", ckpt);
+    snprintf(c.log, sizeof c.log, "%s", logp);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    FILE *f = fopen(logp, "a"); /* the row of a step the stopped run logged after its checkpoint */
+    fprintf(f, "4,1.0,1.0,0.0003,0.000000,1.0,1.0,1.0,1.0,1.0\n");
+    fclose(f);
+    c.steps = 5;
+    snprintf(c.resume, sizeof c.resume, "%s", ckpt);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    long long steps[8];
+    assert_int_equal(log_steps(logp, steps, 8), 5);
+    for (int i = 0; i < 5; i++)
+        assert_int_equal(steps[i], i + 1);
+    c.steps = 6;
+    snprintf(c.log, sizeof c.log, "%s", fresh);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    assert_int_equal(log_steps(fresh, steps, 8), 1);
+    assert_int_equal(steps[0], 6);
+    unlink(ckpt), unlink(logp), unlink(fresh);
+    rmdir(dir);
+    free(dir);
+}
+
 /* A checkpoint path that cannot be written is refused before the first step, and leaves nothing behind. */
 static void test_unwritable_out(void **state)
 {
@@ -1106,6 +1158,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_unwritable_out),
+        cmocka_unit_test(test_resume_log),
         cmocka_unit_test(test_data),
         cmocka_unit_test(test_gradient_dense),
         cmocka_unit_test(test_gradient_hybrid_mask),

@@ -723,6 +723,40 @@ static int check_writable(const char *key, const char *path, char *err, size_t e
     return 0;
 }
 
+/* The loss log, open for the rows after step `resumed` (0: a new run). A resumed run keeps the rows of the steps up to
+ * its checkpoint's and drops later ones (a run stopped after its last checkpoint logged steps that run again), and the
+ * log starts with its header whether or not the file existed. NULL with the message in err. */
+static FILE *open_log(const char *path, int64_t resumed, char *err, size_t err_len)
+{
+    static const char header[] = "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s,gemm_ms,other_ms\n";
+    char part[sizeof((tr_config *)0)->log + 32];
+    snprintf(part, sizeof part, "%s.part%ld", path, (long)getpid());
+    FILE *old = resumed ? fopen(path, "r") : NULL, *f = fopen(part, "w");
+    if (!f) {
+        exp_fail(err, err_len, "log=%s: cannot write there: %s", path, strerror(errno));
+        if (old)
+            fclose(old);
+        return NULL;
+    }
+    fputs(header, f);
+    char line[1024];
+    while (old && fgets(line, sizeof line, old)) {
+        char *end;
+        long long step = strtoll(line, &end, 10);
+        if (end != line && *end == ',' && step >= 1 && step <= resumed)
+            fputs(line, f);
+    }
+    if (old)
+        fclose(old);
+    if (fflush(f) || ferror(f) || rename(part, path)) {
+        exp_fail(err, err_len, "log=%s: cannot write there: %s", path, strerror(errno));
+        fclose(f);
+        unlink(part);
+        return NULL;
+    }
+    return f;
+}
+
 int tr_train(const tr_config *cfg, char *err, size_t err_len)
 {
     if (tr_config_check(cfg, err, err_len) || (cfg->out[0] && check_writable("out", cfg->out, err, err_len)))
@@ -776,15 +810,8 @@ int tr_train(const tr_config *cfg, char *err, size_t err_len)
     }
     if (opt.step < cfg->steps)
         make_train_batch(cfg, d, opt.step, &batch[opt.step & 1]);
-    if (cfg->log[0]) {
-        log = fopen(cfg->log, opt.step ? "a" : "w");
-        if (!log) {
-            exp_fail(err, err_len, "%s: cannot open the log", cfg->log);
-            goto out;
-        }
-        if (!opt.step)
-            fprintf(log, "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s,gemm_ms,other_ms\n");
-    }
+    if (cfg->log[0] && !(log = open_log(cfg->log, opt.step, err, err_len)))
+        goto out;
     print_record(cfg);
     fprintf(stderr, "sparge-train: %zu parameters, %d tokens, attn=%s (%s) loss=%s data=%s device=%s (%s), ops=%s%s\n",
             tr_model_num_params(student), d->N, tr_attn_mode_name(cfg->attn), cfg->attn_dtype,
