@@ -294,6 +294,22 @@ static int run(exp_opts *o)
             return 1;
         } else
             metrics[nmetrics++] = m;
+    /* the columns that claims and sanity checks name are in the table (an arm may be missing: runs not done yet) */
+    for (int i = 0; i < nclaims; i++)
+        if (column(&r, claims[i].metric) < 0) {
+            fprintf(stderr, "exp_stats: --claim '%s': %s has no column '%s'\n", claims[i].text, in_path,
+                    claims[i].metric);
+            free(r.v);
+            return 1;
+        }
+    for (int i = 0; i < nchecks; i++)
+        for (int k = 0; k < 2; k++)
+            if (column(&r, k ? checks[i].real : checks[i].metric) < 0) {
+                fprintf(stderr, "exp_stats: --sanity %s:%s: %s has no column '%s'\n", checks[i].metric, checks[i].real,
+                        in_path, k ? checks[i].real : checks[i].metric);
+                free(r.v);
+                return 1;
+            }
     int teacher_col = column(&r, "teacher");
     sanity_section(o, &r);
     fprintf(md, "\nMean ± sample std over the runs of each arm (n: seeds%s), 95 %% confidence interval of the mean below "
@@ -352,11 +368,13 @@ static int run(exp_opts *o)
                 int want = c->rel == '<' ? -1 : 1, sign = t.diff < 0 ? -1 : t.diff > 0 ? 1 : 0;
                 verdict = !(t.p < 1 - level) ? "within noise" : sign == want ? "holds" : "opposite";
             }
-            char ma[48], mb[48], d[96], p[32];
-            snprintf(ma, sizeof ma, "%.4g (n %d)", sa.mean, sa.n);
-            snprintf(mb, sizeof mb, "%.4g (n %d)", sb.mean, sb.n);
+            char ma[48], mb[48], d[96], p[32], mean[32];
+            fmt(mean, sizeof mean, sa.mean);
+            snprintf(ma, sizeof ma, "%s (n %d)", mean, sa.n);
+            fmt(mean, sizeof mean, sb.mean);
+            snprintf(mb, sizeof mb, "%s (n %d)", mean, sb.n);
             if (t.kind == EXP_TEST_NONE)
-                snprintf(d, sizeof d, "%.4g", t.diff);
+                fmt(d, sizeof d, t.diff);
             else
                 snprintf(d, sizeof d, "%.4g [%.4g, %.4g]", t.diff, t.lo, t.hi);
             fmt(p, sizeof p, t.p);

@@ -975,7 +975,33 @@ static void test_stats_driver(void **state)
     assert_non_null(strstr(text, "| good | 3 | 0.51 ± 0.01"));
     assert_non_null(strstr(text, "**uninformative**"));
     assert_null(strstr(text, "| x |")); /* another table's row */
-    unlink(csv), unlink(md), unlink(claims);
+    /* an arm without runs is "not measured", shown without NaNs; a column that a claim or a sanity check names and
+     * the table lacks (a misspelt metric) is an error, and nothing is written */
+    snprintf(cmd, sizeof cmd, "%s --in %s --table t --claim 'loss|good|<|absent|later' --md %s", program, csv, md);
+    free(run_program(cmd));
+    f = fopen(md, "r");
+    assert_non_null(f);
+    n = fread(text, 1, sizeof text - 1, f);
+    text[n] = 0;
+    fclose(f);
+    assert_non_null(strstr(text, "| — (n 0) | — | — | — | not measured |"));
+    assert_null(strstr(text, "nan"));
+    unlink(md);
+    static const char *const misspelt[] = {"--claim 'los|good|<|bad|typo'", "--sanity accuracy:ref_acc",
+                                           "--sanity acc:ref_accuracy"};
+    for (size_t i = 0; i < sizeof misspelt / sizeof misspelt[0]; i++) {
+        snprintf(cmd, sizeof cmd, "%s --quiet --in %s --table t --reference teacher --null null %s --md %s 2>&1",
+                 program, csv, misspelt[i], md);
+        FILE *p = popen(cmd, "r");
+        assert_non_null(p);
+        n = fread(text, 1, sizeof text - 1, p);
+        text[n] = 0;
+        int rc = pclose(p);
+        if (!rc || !strstr(text, "has no column"))
+            fail_msg("%s: status %d, message '%s'", misspelt[i], rc, text);
+        assert_int_equal(access(md, F_OK), -1);
+    }
+    unlink(csv), unlink(claims);
 }
 
 /* Writes Q/K/V of x as a one-file dump with its manifest into dir. */
