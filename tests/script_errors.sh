@@ -1,5 +1,5 @@
 #!/bin/sh
-# The paper-repro scripts (and experiments/cpu_peak) refuse bad invocations before they run anything: each `bad` line
+# The paper-repro scripts (and experiments/cpu_peak and sparge-train) refuse bad invocations before they run anything: each `bad` line
 # must exit with status 2, name the offending flag or value on stderr and leave the output directory it was given
 # without files; `--help` prints the whole header comment and nothing of the code. A failed run.sh entry keeps the files of the entry's earlier run.
 # Run by `make check` with SPARGE_SRCDIR and SPARGE_BUILDDIR set; by hand: tests/script_errors.sh SRCDIR BUILDDIR.
@@ -129,6 +129,37 @@ if [ -x "$peak" ]; then
     else
         fail "cpu_peak --help does not exit 0 with its usage"
     fi
+fi
+
+# sparge-train (built with a CBLAS): --help lists every key; a bad key or value is refused with status 2, an out= that
+# cannot be written with status 1 before the first step
+train=$build/experiments/trainer/sparge-train
+if [ -x "$train" ]; then
+    count=$((count + 1))
+    if "$train" --help >"$tmp/stdout" 2>"$tmp/err" && grep -q 'dump_times=0.1,0.5,0.9' "$tmp/stdout" &&
+        grep -q ' time_limit=0 ' "$tmp/stdout"; then
+        echo "ok: sparge-train --help"
+    else
+        fail "sparge-train --help does not list the keys with their defaults"
+    fi
+    # train_case STATUS WORD ARGS...: sparge-train ARGS exits STATUS naming WORD, before any step
+    train_case() {
+        want=$1 word=$2
+        shift 2
+        count=$((count + 1))
+        "$train" "$@" >/dev/null 2>"$tmp/err"
+        status=$?
+        if [ "$status" -eq "$want" ] && grep -qF -- "$word" "$tmp/err" && ! grep -q '^step ' "$tmp/err"; then
+            echo "ok: sparge-train $* -> $status: $(tail -n 1 "$tmp/err")"
+        else
+            fail "sparge-train $* exited $status (not $want), or ran steps, or did not name '$word'"
+        fi
+    }
+    train_case 2 seed=-1 seed=-1
+    train_case 2 bogus bogus=1
+    train_case 2 "No such file" "$tmp/none.cfg"
+    train_case 2 device_ops device_ops=2
+    train_case 1 "out=$tmp/none/x.safetensors" steps=50 "out=$tmp/none/x.safetensors"
 fi
 
 echo "$((count - failed)) of $count checks passed"

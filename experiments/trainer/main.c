@@ -16,9 +16,23 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             printf("usage: %s [CONFIG.cfg] [key=value ...]\n"
-                   "Trains a small video DiT (rectified flow) with sparge attention; keys in README.md.\n"
-                   "  e.g. %s experiments/trainer/configs/tiny.cfg steps=200 out=teacher.safetensors\n",
-                   argv[0], argv[0]);
+                   "Trains a small video DiT (rectified flow) with sparge attention (mode=train), or with mode=eval\n"
+                   "prints one CSV row of held-out metrics of init=, mode=calibrate the Top-p p for target_sparsity,\n"
+                   "mode=dump every layer's Q/K/V to dump_dir. Arguments apply in order: a config file of\n"
+                   "key = value lines, then key=value overrides. Exit status 2 for a refused argument, 1 for a\n"
+                   "failed run. The keys (experiments/trainer/README.md), with the values the arguments before --help\n"
+                   "left them at (the defaults when there are none):\n",
+                   argv[0]);
+            char keys[16384];
+            tr_config_string(&cfg, keys, sizeof keys);
+            int col = 0;
+            for (char *kv = strtok(keys, " "); kv; kv = strtok(NULL, " ")) {
+                int len = (int)strlen(kv);
+                if (col && col + 1 + len > 100)
+                    printf("\n"), col = 0;
+                col += printf("%s%s", col ? " " : "  ", kv);
+            }
+            printf("\n  e.g. %s experiments/trainer/configs/tiny.cfg steps=200 out=teacher.safetensors\n", argv[0]);
             return 0;
         }
         int rc = strchr(argv[i], '=') ? tr_config_set(&cfg, argv[i], err, sizeof err)
@@ -27,6 +41,10 @@ int main(int argc, char **argv)
             fprintf(stderr, "sparge-train: %s\n", err);
             return 2;
         }
+    }
+    if (tr_config_check(&cfg, err, sizeof err)) {
+        fprintf(stderr, "sparge-train: %s\n", err);
+        return 2;
     }
     if (cfg.mode == TR_MODE_CALIBRATE) {
         double p, sparsity;
