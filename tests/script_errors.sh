@@ -1,7 +1,8 @@
 #!/bin/sh
-# The paper-repro scripts (and experiments/cpu_peak and sparge-train) refuse bad invocations before they run anything: each `bad` line
-# must exit with status 2, name the offending flag or value on stderr and leave the output directory it was given
-# without files; `--help` prints the whole header comment and nothing of the code. A failed run.sh entry keeps the files of the entry's earlier run.
+# The paper-repro scripts (and cpu_peak, exp_speed's --export-masks and sparge-train) refuse bad invocations before
+# they run anything: each `bad` line must exit with status 2, name the offending flag or value on stderr and leave
+# the output directory it was given without files; `--help` prints the whole header comment and nothing of the code.
+# A failed run.sh entry keeps the files of the entry's earlier run.
 # Run by `make check` with SPARGE_SRCDIR and SPARGE_BUILDDIR set; by hand: tests/script_errors.sh SRCDIR BUILDDIR.
 src=${1:-${SPARGE_SRCDIR:-.}}
 build=${2:-${SPARGE_BUILDDIR:-.}}
@@ -128,6 +129,19 @@ if [ -x "$peak" ]; then
         echo "ok: cpu_peak --help"
     else
         fail "cpu_peak --help does not exit 0 with its usage"
+    fi
+fi
+
+# exp_speed: an --export-masks prefix that cannot be written is refused before the timings
+speed=$build/experiments/exp_speed
+if [ -x "$speed" ]; then
+    count=$((count + 1))
+    "$speed" --quiet --tokens 1024 --heads 1 --reps 1 --warmup 0 --export-masks "$tmp/none/m" >"$tmp/stdout" 2>"$tmp/err"
+    status=$?
+    if [ "$status" -eq 2 ] && grep -qF -- --export-masks "$tmp/err" && [ ! -s "$tmp/stdout" ]; then
+        echo "ok: exp_speed --export-masks $tmp/none/m -> 2: $(head -n 1 "$tmp/err")"
+    else
+        fail "exp_speed --export-masks into a missing directory exited $status (not 2) or timed first"
     fi
 fi
 
