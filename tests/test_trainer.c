@@ -438,6 +438,20 @@ static void test_resume_and_distillation(void **state)
     free(a), free(b);
 }
 
+/* Copies file src to dst. */
+static void copy_file(const char *src, const char *dst)
+{
+    FILE *in = fopen(src, "rb"), *out = fopen(dst, "wb");
+    assert_non_null(in);
+    assert_non_null(out);
+    char buf[65536];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, in)) > 0)
+        assert_int_equal(fwrite(buf, 1, n, out), n);
+    fclose(in);
+    assert_int_equal(fclose(out), 0);
+}
+
 /* Checkpoints split into shards and runs stopped by time_limit: 6 steps in one run equal 1 + 1 + 4 steps through
  * sharded checkpoints, bit for bit; weights-only checkpoints (save_optimizer=0) load as init= but not as resume=. */
 static void test_sharded_resume(void **state)
@@ -483,10 +497,24 @@ static void test_sharded_resume(void **state)
     print_message("sharded checkpoint: %d shards of at most 0.02 MiB (%zu parameters with their moments)\n", shards,
                   tr_model_num_params(m));
     assert_true(shards > 1);
+    char kept[1100];
+    snprintf(kept, sizeof kept, "%s/step2-shard1.safetensors", dir);
+    snprintf(shard, sizeof shard, "%s/part-1-of-%d.safetensors", dir, shards);
+    copy_file(shard, kept);
     c.time_limit = 0;
     assert_int_equal(tr_train(&c, err, sizeof err), 0);
     float *a = load_params(&c, full), *b = load_params(&c, part);
     assert_memory_equal(a, b, tr_model_num_params(m) * sizeof(float));
+    /* the step-6 index with the step-2 save's first shard (a save stopped after some shards) is refused */
+    char now[1100];
+    snprintf(now, sizeof now, "%s/step6-shard1.safetensors", dir);
+    copy_file(shard, now);
+    copy_file(kept, shard);
+    assert_int_equal(tr_checkpoint_load(part, m, &opt, err, sizeof err), -1);
+    assert_non_null(strstr(err, "not of the save its index names"));
+    copy_file(now, shard);
+    assert_int_equal(tr_checkpoint_load(part, m, &opt, err, sizeof err), 0);
+    assert_int_equal(opt.step, 6);
     /* weights only */
     tr_config w = c;
     w.save_optimizer = 0, w.ckpt_shard_mib = 0;

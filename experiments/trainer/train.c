@@ -519,13 +519,22 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
         used += bytes, count++;
     }
     first[shards] = n;
+    /* every file of this save carries its id, a hash of what it saves (so that the same state gives the same bytes):
+     * a save interrupted after some of its shards had replaced those of the previous one leaves an index whose
+     * shards do not all carry the index's id, which loading refuses */
+    uint64_t hash = 1469598103934665603ull; /* FNV-1a over the saved values' bytes and the step */
+    const unsigned char *bytes = (const unsigned char *)host;
+    for (size_t b = 0; b < np * sizeof(float) * (opt ? 3 : 1); b++)
+        hash = (hash ^ bytes[b]) * 1099511628211ull;
+    char id[64];
+    snprintf(id, sizeof id, "%016llx-%.0f", (unsigned long long)hash, (double)step);
     char list[4096] = "", file[600];
     for (int i = 0; i < shards; i++) {
         shard_path(path, i + 1, shards, file, sizeof file);
         const char *base = strrchr(file, '/') ? strrchr(file, '/') + 1 : file;
         snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? "," : "", base);
-        snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"shard\":\"%d/%d\"}", model, i + 1,
-                 shards);
+        snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"shard\":\"%d/%d\",\"save\":\"%s\"}",
+                 model, i + 1, shards, id);
         count = first[i + 1] - first[i];
         if (exp_st_write(file, count, names + first[i], data + first[i], ndims + first[i],
                          (const int64_t(*)[8])(shapes + first[i]), SPARGE_F32, meta, err, err_len)) {
@@ -535,8 +544,9 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
     }
     free(first);
     /* the index last: a checkpoint is complete once it names its shards */
-    snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"tag\":\"%s\",\"shards\":\"%s\"}",
-             model, tag, list);
+    snprintf(meta, sizeof meta,
+             "{\"format\":\"sparge-train\",\"model\":\"%s\",\"tag\":\"%s\",\"shards\":\"%s\",\"save\":\"%s\"}", model,
+             tag, list, id);
     rc = exp_st_write(path, 0, NULL, NULL, NULL, NULL, SPARGE_F32, meta, err, err_len);
 out:
     free(host);
@@ -572,6 +582,8 @@ static int ckpt_open(const char *path, ckpt_files *c, char *err, size_t err_len)
         c->f[c->n++] = index; /* one file */
         return 0;
     }
+    char id[64] = "", shard_id[64];
+    int has_id = !exp_st_metadata(&index, "save", id, sizeof id); /* checkpoints written before the ids have none */
     exp_st_close(&index);
     const char *slash = strrchr(path, '/');
     int dir_len = slash ? (int)(slash - path + 1) : 0;
@@ -585,6 +597,11 @@ static int ckpt_open(const char *path, ckpt_files *c, char *err, size_t err_len)
             return -1;
         }
         c->n++;
+        if (has_id && (exp_st_metadata(&c->f[c->n - 1], "save", shard_id, sizeof shard_id) || strcmp(id, shard_id))) {
+            ckpt_close(c);
+            return exp_fail(err, err_len, "%s: shard %s is not of the save its index names (a save that was interrupted?)",
+                            path, name);
+        }
     }
     return c->n ? 0 : exp_fail(err, err_len, "%s: an index that names no shards", path);
 }
