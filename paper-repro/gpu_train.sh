@@ -21,7 +21,8 @@
 #                                                   seconds (default 540) from the start, copy what changed to DIR
 #   gpu_train.sh absorb --state DIR --from DIR      (here) take a chunk's files back into the state
 #   gpu_train.sh tables --state DIR [--out DIR]     (here) tables, statistics and plots of what is done
-#                                                   (default paper-repro/results/gpu)
+#                                                   (default paper-repro/results/gpu), with the drivers of
+#                                                   GPU_TRAIN_BINDIR, the build directory it runs in, or build-repro/
 # Plan options, fixed at the first call on a state (DIR/plan.env): --teachers N (3) --seeds N (3)
 #   --sparsities LIST (0.95,0.9,0.8) --ft-steps N (1000) --min-steps N (8000) --max-steps N (30000)
 #   --window N (4000) --tol X (0.01)
@@ -552,9 +553,17 @@ next_chunk() {
 # ---------------------------------------------------------------- tables (here)
 
 tables() {
-    local res=${out:-$here/results/gpu} bindir=${BINDIR:-$top/build-repro/experiments}
-    expdir=$bindir
-    [ -x "$expdir/exp_stats" ] || { echo "gpu_train.sh: $expdir/exp_stats not found (BINDIR=.../experiments)" >&2; exit 1; }
+    local res=${out:-$here/results/gpu}
+    # the drivers: GPU_TRAIN_BINDIR, else those of the build directory this runs in, else build-repro/'s
+    expdir=${GPU_TRAIN_BINDIR:-}
+    if [ -z "$expdir" ]; then
+        expdir=$top/build-repro/experiments
+        [ ! -x ./experiments/exp_stats ] || expdir=$(pwd)/experiments
+    fi
+    [ -x "$expdir/exp_stats" ] || {
+        echo "gpu_train.sh: $expdir/exp_stats not found (run tables in a build directory or set GPU_TRAIN_BINDIR)" >&2
+        exit 1
+    }
     mkdir -p "$res"
     local t f s first
     for t in table3 table6 table2; do # every eval row of the table, one header
@@ -578,7 +587,7 @@ tables() {
     prov="From the runs in \`$(basename "$state")\` (runs.csv: commit, GPU and seconds of every run; logs/: each run's full
 configuration) of \`paper-repro/gpu_train.sh\` ($(tr '\n' ' ' <"$state/plan.env")), config
 \`$(cat "$state/config.txt" 2>/dev/null || echo experiments/trainer/configs/gpu.cfg)\`; tables written on $(date -u +%Y-%m-%d). Teachers: $(for i in $(seq 1 "$teachers"); do
-        [ -f "$state/t$i/heldout.csv" ] && printf '%s ' "t$i $(tail -n 1 "$state/t$i/heldout.csv" | cut -d, -f1) steps$([ -f "$state/t$i/final.safetensors" ] || echo ' (training)');"; done)"
+        if [ -f "$state/t$i/heldout.csv" ]; then printf '%s ' "t$i $(tail -n 1 "$state/t$i/heldout.csv" | cut -d, -f1) steps$([ -f "$state/t$i/final.safetensors" ] || echo ' (training)');"; fi; done)"
     if [ -f "$res/table3.csv" ]; then
         { echo "# Table 3 at GPU scale"; echo; echo "$PAPER_T3"; echo; echo "$prov"; } >"$res/table3.md"
         stats_table3 "$res/table3.csv" "$res/table3.md"

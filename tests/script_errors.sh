@@ -95,6 +95,20 @@ else
     fail "gpu_train.sh status after a refused --teachers x does not take --teachers 2"
 fi
 
+# gpu_train.sh tables works at any time: here with one teacher's first held-out loss and nothing else done
+if [ -x "$build/experiments/exp_stats" ]; then
+    count=$((count + 1))
+    rm -rf "$o"
+    mkdir -p "$o/state/t1"
+    echo "1000,0.5" >"$o/state/t1/heldout.csv"
+    if GPU_TRAIN_BINDIR=$build/experiments bash "$src/paper-repro/gpu_train.sh" tables --state "$o/state" \
+        --out "$o/res" >"$tmp/stdout" 2>"$tmp/err"; then
+        echo "ok: gpu_train.sh tables before the teachers are done"
+    else
+        fail "gpu_train.sh tables before the teachers are done exited $?"
+    fi
+fi
+
 # run.sh: an entry whose driver fails leaves the entry's earlier Markdown as it was, and no partial file
 if [ -x "$build/experiments/exp_table1" ]; then
     count=$((count + 1))
