@@ -422,9 +422,9 @@ for entry in teacher table3 table6 table2 discrim; do
             echo "\`exp_discrim --dump runs/qkv --topk $topk_only_k --topp $topp_only_p --hybrid $hybrid_k,$hybrid_p --csv discrim.csv --masks discrim_masks.dat\`."
             echo
         } >"$f"
-        "$expdir/exp_discrim" --quiet --dump "$runs/qkv" --backend "$device" --topk "$topk_only_k" \
-            --topp "$topp_only_p" --hybrid "$hybrid_k,$hybrid_p" --csv "$out/discrim.csv" \
-            --masks "$out/discrim_masks.dat" >>"$f"
+        # in DIR with paths relative to it, as the command above says: the Markdown names no path of this machine
+        (cd "$out" && "$expdir/exp_discrim" --quiet --dump runs/qkv --backend "$device" --topk "$topk_only_k" \
+            --topp "$topp_only_p" --hybrid "$hybrid_k,$hybrid_p" --csv discrim.csv --masks discrim_masks.dat) >>"$f"
         plot discrim_profile.gp "$out/discrim_profile.png" "csv='$out/discrim.csv'"
         plot discrim_heads.gp "$out/discrim_heads.png" "csv='$out/discrim.csv'"
         plot discrim_masks.gp "$out/discrim_masks.png" "dat='$out/discrim_masks.dat'"
