@@ -87,11 +87,21 @@ import sys
 import time
 import warnings
 
-import torch
-
-DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+# torch is imported by main() once the options are read, so that --help works where it is missing
+torch = None
+DTYPE_NAMES = ("bf16", "f16", "f32")
+DTYPES = TOLERANCE = None  # by dtype name, and by torch dtype: set with torch
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def import_torch():
+    global torch, DTYPES, TOLERANCE
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError as e:
+        sys.exit(f"peer_bench: PyTorch is needed ({e}); pip install torch, or apt-get install python3-torch")
+    DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
+    TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
 
 def load_mask(prefix):
@@ -490,7 +500,7 @@ def main():
                     help="causal attention, aligned bottom-right (query t attends keys u <= t + Nk - Nq, as flash-attn "
                          "aligns it; Nq = Nk here, so SDPA's is_causal); masks predicted causal")
     ap.add_argument("--D", type=int, default=128, help="head dim (default 128)")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
     ap.add_argument("--block-q", type=int, default=128, help="--levels: mask blocks (default 128 x 64)")
     ap.add_argument("--block-k", type=int, default=64)
     ap.add_argument("--topk", type=float, default=0.03, help="--mask with --sparge: Top-k of the timed prediction")
@@ -509,6 +519,7 @@ def main():
     args = ap.parse_args()
     if args.reps < 1 or args.warmup < 0:
         sys.exit("peer_bench: --reps must be >= 1 and --warmup >= 0")
+    import_torch()
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
