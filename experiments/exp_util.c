@@ -513,8 +513,13 @@ int exp_parse(exp_opts *o, int argc, char **argv, char *err, size_t err_len)
                         k->sink_mass[1]);
     if (!(k->focus[1] > 0.0 && k->focus[1] < 1.0))
         return exp_fail(err, err_len, "%s: --focus wants MASS in (0, 1), not %g", d->name, k->focus[1]);
-    if (o->input)
+    if (o->input) {
+        FILE *f = fopen(o->input, "rb"); /* read by the run; a missing file is a bad command line */
+        if (!f)
+            return exp_fail(err, err_len, "%s: --input %s: cannot open: %s", d->name, o->input, strerror(errno));
+        fclose(f);
         o->families[0] = EXP_FILE, o->nfamilies = 1;
+    }
     apply_knobs(o);
     for (int i = 0; i < n; i++) {
         if (!path[i] || ignored(d, t[i].name))

@@ -11,6 +11,7 @@
  *     one-sample test where one arm has a single row), and a verdict: "holds", "opposite" (significant the other
  *     way), "within noise", or "uninformative metric" (no verdict).
  * --csv writes the claims' rows. */
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -148,7 +149,7 @@ static int read_runs(runs *r)
 {
     FILE *f = fopen(in_path, "r");
     if (!f) {
-        fprintf(stderr, "exp_stats: cannot open --in %s\n", in_path);
+        fprintf(stderr, "exp_stats: --in %s: cannot open: %s\n", in_path, strerror(errno));
         return -1;
     }
     char line[8192], *fields[MAX_COLS];

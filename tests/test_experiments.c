@@ -605,7 +605,7 @@ static void test_parse_values(void **state)
 
     /* a list may be emptied by its word; --input replaces the families whatever the order */
     reset(&o, &test_driver);
-    assert_int_equal(parse_line(&o, "--input x.safetensors --list none --families uniform", err, sizeof err), 0);
+    assert_int_equal(parse_line(&o, "--input /dev/null --list none --families uniform", err, sizeof err), 0);
     assert_int_equal(t_count, 0);
     assert_int_equal(o.nfamilies, 1);
     assert_int_equal(o.families[0], EXP_FILE);
@@ -637,6 +637,7 @@ static void test_parse_refused(void **state)
         {"--tau 0.5,0.1", "--tau"},         {"--focus 0.5,1", "--focus"},     {"--sink-mass 0,0.5", "--sink-mass"},
         {"--topk 0", "--topk"},             {"--len-s 0", "--len-s"},         {"--bogus", "'--bogus'"},
         {"stray", "'stray'"},               {"--int 1 --tokens", "--tokens needs a value"},
+        {"--input /nonexistent-dir/qkv.safetensors", "--input"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         exp_opts o;
