@@ -21,7 +21,7 @@
 #   --jobs N       runs at a time (default: the number of cores; each gets cores/N OpenMP threads)
 #   --teacher FILE use this checkpoint as the teacher instead of training one (copied to DIR/runs)
 #   --hybrid-k K   Top-k fraction of the Table 6 hybrid (default 0.035: 2 of repro.cfg's 64 key blocks)
-#   --quick        tiny config and a few steps: a smoke test in about a minute, not the committed results
+#   --quick        tiny config and a few steps: a smoke test in 1–2 minutes on 2 cores, not the committed results
 #   --tables-only  train and evaluate nothing but the null model: rewrite each table's Markdown (statistics and
 #                  verdicts) from the CSVs in DIR, keeping the provenance lines of the runs
 #   -- KEY=VALUE   sparge-train keys applied to every run after the config (e.g. block_k=8)

@@ -1063,6 +1063,20 @@ static void test_config(void **state)
         if (!strstr(err, switches[i]))
             fail_msg("'%s': message '%s' does not name it", switches[i], err);
     }
+    /* a negative clipping norm; a run stopped by its time limit without a checkpoint to resume from */
+    static const char *const refused[][2] = {{"grad_clip=-1", "grad_clip=-1"}, {"time_limit=60", "out="}};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        tr_config_defaults(&c);
+        assert_int_equal(tr_config_set(&c, refused[i][0], err, sizeof err), 0);
+        assert_int_equal(tr_config_check(&c, err, sizeof err), -1);
+        if (!strstr(err, refused[i][1]))
+            fail_msg("'%s': message '%s' does not say '%s'", refused[i][0], err, refused[i][1]);
+    }
+    tr_config_defaults(&c);
+    assert_int_equal(tr_config_set(&c, "time_limit=60", err, sizeof err), 0);
+    assert_int_equal(tr_config_set(&c, "out=run", err, sizeof err), 0);
+    assert_int_equal(tr_config_set(&c, "grad_clip=0", err, sizeof err), 0);
+    assert_int_equal(tr_config_check(&c, err, sizeof err), 0);
     tr_config_defaults(&c);
     /* the run's record reads back as the same configuration */
     tr_config r, back;

@@ -256,6 +256,12 @@ int tr_config_check(const tr_config *c, char *err, size_t err_len)
         return exp_fail(err, err_len, "lr >= 0, beta1/beta2 in [0, 1), adam_eps > 0");
     if (c->time_limit < 0 || c->ckpt_shard_mib < 0 || (c->save_optimizer != 0 && c->save_optimizer != 1))
         return exp_fail(err, err_len, "time_limit >= 0, ckpt_shard_mib >= 0, save_optimizer 0 or 1");
+    if (c->mode == TR_MODE_TRAIN && c->time_limit > 0 && !c->out[0])
+        return exp_fail(err, err_len, "time_limit=%g stops training early so that resume= can continue it: give "
+                        "out=CKPT, or the steps trained would be lost", c->time_limit);
+    if (!(c->grad_clip >= 0))
+        return exp_fail(err, err_len, "grad_clip=%g: the largest gradient norm kept, >= 0 (0: no clipping)",
+                        c->grad_clip);
     const struct {
         const char *name;
         int value;
