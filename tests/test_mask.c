@@ -75,6 +75,43 @@ static void test_hand_cases(void **state)
     }
 }
 
+/* Top-k alone keeps floor(k·Nkb) blocks for k written as a decimal (docs/DESIGN.md §1.6): k = m/100 over rows of
+ * 1..130 blocks, where k·Nkb in fp64 often lands just below the integer m·Nkb/100 (0.29·100 = 28.999999999999996
+ * must keep 29). The count is the exact floor(m·Nkb/100), at least 1; the row descends, so the kept blocks are
+ * its first ones. */
+static void test_topk_count_decimal_k(void **state)
+{
+    (void)state;
+    enum { MAX_N = 130 };
+    float row[MAX_N];
+    int32_t cnt, idx[MAX_N];
+    for (int t = 0; t < 2; t++) {
+        sparge_device *dev = tu_open_or_null(tiers[t]);
+        assert_non_null(dev);
+        for (int n = 1; n <= MAX_N; n++) {
+            sparge_mask *m;
+            assert_int_equal(sparge_mask_create(dev, 1, 1, 1, n, 1, 1, &m), SPARGE_OK);
+            for (int j = 0; j < n; j++)
+                row[j] = (float)(n - j) / (float)(n * (n + 1) / 2);
+            sparge_tensor map = sparge_tensor_bhnd(row, SPARGE_F32, 1, 1, 1, n);
+            for (int pct = 1; pct <= 100; pct++) {
+                const sparge_mask_params mp = {1, 1, pct / 100.0, 0.0, 0.0f, 0};
+                int want = pct * n / 100;
+                if (want < 1)
+                    want = 1;
+                assert_int_equal(sparge_mask_select(dev, &map, &mp, m), SPARGE_OK);
+                assert_int_equal(sparge_mask_get_csr(m, &cnt, idx, NULL, NULL), SPARGE_OK);
+                if (cnt != want)
+                    fail_msg("%s: k = %.2f over %d blocks keeps %d, not %d", tiers[t], pct / 100.0, n, (int)cnt, want);
+                for (int j = 0; j < want; j++)
+                    assert_int_equal(idx[j], j);
+            }
+            sparge_mask_destroy(m);
+        }
+        sparge_device_close(dev);
+    }
+}
+
 /* 2 heads × 3 query blocks × 4 key blocks with ragged last blocks. */
 static void test_stats_and_transpose(void **state)
 {
@@ -188,7 +225,8 @@ static void test_export(void **state)
 
 int main(void)
 {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_hand_cases), cmocka_unit_test(test_stats_and_transpose),
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_hand_cases), cmocka_unit_test(test_topk_count_decimal_k),
+                                       cmocka_unit_test(test_stats_and_transpose),
                                        cmocka_unit_test(test_row_mass), cmocka_unit_test(test_export)};
     return cmocka_run_group_tests_name("mask", tests, NULL, NULL);
 }
