@@ -1,6 +1,7 @@
 /* Pooling with ragged tails and the pooled map, on both CPU tiers. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "testutil.h"
 
@@ -31,6 +32,35 @@ static void test_pool_ragged(void **state)
     }
 }
 
+/* sparge_tensor_bnhd views memory laid out [B,N,H,D] (docs/DESIGN.md §1.1): x is written in that order by hand,
+ * x = n + 10 d + 100 h + 1000 b, and the means of its ragged blocks come back [B,H,Nqb,D]. */
+static void test_pool_bnhd(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 3, N = 10, D = 5, NB = 3 };
+    static const char *const tiers[] = {"cpu-ref", "cpu"};
+    static const float mean_n[NB] = {1.5f, 5.5f, 8.5f}; /* blocks of 4, 4, 2 rows */
+    float x[B * N * H * D], out[B * H * NB * D];
+    for (int b = 0; b < B; b++)
+        for (int n = 0; n < N; n++)
+            for (int h = 0; h < H; h++)
+                for (int d = 0; d < D; d++)
+                    x[((b * N + n) * H + h) * D + d] = (float)(n + 10 * d + 100 * h + 1000 * b);
+    for (int t = 0; t < 2; t++) {
+        sparge_device *dev = tu_open_or_null(tiers[t]);
+        assert_non_null(dev);
+        sparge_tensor xt = sparge_tensor_bnhd(x, SPARGE_F32, B, H, N, D), ot = sparge_tensor_bhnd(out, SPARGE_F32, B, H, NB, D);
+        assert_int_equal(sparge_pool(dev, &xt, 4, &ot), SPARGE_OK);
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int i = 0; i < NB; i++)
+                    for (int d = 0; d < D; d++)
+                        assert_true(fabsf(out[((b * H + h) * NB + i) * D + d] -
+                                          (mean_n[i] + 10 * d + 100 * h + 1000 * b)) < 1e-3f);
+        sparge_device_close(dev);
+    }
+}
+
 static void test_pooled_map(void **state)
 {
     (void)state;
@@ -44,11 +74,19 @@ static void test_pooled_map(void **state)
     double want[6] = {e0 / z0, 1 / z0, e0 / z0, 1 / z1, e1 / z1, e1 / z1};
     for (int i = 0; i < 6; i++)
         assert_true(fabs(map[i] - want[i]) < 1e-6);
+    /* kbar of another head dim than qbar is refused, the map untouched */
+    float k_d3[3 * 3] = {0};
+    sparge_tensor k3 = sparge_tensor_bhnd(k_d3, SPARGE_F32, 1, 1, 3, 3);
+    memset(map, 0xff, sizeof map);
+    assert_int_equal(sparge_pooled_map(dev, &qt, &k3, 0.5f, &mt), SPARGE_ERR_SHAPE);
+    for (int i = 0; i < 6; i++)
+        assert_true(isnan(map[i]));
     sparge_device_close(dev);
 }
 
 int main(void)
 {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_pool_ragged), cmocka_unit_test(test_pooled_map)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_pool_ragged), cmocka_unit_test(test_pool_bnhd),
+                                       cmocka_unit_test(test_pooled_map)};
     return cmocka_run_group_tests_name("pool", tests, NULL, NULL);
 }
