@@ -148,11 +148,15 @@ static void test_stats_and_transpose(void **state)
         assert_int_equal(ti[0 * 3 + 1], 2);
         assert_int_equal(ti[0 * 3 + 2], -1);
         assert_int_equal(ti[(4 + 3) * 3 + 0], 0); /* head 1, key block 3: query block 0 */
-        /* every row must keep a block */
-        uint8_t bad[24];
-        memcpy(bad, dense, 24);
-        memset(bad + 4, 0, 4);
-        assert_int_equal(sparge_mask_set_dense(m, bad), SPARGE_ERR_INVALID);
+        /* every row must keep a block, the first and the last too; a refused import leaves the selection */
+        uint8_t bad[24], back[24];
+        for (int r = 0; r < 6; r++) {
+            memcpy(bad, dense, 24);
+            memset(bad + 4 * r, 0, 4);
+            assert_int_equal(sparge_mask_set_dense(m, bad), SPARGE_ERR_INVALID);
+            assert_int_equal(sparge_mask_get_dense(m, back), SPARGE_OK);
+            assert_memory_equal(back, dense, 24);
+        }
         sparge_mask_destroy(m);
         sparge_device_close(dev);
     }
