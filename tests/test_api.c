@@ -199,6 +199,9 @@ static void test_mask_bad_input(void **state)
     bad = mp;
     bad.block_q = 32; /* not the mask's blocks */
     EXPECT_FAIL(SPARGE_ERR_MASK, sparge_mask_predict(dev, &qt, &kt, &bad, m));
+    bad = mp;
+    bad.block_k = 16; /* the mask's query blocks, other key blocks */
+    EXPECT_FAIL(SPARGE_ERR_MASK, sparge_mask_predict(dev, &qt, &kt, &bad, m));
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_mask_predict(dev, &qt, &kt, NULL, m));
     assert_int_equal(sparge_mask_predict(dev, &qt, &kt, &mp, m), SPARGE_OK);
     /* a mask built for other shapes */

@@ -152,6 +152,9 @@ static void test_aliasing(void **state)
     UNCHANGED();
     EXPECT(SPARGE_ERR_INVALID, sparge_attention(cpu, &qt, &kt, &vt, NULL, &qt, lse, NULL));
     UNCHANGED();
+    sparge_tensor o_on_last = sparge_tensor_bhnd(v + E - 1, SPARGE_F32, B, H, N, D); /* o's first element is v's last */
+    EXPECT(SPARGE_ERR_INVALID, sparge_attention_forward(cpu, &qt, &kt, &vt, NULL, NULL, &o_on_last, lse));
+    UNCHANGED();
     EXPECT(SPARGE_OK, sparge_attention_forward(cpu, &qt, &kt, &vt, NULL, NULL, &ot, lse));
     memcpy(snapshot, buf, sizeof(float) * 9 * E);
     EXPECT(SPARGE_ERR_INVALID, sparge_attention_backward(cpu, &qt, &kt, &vt, &ot, &dot, lse, NULL, NULL, &dqt, &kt, &dvt));

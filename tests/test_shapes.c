@@ -383,6 +383,8 @@ static void test_bad_layouts(void **state)
     sparge_attn_params causal = {0.0f, 0, 1};
     sparge_tensor k16 = sparge_tensor_bhnd(kb, SPARGE_F32, 1, 2, 16, 8);
     REFUSED(SPARGE_ERR_SHAPE, sparge_attention_forward(ref, &q, &k16, &k16, NULL, &causal, &o, NULL), "Nq <= Nk");
+    sparge_tensor k31 = sparge_tensor_bhnd(kb, SPARGE_F32, 1, 2, 31, 8); /* one key fewer than queries */
+    REFUSED(SPARGE_ERR_SHAPE, sparge_attention_forward(ref, &q, &k31, &k31, NULL, &causal, &o, NULL), "Nq <= Nk");
     for (size_t i = 0; i < sizeof ob / sizeof ob[0]; i++)
         assert_true(isnan(ob[i]));
     /* A causal mask refuses an import that drops a diagonal block or keeps one above the diagonal. */
