@@ -58,6 +58,24 @@ static void test_bf16(void **state)
     assert_true(isnan(sparge_bf16_to_f32(sparge_f32_to_bf16(NAN))));
 }
 
+/* Every f32 NaN, quiet or signalling, whatever its payload and sign, converts to a NaN (docs/DESIGN.md §1.1): a
+ * payload held only in the low 16 bits must not become an infinity in bf16, nor one in the low 13 bits in f16. */
+static void test_nan_payloads_stay_nan(void **state)
+{
+    (void)state;
+    for (uint32_t sign = 0; sign < 2; sign++)
+        for (uint32_t m = 1; m < (1u << 23); m = m * 3 + 1) {
+            const uint32_t bits = sign << 31 | 0x7f800000u | m;
+            float f;
+            memcpy(&f, &bits, 4);
+            assert_true(isnan(f));
+            if (!isnan(sparge_bf16_to_f32(sparge_f32_to_bf16(f))))
+                fail_msg("f32 NaN 0x%08x became bf16 0x%04x", bits, sparge_f32_to_bf16(f));
+            if (!isnan(sparge_f16_to_f32(sparge_f32_to_f16(f))))
+                fail_msg("f32 NaN 0x%08x became f16 0x%04x", bits, sparge_f32_to_f16(f));
+        }
+}
+
 /* The attention's stores round to nearest even like the conversions above (docs/DESIGN.md §1.1). With Q = 0 every
  * score is 0, so O_t is the mean of the two value rows, exact in f32 on both CPU tiers; v1 lies 1..3 units in the
  * last place above v0, so about half the means sit halfway between two storable values. O must hold exactly the
@@ -125,6 +143,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_f16_roundtrip), cmocka_unit_test(test_f16_rounding),
                                        cmocka_unit_test(test_bf16),
+                                       cmocka_unit_test(test_nan_payloads_stay_nan),
                                        cmocka_unit_test(test_attention_stores_round_to_even)};
     return cmocka_run_group_tests_name("half", tests, NULL, NULL);
 }
