@@ -156,6 +156,8 @@ static void test_forward_bad_input(void **state)
     EXPECT_FAIL(SPARGE_ERR_SHAPE, sparge_attention_forward(dev, &qt, &kt, &vt, NULL, NULL, &oh, lse));
     sparge_tensor k16 = sparge_tensor_bhnd(k, SPARGE_F16, B, H, NK, D);
     EXPECT_FAIL(SPARGE_ERR_DTYPE, sparge_attention_forward(dev, &qt, &k16, &vt, NULL, NULL, &ot, lse));
+    sparge_tensor o16 = sparge_tensor_bhnd(o, SPARGE_BF16, B, H, NQ, D); /* an output of another dtype */
+    EXPECT_FAIL(SPARGE_ERR_DTYPE, sparge_attention_forward(dev, &qt, &kt, &vt, NULL, NULL, &o16, lse));
     sparge_tensor badtype = qt;
     badtype.dtype = (sparge_dtype)7;
     EXPECT_FAIL(SPARGE_ERR_DTYPE, sparge_attention_forward(dev, &badtype, &kt, &vt, NULL, NULL, &ot, lse));
