@@ -348,6 +348,48 @@ static void test_reference_definitions(void **state)
 }
 
 /* Refused with a message naming the problem, nothing written. */
+/* A mask predicts again from K with another number of K/V heads or another head dim than its last prediction
+ * (MQA, GQA, plain heads, a smaller D, MQA again): each time its pooled map and selection equal those of a fresh
+ * mask, on both CPU tiers (the pooled means it keeps between predictions must follow K's heads and D). */
+static void test_predict_after_kv_heads_change(void **state)
+{
+    (void)state;
+    enum { H = 4, N = 64, DMAX = 8, BLK = 16, NB = N / BLK, STEPS = 5 };
+    static const char *const tiers[] = {"cpu-ref", "cpu"};
+    static const int64_t hkv[STEPS] = {1, 2, 4, 2, 1}, dims[STEPS] = {8, 8, 8, 4, 8};
+    float q[H * N * DMAX], k[H * N * DMAX], map[H * NB * NB], fresh_map[H * NB * NB];
+    uint8_t dense[H * NB * NB], fresh_dense[H * NB * NB];
+    tu_rng r = {20261207};
+    for (int i = 0; i < H * N * DMAX; i++) {
+        q[i] = (float)tu_normal(&r);
+        k[i] = (float)tu_normal(&r) + (i / DMAX % N < BLK ? 1.5f : 0.0f); /* a sink block: rows are not flat */
+    }
+    for (int t = 0; t < 2; t++) {
+        sparge_device *dev = tu_open_or_null(tiers[t]);
+        assert_non_null(dev);
+        sparge_mask *m, *f;
+        assert_int_equal(sparge_mask_create(dev, 1, H, N, N, BLK, BLK, &m), SPARGE_OK);
+        const sparge_mask_params mp = {BLK, BLK, 0.3, 0.5, 0.0f, 0};
+        for (int c = 0; c < STEPS; c++) {
+            sparge_tensor qt = sparge_tensor_bhnd(q, SPARGE_F32, 1, H, N, dims[c]),
+                          kt = sparge_tensor_bhnd(k, SPARGE_F32, 1, hkv[c], N, dims[c]);
+            assert_int_equal(sparge_mask_predict(dev, &qt, &kt, &mp, m), SPARGE_OK);
+            assert_int_equal(sparge_mask_create(dev, 1, H, N, N, BLK, BLK, &f), SPARGE_OK);
+            assert_int_equal(sparge_mask_predict(dev, &qt, &kt, &mp, f), SPARGE_OK);
+            assert_int_equal(sparge_mask_get_pooled_map(m, map), SPARGE_OK);
+            assert_int_equal(sparge_mask_get_pooled_map(f, fresh_map), SPARGE_OK);
+            assert_int_equal(sparge_mask_get_dense(m, dense), SPARGE_OK);
+            assert_int_equal(sparge_mask_get_dense(f, fresh_dense), SPARGE_OK);
+            if (memcmp(map, fresh_map, sizeof map) || memcmp(dense, fresh_dense, sizeof dense))
+                fail_msg("%s: prediction %d (%lld K heads, D = %lld) differs from a fresh mask's", tiers[t], c,
+                         (long long)hkv[c], (long long)dims[c]);
+            sparge_mask_destroy(f);
+        }
+        sparge_mask_destroy(m);
+        sparge_device_close(dev);
+    }
+}
+
 static void test_bad_layouts(void **state)
 {
     (void)state;
@@ -649,6 +691,7 @@ int main(void)
     if (sparge_device_open("cpu-ref", &ref) != SPARGE_OK)
         return 1;
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_reference_definitions), cmocka_unit_test(test_bad_layouts),
+                                       cmocka_unit_test(test_predict_after_kv_heads_change),
                                        cmocka_unit_test(test_layout_refusals_write_nothing),
                                        cmocka_unit_test(test_attention_given_mask), cmocka_unit_test(test_export_varlen),
                                        cmocka_unit_test(test_devices)};
