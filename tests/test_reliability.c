@@ -116,6 +116,15 @@ static void test_size_overflow(void **state)
     sparge_tensor o = sparge_tensor_bhnd(x, SPARGE_F32, 1, 1, 4, 4);
     EXPECT(SPARGE_ERR_INVALID, sparge_pool(cpu, &t, 64, &o));
     assert_non_null(strstr(sparge_last_error(), "overflow"));
+    /* 2^31 tokens that all read one row (N stride 0): a small span, but N does not fit in int32 */
+    sparge_tensor tall = {x, SPARGE_F32, {1, 1, (int64_t)1 << 31, 4}, {0, 0, 0, 1}};
+    sparge_tensor two = sparge_tensor_bhnd(x + 8, SPARGE_F32, 1, 1, 2, 4);
+    memset(x, 0, 8 * sizeof(float));
+    memset(x + 8, 0xff, 8 * sizeof(float));
+    EXPECT(SPARGE_ERR_OVERFLOW, sparge_pool(cpu, &tall, 1 << 30, &two));
+    assert_non_null(strstr(sparge_last_error(), "int32"));
+    for (int i = 8; i < 16; i++)
+        assert_true(isnan(x[i]));
     sparge_tensor wide = {x, SPARGE_F32, {2, 2, 2, 2}, {(int64_t)1 << 62, 1, 1, 1}};
     assert_int_equal(sparge_tensor_span_bytes(&wide), 0); /* 2^62 · 4 bytes wraps size_t */
     sparge_tensor bad = sparge_tensor_bhnd(x, (sparge_dtype)99, 1, 1, 4, 4);
