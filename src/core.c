@@ -247,6 +247,16 @@ sparge_status sparge_device_supports(sparge_device *dev, const sparge_op_desc *d
         return SPARGE_FAIL(SPARGE_ERR_NULL, "%s: %s is NULL", fn, dev ? "desc" : "device");
     if ((unsigned)d->op >= SPARGE_OP_COUNT)
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: unknown op %d", fn, (int)d->op);
+    if (d->head_dim < 0 || d->block_q < 0 || d->block_k < 0 || d->B < 0 || d->H < 0 || d->Nq < 0 || d->Nk < 0 ||
+        d->kv_heads < 0)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: negative size in the description (head_dim %lld, blocks %d x %d, "
+                           "B %lld H %lld Nq %lld Nk %lld kv_heads %lld)", fn, (long long)d->head_dim, d->block_q,
+                           d->block_k, (long long)d->B, (long long)d->H, (long long)d->Nq, (long long)d->Nk,
+                           (long long)d->kv_heads);
+    /* No call has K/V heads that do not divide the query heads: such a description has no answer. */
+    if (d->kv_heads > 0 && d->H > 0 && d->H % d->kv_heads)
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: kv_heads %lld does not divide H %lld", fn, (long long)d->kv_heads,
+                           (long long)d->H);
     const sparge_backend *be;
     sparge_status s = sparge_pick_tier(dev, d, fn, &be);
     if (!s && tier)

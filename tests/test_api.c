@@ -114,6 +114,15 @@ static void test_options_and_support(void **state)
     d.head_dim = 300;
     EXPECT_FAIL(SPARGE_ERR_UNSUPPORTED, sparge_device_supports(dev, &d, &tier));
     assert_non_null(strstr(sparge_last_error(), "256"));
+    /* descriptions no call can have: K/V heads not dividing the query heads, negative sizes */
+    d.head_dim = 96, d.H = 6, d.kv_heads = 4;
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
+    assert_non_null(strstr(sparge_last_error(), "kv_heads 4"));
+    d.kv_heads = 3;
+    assert_int_equal(sparge_device_supports(dev, &d, &tier), SPARGE_OK);
+    d.Nk = -1;
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
+    d.Nk = 0;
     d.op = SPARGE_OP_COUNT;
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_device_supports(dev, NULL, &tier));
