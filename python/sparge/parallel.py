@@ -186,6 +186,9 @@ def _local_fields(q, k, v, opt):
     wrong with its arguments."""
     _torch.check_layout(opt.layout)
     for role, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+            raise TypeError(f"{role} is float64: the schemes take float32, float16 and bfloat16; float64 only in "
+                            "single-device calls (sparge_attention with backend='cpu-ref')")
         _torch.view(t, opt.layout, role)  # raises for non-tensors, unsupported dtypes, non-4-D shapes
     _torch.same_device([("q", q), ("k", k), ("v", v)])
     kind = {"nccl": "cuda", "gloo": "cpu"}.get(str(dist.get_backend(opt.group)))

@@ -149,6 +149,8 @@ def bad_cases(rank, P):
         *sh, backend="cuda" if rank == P - 1 else None, **KW))
     out["bool_block"] = refused(lambda: parallel.context_parallel_attention(*sh, **dict(KW, block_q=True)))
     out["topk_range"] = refused(lambda: parallel.ulysses_attention(*sh, **dict(KW, topk=1.5)))
+    out["float64"] = refused(lambda: parallel.context_parallel_attention(
+        *(t.double() for t in sh), **dict(KW, backend="cpu-ref")))
     # A backward on some ranks only would leave them in its collectives.
     grad_q = sh[0].clone().requires_grad_(rank == 0)
     out["grad_disagrees"] = refused(lambda: parallel.context_parallel_attention(grad_q, *sh[1:], **KW))
@@ -366,7 +368,8 @@ class TwoProcesses(Equivalence, unittest.TestCase):
                   "causal_disagrees": "disagree on causal", "kv_heads": "must divide q's 4",
                   "backend_one_rank": "rank 1 refused", "bool_block": "must be an int, got bool",
                   "topk_range": "refused its arguments: sparge: topk = 1.5",
-                  "grad_disagrees": "disagree on requires_grad"}
+                  "grad_disagrees": "disagree on requires_grad",
+                  "float64": "float32, float16 and bfloat16; float64 only in single-device calls"}
         for rank in range(self.P):
             bad = reports[rank]["bad"]
             for case, text in expect.items():
@@ -385,7 +388,7 @@ class FourProcesses(Equivalence, unittest.TestCase):
         for rank in range(self.P):
             bad = reports[rank]["bad"]
             for case in ("heads", "unequal", "misaligned", "local", "topk_disagrees", "causal_disagrees", "kv_heads",
-                         "backend_one_rank", "bool_block", "topk_range", "grad_disagrees"):
+                         "backend_one_rank", "bool_block", "topk_range", "grad_disagrees", "float64"):
                 self.assertTrue(bad[case].startswith("ValueError"), f"rank {rank}, {case}: {bad[case]}")
             self.assertLess(bad["after"]["out"], F32_TOL)
 
