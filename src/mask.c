@@ -252,6 +252,16 @@ sparge_status sparge_check_tensors_for_mask(const sparge_mask *mask, const sparg
     return SPARGE_OK;
 }
 
+/* Blocks in params are 0 (the mask's own) or the mask's. */
+static sparge_status check_param_blocks(const sparge_mask_params *params, const sparge_mask *mask, const char *fn)
+{
+    const sparge_mask_view *m = &mask->v;
+    if ((params->block_q && params->block_q != m->bq) || (params->block_k && params->block_k != m->bk))
+        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for blocks %dx%d but the mask was created for %dx%d", fn,
+                           params->block_q, params->block_k, m->bq, m->bk);
+    return SPARGE_OK;
+}
+
 sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                    const sparge_mask_params *params, const sparge_mask *mask, const char *fn,
                                    sparge_view *qv, sparge_view *kv, const sparge_backend **tier)
@@ -261,10 +271,7 @@ sparge_status sparge_check_predict(sparge_device *dev, const sparge_tensor *q, c
         (s = sparge_check_tensor(q, fn, "q", 0, qv)) || (s = sparge_check_tensor(k, fn, "k", 0, kv)))
         return s;
     const sparge_mask_view *m = &mask->v;
-    if ((params->block_q && params->block_q != m->bq) || (params->block_k && params->block_k != m->bk))
-        return SPARGE_FAIL(SPARGE_ERR_MASK, "%s: params ask for blocks %dx%d but the mask was created for %dx%d", fn,
-                           params->block_q, params->block_k, m->bq, m->bk);
-    if ((s = sparge_check_tensors_for_mask(mask, qv, kv, fn)))
+    if ((s = check_param_blocks(params, mask, fn)) || (s = sparge_check_tensors_for_mask(mask, qv, kv, fn)))
         return s;
     if ((s = check_causal_params(params, mask, fn)))
         return s;
@@ -343,7 +350,8 @@ sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled
     sparge_status s;
     sparge_view mv;
     if ((s = check_mask_device(dev, mask, fn)) || (s = sparge_check_mask_params(params, fn)) ||
-        (s = check_causal_params(params, mask, fn)) || (s = sparge_check_tensor(pooled_map, fn, "pooled_map", 0, &mv)))
+        (s = check_causal_params(params, mask, fn)) || (s = check_param_blocks(params, mask, fn)) ||
+        (s = sparge_check_tensor(pooled_map, fn, "pooled_map", 0, &mv)))
         return s;
     if (mv.dtype != SPARGE_F32)
         return SPARGE_FAIL(SPARGE_ERR_DTYPE, "%s: pooled_map must be f32", fn);

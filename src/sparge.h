@@ -220,8 +220,8 @@ sparge_status sparge_mask_get_shape(const sparge_mask *mask, sparge_mask_shape *
 sparge_status sparge_mask_predict(sparge_device *dev, const sparge_tensor *q, const sparge_tensor *k,
                                   const sparge_mask_params *params, sparge_mask *mask);
 
-/* Select from a given pooled map [B,H,Nqb,Nkb] f32 (a device tensor). params->causal, as for sparge_mask_predict,
- * is 0 or the mask's own (a causal mask's rows are selected causally either way). */
+/* Select from a given pooled map [B,H,Nqb,Nkb] f32 (a device tensor). params->causal and params->block_q/k, as for
+ * sparge_mask_predict, are 0 or the mask's own (a causal mask's rows are selected causally either way). */
 sparge_status sparge_mask_select(sparge_device *dev, const sparge_tensor *pooled_map,
                                  const sparge_mask_params *params, sparge_mask *mask);
 

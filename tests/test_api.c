@@ -213,6 +213,22 @@ static void test_mask_bad_input(void **state)
     bad = mp;
     bad.block_k = 16; /* the mask's query blocks, other key blocks */
     EXPECT_FAIL(SPARGE_ERR_MASK, sparge_mask_predict(dev, &qt, &kt, &bad, m));
+    {
+        /* a selection from a given map with those params: refused as the prediction is, the selection kept */
+        enum { NQB = (NQ + 15) / 16, NKB = (NK + 7) / 8 };
+        static float map[B * H * NQB * NKB];
+        for (int i = 0; i < B * H * NQB * NKB; i++)
+            map[i] = (float)(i % NKB + 1);
+        sparge_tensor mt = sparge_tensor_bhnd(map, SPARGE_F32, B, H, NQB, NKB);
+        uint8_t before[B * H * NQB * NKB], after[sizeof before];
+        assert_int_equal(sparge_mask_select(dev, &mt, &mp, m), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_dense(m, before), SPARGE_OK);
+        for (int i = 0; i < B * H * NQB * NKB; i++)
+            map[i] = (float)(NKB - i % NKB);
+        EXPECT_FAIL(SPARGE_ERR_MASK, sparge_mask_select(dev, &mt, &bad, m));
+        assert_int_equal(sparge_mask_get_dense(m, after), SPARGE_OK);
+        assert_memory_equal(before, after, sizeof before);
+    }
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_mask_predict(dev, &qt, &kt, NULL, m));
     assert_int_equal(sparge_mask_predict(dev, &qt, &kt, &mp, m), SPARGE_OK);
     /* a mask built for other shapes */

@@ -648,12 +648,12 @@ static void op_select(input *in, mask_pair *mp)
     case 8: bad |= BIT(SPARGE_ERR_NULL); break;
     default: break;
     }
-    /* A selection uses neither the scale nor the blocks of its params: refusing a non-finite scale or blocks
-     * other than the mask's is allowed, not required. */
-    const int other_blocks = !null_params && ((params.block_q > 0 && params.block_q != s->bq) ||
-                                              (params.block_k > 0 && params.block_k != s->bk));
-    const unsigned maybe = (isfinite(params.scale) || null_params ? 0 : BIT(SPARGE_ERR_INVALID)) |
-                           (other_blocks ? BIT(SPARGE_ERR_MASK) : 0);
+    /* Blocks other than the mask's are refused, as in the prediction; a selection does not use the scale of its
+     * params, so refusing a non-finite one is allowed, not required. */
+    if (!null_params &&
+        ((params.block_q > 0 && params.block_q != s->bq) || (params.block_k > 0 && params.block_k != s->bk)))
+        bad |= BIT(SPARGE_ERR_MASK);
+    const unsigned maybe = isfinite(params.scale) || null_params ? 0 : BIT(SPARGE_ERR_INVALID);
     const unsigned allowed = (bad ? bad : BIT(SPARGE_OK)) | maybe;
 
     sparge_status got[NDEV];
@@ -1394,7 +1394,8 @@ static void op_predict(input *in, mask_pair *mp)
     if (!null_params && (!(kf >= 0.0 && kf <= 1.0) || !(pf >= 0.0 && pf <= 1.0) || (kf == 0.0 && pf == 0.0) ||
                          params.block_q < 0 || params.block_k < 0 || !isfinite(params.scale)))
         bad |= BIT(SPARGE_ERR_INVALID);
-    if (!null_params && ((params.block_q > 0 && params.block_q != s->bq) || (params.block_k > 0 && params.block_k != s->bk)))
+    if (!null_params &&
+        ((params.block_q > 0 && params.block_q != s->bq) || (params.block_k > 0 && params.block_k != s->bk)))
         bad |= BIT(SPARGE_ERR_MASK);
     switch (misuse) {
     case 1: qx.data = NULL, bad |= BIT(SPARGE_ERR_NULL); break;
