@@ -258,8 +258,9 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     sparge_status s;
     sparge_view qv, kv, vv, ov;
     tensor_role roles[] = {{q, "q", 0, 0, &qv}, {k, "k", 1, 0, &kv}, {v, "v", 1, 0, &vv}, {o, "o", 0, 1, &ov}};
-    sparge_mask_params p = params ? *params : sparge_mask_params_default();
-    if (!params) /* the defaults' blocks are 0's: the temporary mask's 128 x 64, or the given mask's own */
+    const sparge_mask_params defaults = sparge_mask_params_default();
+    sparge_mask_params p = params ? *params : defaults;
+    if (!params) /* no params: the defaults with blocks of 0, which mean what they mean below */
         p.block_q = p.block_k = 0;
     if ((s = need_dev(dev, fn)) || (s = sparge_check_mask_params(&p, fn)) || (s = check_attention_tensors(roles, 4, fn)) ||
         (s = check_forward_disjoint(roles, lse, fn)))
@@ -267,7 +268,8 @@ sparge_status sparge_attention(sparge_device *dev, const sparge_tensor *q, const
     sparge_mask *m = mask, *tmp = NULL;
     /* Blocks of 0 are the defaults for the temporary mask; a given mask's own otherwise (sparge_check_predict). */
     const sparge_mask_layout layout = {.B = qv.B, .H = qv.H, .Nq = qv.N, .Nk = kv.N,
-                                       .block_q = p.block_q ? p.block_q : 128, .block_k = p.block_k ? p.block_k : 64,
+                                       .block_q = p.block_q ? p.block_q : defaults.block_q,
+                                       .block_k = p.block_k ? p.block_k : defaults.block_k,
                                        .causal = p.causal};
     if (!m && (s = sparge_mask_create_named(dev, &layout, fn, &tmp)))
         return s;
