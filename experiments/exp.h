@@ -132,8 +132,12 @@ const exp_st_tensor *exp_st_find(const exp_st_file *f, const char *name);
 int exp_st_metadata(const exp_st_file *f, const char *key, char *out, size_t cap);
 /* Read a tensor converted to f32 (malloc'd). Returns NULL with a message in err. */
 float *exp_st_read_f32(const exp_st_file *f, const exp_st_tensor *t, char *err, size_t err_len);
-/* Write n tensors, each 4-D or less, stored as dtype (f32 data converted). The file is written as path.partPID and
- * renamed to path once complete: a failed write leaves what was at path. */
+/* The name a file bound for path is written under until it is complete: path.partPID (malloc'd) in *part, or NULL
+ * where path exists and is not a regular file (/dev/stdout, a pipe, a symbolic link), which is written in place.
+ * Returns 0, or -1 out of memory. */
+int exp_part_path(const char *path, char **part);
+/* Write n tensors, each 4-D or less, stored as dtype (f32 data converted). The file is written under
+ * exp_part_path's name and renamed to path once complete: a failed write leaves what was at path. */
 int exp_st_write(const char *path, int n, const char *const *names, const float *const *data, const int *ndims,
                  const int64_t (*shapes)[8], sparge_dtype dtype, const char *metadata_json, char *err, size_t err_len);
 

@@ -5,7 +5,6 @@
 #define _POSIX_C_SOURCE 200809L
 #define _FILE_OFFSET_BITS 64
 #include <sys/types.h>
-#include <sys/stat.h>
 #include <ctype.h>
 #include <errno.h>
 #include <stdlib.h>
@@ -401,19 +400,17 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
     while (len % 8) /* the data section starts 8-byte aligned; trailing spaces are allowed */
         hdr[len++] = ' ';
     /* written beside path and renamed at the end, so that a failed or interrupted write leaves the file that was
-     * there (a path that exists and is not a regular file is written in place) */
-    struct stat st;
-    char part[4096 + 32];
-    int in_place = !lstat(path, &st) && !S_ISREG(st.st_mode);
-    if (strlen(path) > 4096) {
+     * there */
+    char *part;
+    if (exp_part_path(path, &part)) {
         free(hdr);
-        return exp_fail(err, err_len, "%.64s...: path too long", path);
+        return exp_fail(err, err_len, "%s: out of memory", path);
     }
-    snprintf(part, sizeof part, "%s.part%ld", path, (long)getpid());
-    FILE *fp = fopen(in_place ? path : part, "wb");
+    FILE *fp = fopen(part ? part : path, "wb");
     if (!fp) {
         int e = errno;
         free(hdr);
+        free(part);
         return exp_fail(err, err_len, "%s: cannot create: %s", path, strerror(e));
     }
     uint8_t len8[8];
@@ -438,13 +435,13 @@ int exp_st_write(const char *path, int n, const char *const *names, const float 
     int e = ok ? 0 : errno;
     if (fclose(fp) && ok)
         ok = 0, e = errno;
-    if (ok && !in_place && rename(part, path))
+    if (ok && part && rename(part, path))
         ok = 0, e = errno;
-    if (!ok) {
-        if (!in_place)
-            unlink(part);
+    if (!ok && part)
+        unlink(part);
+    free(part);
+    if (!ok)
         return exp_fail(err, err_len, "%s: write failed%s%s", path, e ? ": " : "", e ? strerror(e) : "");
-    }
     return 0;
 }
 

@@ -540,20 +540,28 @@ int exp_parse(exp_opts *o, int argc, char **argv, char *err, size_t err_len)
     return 0;
 }
 
+int exp_part_path(const char *path, char **part)
+{
+    struct stat st;
+    *part = NULL;
+    if (!lstat(path, &st) && !S_ISREG(st.st_mode))
+        return 0;
+    const size_t len = strlen(path) + 32;
+    if (!(*part = malloc(len)))
+        return -1;
+    snprintf(*part, len, "%s.part%ld", path, (long)getpid());
+    return 0;
+}
+
 /* Opens output op at path as an exp_output (exp.h) with its header written. Returns 0, or -1 with the message. */
 static int open_output(exp_opts *o, const exp_opt *op, const char *path, char *err, size_t err_len)
 {
     const char *name = o->driver->name;
     if (o->noutputs == EXP_MAX_OUTPUTS)
         return exp_fail(err, err_len, "%s: more than %d outputs", name, EXP_MAX_OUTPUTS);
-    struct stat st;
-    char *part = NULL;
-    if (lstat(path, &st) || S_ISREG(st.st_mode)) {
-        size_t len = strlen(path) + 32;
-        if (!(part = malloc(len)))
-            return exp_fail(err, err_len, "%s: %s: out of memory", name, op->name);
-        snprintf(part, len, "%s.part%ld", path, (long)getpid());
-    }
+    char *part;
+    if (exp_part_path(path, &part))
+        return exp_fail(err, err_len, "%s: %s: out of memory", name, op->name);
     FILE *f = fopen(part ? part : path, "w");
     if (!f) {
         int e = errno;
