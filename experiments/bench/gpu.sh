@@ -9,7 +9,8 @@ set -euo pipefail
 
 usage() {
     cat <<EOF
-usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--no-peers] [--shapes] OUT_DIR
+usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--no-peers] [--shapes | --shapes-only]
+                                OUT_DIR
 
   --build DIR  a build directory configured with the CUDA backend and built (default: the current directory)
   --gpu N      the CUDA device to use (default 0)
@@ -22,6 +23,7 @@ usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--
                head dims and backwards (experimental=on), and with the peers causal 95 % against
                FlexAttention on the same causal block mask (prediction included) and dense D=64, 256 against
                cuDNN
+  --shapes-only  the model shapes of --shapes alone, without the Wan2.1 tables and their peers
 Writes OUT_DIR/bench-*.csv (sparge bench), OUT_DIR/speed-video.{csv,md} and OUT_DIR/masks/ (exp_speed),
 OUT_DIR/peers-{forward,backward}.{csv,md} (experiments/peers/peer_bench.py), OUT_DIR/log/*.txt (each
 command's output) and OUT_DIR/summary.md. Exits 1 if a command failed; the others still run.
@@ -29,7 +31,7 @@ EOF
 }
 
 invocation="experiments/bench/gpu.sh${*:+ $*}"
-build=. gpu=0 quick=0 big=1 peers=1 shapes=0 out=
+build=. gpu=0 quick=0 big=1 peers=1 shapes=0 wan=1 out=
 while [ $# -gt 0 ]; do
     case $1 in
     --build) [ $# -ge 2 ] || { usage >&2; exit 2; }; build=$2; shift 2 ;;
@@ -38,6 +40,7 @@ while [ $# -gt 0 ]; do
     --no-14b) big=0; shift ;;
     --no-peers) peers=0; shift ;;
     --shapes) shapes=1; shift ;;
+    --shapes-only) shapes=1 wan=0 big=0; shift ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
     *) [ -z "$out" ] || { usage >&2; exit 2; }; out=$1; shift ;;
@@ -97,11 +100,14 @@ run() {
 wan13=(--B 1 --H 12 --N 32760 --D 128 --dtype bf16 --settle "$settle")
 wan14=(--B 1 --H 40 --N 75600 --D 128 --dtype bf16 --settle "$settle")
 w=${warmup[*]:+ ${warmup[*]}}
-benches=(
-    "bench-1.3b|${wan13[*]} --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid --reps $reps$w"
-    "bench-1.3b-deterministic|${wan13[*]} --ops bwd --deterministic --sparsity 0.95,hybrid --reps $reps_det$w"
-    "bench-1.3b-mask|${wan13[*]} --ops mask --sparsity 0.95,hybrid --reps $reps_mask$w"
-)
+benches=()
+if [ "$wan" = 1 ]; then
+    benches+=(
+        "bench-1.3b|${wan13[*]} --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid --reps $reps$w"
+        "bench-1.3b-deterministic|${wan13[*]} --ops bwd --deterministic --sparsity 0.95,hybrid --reps $reps_det$w"
+        "bench-1.3b-mask|${wan13[*]} --ops mask --sparsity 0.95,hybrid --reps $reps_mask$w"
+    )
+fi
 if [ "$big" = 1 ]; then
     benches+=(
         "bench-14b|${wan14[*]} --ops mask,fwd --sparsity dense,0.5,0.8,0.9,0.95,0.97,hybrid --reps 3"
@@ -129,30 +135,33 @@ for b in "${benches[@]}"; do
     run "$name" "$sparge" bench --backend "$backend" $opts --output "$out/$name.csv"
 done
 
-speed_opts=(--backend "$backend" --family video --heads 12 --dim 128 --dtype bf16 --sparsities 0.95 --hybrid 0.03:0.2
-            --backward --reps "$reps_speed" "${warmup[@]}")
-rm -f "$out"/masks/m13-*
-run speed-video "$exp_speed" "${speed_opts[@]}" --export-masks "$out/masks/m13" --csv "$out/speed-video.csv" \
-    --md "$out/speed-video.md"
+if [ "$wan" = 1 ]; then
+    speed_opts=(--backend "$backend" --family video --heads 12 --dim 128 --dtype bf16 --sparsities 0.95 --hybrid 0.03:0.2
+                --backward --reps "$reps_speed" "${warmup[@]}")
+    rm -f "$out"/masks/m13-*
+    run speed-video "$exp_speed" "${speed_opts[@]}" --export-masks "$out/masks/m13" --csv "$out/speed-video.csv" \
+        --md "$out/speed-video.md"
 
-masks=() mask_names=()
-for m in "$out"/masks/m13-*.json; do
-    [ -f "$m" ] || continue
-    masks+=(--mask "${m%.json}")
-    mask_names+=("$(basename "${m%.json}")")
-done
-peer_cmd=("$py" "$src/experiments/peers/peer_bench.py" --device "$backend" --sparge "${masks[@]}")
-if [ "$peers" = 1 ] && [ ${#masks[@]} = 0 ]; then
-    peers=0 peers_note="skipped: exp_speed exported no masks"
-fi
-if [ "$peers" = 1 ]; then
-    export SPARGE_BUILD_DIR=$build
-    run peers-forward "${peer_cmd[@]}" --pass forward --reps "$reps_peers" "${warmup[@]}" \
-        --csv "$out/peers-forward.csv" --md "$out/peers-forward.md"
-    run peers-backward "${peer_cmd[@]}" --pass backward --reps "$reps_peers_bwd" "${warmup[@]}" "${flex_bwd[@]}" \
-        --csv "$out/peers-backward.csv" --md "$out/peers-backward.md"
+    masks=() mask_names=()
+    for m in "$out"/masks/m13-*.json; do
+        [ -f "$m" ] || continue
+        masks+=(--mask "${m%.json}")
+        mask_names+=("$(basename "${m%.json}")")
+    done
+    peer_cmd=("$py" "$src/experiments/peers/peer_bench.py" --device "$backend" --sparge "${masks[@]}")
+    if [ "$peers" = 1 ] && [ ${#masks[@]} = 0 ]; then
+        peers=0 peers_note="skipped: exp_speed exported no masks"
+    fi
+    if [ "$peers" = 1 ]; then
+        export SPARGE_BUILD_DIR=$build
+        run peers-forward "${peer_cmd[@]}" --pass forward --reps "$reps_peers" "${warmup[@]}" \
+            --csv "$out/peers-forward.csv" --md "$out/peers-forward.md"
+        run peers-backward "${peer_cmd[@]}" --pass backward --reps "$reps_peers_bwd" "${warmup[@]}" "${flex_bwd[@]}" \
+            --csv "$out/peers-backward.csv" --md "$out/peers-backward.md"
+    fi
 fi
 if [ "$peers" = 1 ] && [ "$shapes" = 1 ]; then
+    export SPARGE_BUILD_DIR=$build
     # Top-k 0.04 under the causal rule keeps about 4.6 % of the attendable blocks at this shape.
     shape_peers=("$py" "$src/experiments/peers/peer_bench.py" --device "$backend" --B 1 --H 12 --N 32760 --dtype bf16)
     run peers-causal "${shape_peers[@]}" --D 128 --causal --levels 0.04:0 --pass forward --reps "$reps_peers" \
@@ -204,19 +213,21 @@ gpu_name=$(nvidia-smi -i "$gpu" --query-gpu=name,driver_version,power.limit,cloc
     echo '```'
     "$sparge" info
     echo '```'
-    section "Wan2.1-1.3B, forward and backward against sparsity" bench-1.3b \
-        "Levels: Top-k masks at 1 − sparsity, and the paper's hybrid (k 0.03, p 0.2), which keeps ≈ 20 % of the" \
-        "blocks on these random inputs."
-    section "Wan2.1-1.3B, deterministic backward" bench-1.3b-deterministic
-    section "Wan2.1-1.3B, mask prediction" bench-1.3b-mask
-    if [ "$big" = 1 ]; then
-        section "Wan2.1-14B, forward" bench-14b
-        section "Wan2.1-14B, mask prediction" bench-14b-mask
+    if [ "$wan" = 1 ]; then
+        section "Wan2.1-1.3B, forward and backward against sparsity" bench-1.3b \
+            "Levels: Top-k masks at 1 − sparsity, and the paper's hybrid (k 0.03, p 0.2), which keeps ≈ 20 % of the" \
+            "blocks on these random inputs."
+        section "Wan2.1-1.3B, deterministic backward" bench-1.3b-deterministic
+        section "Wan2.1-1.3B, mask prediction" bench-1.3b-mask
+        if [ "$big" = 1 ]; then
+            section "Wan2.1-14B, forward" bench-14b
+            section "Wan2.1-14B, mask prediction" bench-14b-mask
+        fi
+        section "The paper's hybrid mask on video-like inputs" speed-video \
+            "Each sparse run alternates with a dense one; the median of runs timed one at a time."
+        section "Peers in one process on the exported masks, forward" peers-forward
+        section "Peers in one process on the exported masks, backward" peers-backward
     fi
-    section "The paper's hybrid mask on video-like inputs" speed-video \
-        "Each sparse run alternates with a dense one; the median of runs timed one at a time."
-    section "Peers in one process on the exported masks, forward" peers-forward
-    section "Peers in one process on the exported masks, backward" peers-backward
     if [ "$shapes" = 1 ]; then
         section "Grouped K/V heads (H=32, Hkv=8)" bench-gqa
         section "Equal heads (H=32), the same work" bench-gqa-equal
