@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -1178,6 +1179,27 @@ static void test_resume_log(void **state)
     free(dir);
 }
 
+/* A log path that is a link is written through it (the drivers' outputs do the same), not replaced by a file. */
+static void test_log_through_link(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    char err[512], target[256], *dir = temp_dir();
+    c.steps = 2;
+    snprintf(target, sizeof target, "%s/target.csv", dir);
+    snprintf(c.log, sizeof c.log, "%s/link.csv", dir);
+    assert_int_equal(symlink("target.csv", c.log), 0);
+    assert_int_equal(tr_train(&c, err, sizeof err), 0);
+    struct stat st;
+    assert_int_equal(lstat(c.log, &st), 0);
+    assert_true(S_ISLNK(st.st_mode));
+    long long steps[4];
+    assert_int_equal(log_steps(target, steps, 4), 2);
+    unlink(c.log), unlink(target);
+    rmdir(dir);
+    free(dir);
+}
+
 /* A checkpoint path that cannot be written is refused before the first step, and leaves nothing behind. */
 static void test_unwritable_out(void **state)
 {
@@ -1201,6 +1223,7 @@ int main(void)
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_unwritable_out),
         cmocka_unit_test(test_resume_log),
+        cmocka_unit_test(test_log_through_link),
         cmocka_unit_test(test_data),
         cmocka_unit_test(test_gradient_dense),
         cmocka_unit_test(test_gradient_hybrid_mask),

@@ -732,17 +732,23 @@ static void print_record(const tr_config *cfg)
     free(line);
 }
 
-/* Whether a file can be created at path: one beside it is created and removed, so that a run learns at its start, not
- * after its last step, that its checkpoint cannot be written. */
+/* Whether the checkpoint can be written at path: the file its save fills first (exp_part_path) is created and removed,
+ * so that a run learns at its start, not after its last step, that its checkpoint cannot be written. */
 static int check_writable(const char *key, const char *path, char *err, size_t err_len)
 {
-    char probe[sizeof ((tr_config *)0)->out + 32];
-    snprintf(probe, sizeof probe, "%s.part%ld", path, (long)getpid());
-    FILE *f = fopen(probe, "wb");
-    if (!f)
-        return exp_fail(err, err_len, "%s=%s: cannot write there: %s", key, path, strerror(errno));
-    fclose(f);
-    unlink(probe);
+    char *part;
+    if (exp_part_path(path, &part))
+        return exp_fail(err, err_len, "%s=%s: out of memory", key, path);
+    FILE *f = part ? fopen(part, "wb") : NULL;
+    int e = 0;
+    if (f) {
+        fclose(f);
+        unlink(part);
+    } else if (part || access(path, W_OK))
+        e = errno;
+    free(part);
+    if (e)
+        return exp_fail(err, err_len, "%s=%s: cannot write there: %s", key, path, strerror(e));
     return 0;
 }
 
@@ -752,13 +758,18 @@ static int check_writable(const char *key, const char *path, char *err, size_t e
 static FILE *open_log(const char *path, int64_t resumed, char *err, size_t err_len)
 {
     static const char header[] = "step,loss,grad_norm,lr,sparsity,step_ms,attention_ms,samples_per_s,gemm_ms,other_ms\n";
-    char part[sizeof((tr_config *)0)->log + 32];
-    snprintf(part, sizeof part, "%s.part%ld", path, (long)getpid());
-    FILE *old = resumed ? fopen(path, "r") : NULL, *f = fopen(part, "w");
+    char *part;
+    if (exp_part_path(path, &part)) {
+        exp_fail(err, err_len, "log=%s: out of memory", path);
+        return NULL;
+    }
+    /* A path that is not a regular file (a link, /dev/stdout) is written in place, without the resumed rows. */
+    FILE *old = resumed && part ? fopen(path, "r") : NULL, *f = fopen(part ? part : path, "w");
     if (!f) {
         exp_fail(err, err_len, "log=%s: cannot write there: %s", path, strerror(errno));
         if (old)
             fclose(old);
+        free(part);
         return NULL;
     }
     fputs(header, f);
@@ -771,12 +782,15 @@ static FILE *open_log(const char *path, int64_t resumed, char *err, size_t err_l
     }
     if (old)
         fclose(old);
-    if (fflush(f) || ferror(f) || rename(part, path)) {
+    if (fflush(f) || ferror(f) || (part && rename(part, path))) {
         exp_fail(err, err_len, "log=%s: cannot write there: %s", path, strerror(errno));
         fclose(f);
-        unlink(part);
+        if (part)
+            unlink(part);
+        free(part);
         return NULL;
     }
+    free(part);
     return f;
 }
 
