@@ -38,10 +38,13 @@ import os
 import re
 import struct
 
-import torch
-import torch.nn.functional as F
+try:  # --help works without torch; the dumper runs inside a model's process, which has it
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    torch = F = None
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"} if torch else {}
 
 
 def save_safetensors(path, tensors, metadata=None):
@@ -120,18 +123,6 @@ class QKVDumper(contextlib.AbstractContextManager):
         return False
 
 
-class _DemoAttention(torch.nn.Module):
-    def __init__(self, dim=128, heads=2):
-        super().__init__()
-        self.heads, self.qkv, self.out = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, c = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v)
-        return self.out(o.transpose(1, 2).reshape(b, n, c))
-
-
 def _reference_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     """softmax(Q Kᵀ · scale) V, what torch >= 2.0 provides as F.scaled_dot_product_attention (no mask, no dropout)."""
     if attn_mask is not None or dropout_p or is_causal:
@@ -143,6 +134,18 @@ def _reference_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 def _demo(out_dir):
     if not hasattr(F, "scaled_dot_product_attention"):  # torch < 2.0: the demo brings the function the hooks wrap
         F.scaled_dot_product_attention = _reference_sdpa
+
+    class _DemoAttention(torch.nn.Module):
+        def __init__(self, dim=128, heads=2):
+            super().__init__()
+            self.heads, self.qkv, self.out = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            b, n, c = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v)
+            return self.out(o.transpose(1, 2).reshape(b, n, c))
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(_DemoAttention(), torch.nn.GELU(), _DemoAttention())
     x = torch.randn(1, 300, 128)
@@ -157,6 +160,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--demo", metavar="OUT_DIR", help="dump a tiny random model's two attention layers")
     args = ap.parse_args()
+    if args.demo and torch is None:
+        ap.error("--demo needs PyTorch (Debian: apt-get install python3-torch)")
     if args.demo:
         _demo(args.demo)
     else:

@@ -1,5 +1,6 @@
 """The examples run: dit_bench.py's --tiny smoke run (CPU) writes its table's rows, swap_attention.py on the CPU,
-parallel_check.py says that it needs a GPU; experiments/peers/peer_bench.py refuses masks it would misread."""
+parallel_check.py says that it needs a GPU; experiments/peers/peer_bench.py refuses masks it would misread; the
+experiment scripts' --help works where torch is missing."""
 import csv
 import json
 import os
@@ -11,7 +12,8 @@ import unittest
 from helpers import sparge, torch  # noqa: F401  (skips the module without torch)
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
-PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "experiments", "peers")
+EXPERIMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "experiments")
+PEERS = os.path.join(EXPERIMENTS, "peers")
 
 
 def run(script, *args, where=EXAMPLES):
@@ -47,6 +49,14 @@ class Examples(unittest.TestCase):
         result = run("dit_bench.py", "--tiny", "--blocks", "1")
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("| tiny (1/2 blocks timed) |", result.stdout)
+
+    def test_help_without_torch(self):
+        hide = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[1], '--help']; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        for script in (os.path.join(EXPERIMENTS, "dump_qkv.py"), os.path.join(PEERS, "peer_bench.py")):
+            result = subprocess.run([sys.executable, "-c", hide, script], capture_output=True, text=True, timeout=60)
+            self.assertEqual(result.returncode, 0, f"{script}: {result.stderr}")
+            self.assertIn("usage:", result.stdout)
 
     def test_swap_attention_cpu(self):
         result = run("swap_attention.py", "--device", "cpu", "--tokens", "700")
