@@ -43,9 +43,6 @@ typedef struct {
 /* Grouped K/V heads (hkv), block-causal masks and packed variable-length sequences (sparge_mask_layout). */
 #define LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, k, p, causal, seqs, quick)                           \
     {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, NULL, quick, hkv, causal, seqs}
-/* The same under the cuda tier's device option experimental=on (devices without it skip the row). */
-#define XROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, k, p, causal, seqs)                                 \
-    {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, "experimental=on", 0, hkv, causal, seqs}
 /* Such a fixed-length shape masked and dense (varlen needs a mask, so a varlen row has no dense twin). */
 #define LPAIR(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, causal, quick, dense_quick)                         \
     LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, 0.1, 0.5, causal, NULL, quick),                          \
@@ -86,12 +83,12 @@ static const row rows[] = {
     PAIR("b3h2", ALL, 3, 2, 129, 65, 64, 128, 64, ALL_DT, BOTH, NULL, 0),
     PAIR("bk128-d64", ALL, 2, 1, 200, 270, 64, 128, 128, ALL_DT, BOTH, NULL, 0),
     ROW("d96-dense", FB, 1, 2, 200, 333, 96, 128, 64, ALL_DT, BOTH, 0.0, 0.0, NULL, 0),
-    /* experimental=on: head dims the tensor-core tier pads to 64 or 128 (zero columns past D), and 256 (its
-     * forward only; the backward goes to the next tier) */
-    PAIR("tc-d32", ALL, 1, 2, 300, 270, 32, 128, 64, F16 | BF16, BOTH, "experimental=on", 0),
-    PAIR("tc-d72", ALL, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, "experimental=on", 0),
-    PAIR("tc-d80", ALL, 1, 2, 200, 190, 80, 128, 128, F16 | BF16, BHND, "experimental=on", 0),
-    PAIR("tc-d256", ALL, 1, 2, 300, 270, 256, 128, 64, F16 | BF16, BOTH, "experimental=on", 0),
+    /* head dims the tensor-core tier pads to 64 or 128 (zero columns past D), and 256 (its forward only; the
+     * backward goes to the next tier) */
+    PAIR("tc-d32", ALL, 1, 2, 300, 270, 32, 128, 64, F16 | BF16, BOTH, NULL, 0),
+    PAIR("tc-d72", ALL, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, NULL, QUICK(BF16, BNHD)),
+    PAIR("tc-d80", ALL, 1, 2, 200, 190, 80, 128, 128, F16 | BF16, BHND, NULL, 0),
+    PAIR("tc-d256", ALL, 1, 2, 300, 270, 256, 128, 64, F16 | BF16, BOTH, NULL, QUICK(F16, BHND)),
     /* small blocks and the grad mode's sizes at D = 96 and 256 */
     PAIR("small-d256", ALL, 1, 1, 40, 70, 256, 16, 16, ALL_DT, BHND, NULL, 0),
     PAIR("small-d96", ALL, 2, 1, 100, 90, 96, 32, 32, ALL_DT, BNHD, NULL, 0),
@@ -125,16 +122,14 @@ static const row rows[] = {
     TC_SHAPES("fwd-wgmma", FWD, "fwd_kernel=wgmma"),
     TC_SHAPES("fwd-tile-4x3", FWD, "fwd_kernel=mma fwd_tile=4,3"),
     TC_SHAPES("fwd-tile-8x2-split", FWD, "fwd_kernel=mma fwd_tile=8,2,1"),
-    PAIR("fwd-mma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=mma experimental=on", 0),
-    PAIR("fwd-wgmma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma experimental=on", 0),
-    PAIR("fwd-wgmma-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma experimental=on",
-         0),
+    PAIR("fwd-mma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=mma", 0),
+    PAIR("fwd-wgmma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma", 0),
+    PAIR("fwd-wgmma-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma", 0),
     /* backward kernels, keys per CTA, dQ by a pass or by atomics, the dK/dV pass's overlap */
     TC_SHAPES("bwd-mma", BWD, "bwd_kernel=mma"),
     TC_SHAPES("bwd-wgmma", BWD, "bwd_kernel=wgmma"),
-    PAIR("bwd-mma-d72", BWD, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, "bwd_kernel=mma experimental=on", 0),
-    PAIR("bwd-wgmma-d40", BWD, 1, 2, 200, 270, 40, 128, 128, F16 | BF16, BHND, "bwd_kernel=wgmma experimental=on",
-         0),
+    PAIR("bwd-mma-d72", BWD, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, "bwd_kernel=mma", 0),
+    PAIR("bwd-wgmma-d40", BWD, 1, 2, 200, 270, 40, 128, 128, F16 | BF16, BHND, "bwd_kernel=wgmma", 0),
     TC_SHAPES("bwd-keys-64", BWD, "bwd_kernel=wgmma bwd_keys=64"),
     TC_SHAPES("bwd-keys-128", BWD, "bwd_kernel=wgmma bwd_keys=128"),
     TC_SHAPES("dq-pass", BWD, "dq=pass"),
@@ -177,17 +172,19 @@ static const row rows[] = {
     LROW("causal-topk", ALL, 2, 2, 1, 190, 190, 64, 32, 64, F32 | F16, BNHD, 0.3, 0.0, 1, NULL, 0),
     /* strict=on: a chained device whose first tier does not take these must refuse them cleanly */
     {"strict-causal-gqa", ALL, 1, 4, 300, 300, 64, 128, 64, BF16, BHND, 0.1, 0.5, 0.0, "strict=on", 0, 2, 1, NULL},
-    /* experimental=on: their tensor-core backwards (staged copies for grouped heads and padded head dims, the
-     * mma.sync kernels' token mask for causal and sequence frames for varlen), atomics and the dQ pass */
-    XROW("gqa-exp", BWD, 2, 4, 2, 300, 300, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0, NULL),
-    XROW("causal-exp", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1, NULL),
-    XROW("causal-dense-exp", BWD, 2, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL),
-    XROW("causal-gqa-d128-exp", BWD, 1, 4, 2, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1, NULL),
-    XROW("varlen-causal-gqa-exp", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
-         "200,129,40,300/260,129,64,300"),
-    XROW("varlen-qk-mqa-exp", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BOTH, 0.2, 0.5, 0, "90,300,50/150,260,120"),
-    XROW("varlen-d72-exp", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190"),
-    XROW("causal-d40-exp", ALL, 1, 2, 1, 300, 300, 40, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1, NULL),
+    /* the tensor-core backwards of these (staged copies for grouped heads and padded head dims, the mma.sync
+     * kernels' token mask for causal and sequence frames for varlen) */
+    LROW("tc-gqa", BWD, 2, 4, 2, 300, 300, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0, NULL, QUICK(BF16, BHND)),
+    LROW("tc-causal", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1, NULL, QUICK(F16, BNHD)),
+    LROW("tc-causal-dense", BWD, 2, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL, 0),
+    LROW("tc-causal-gqa-d128", BWD, 1, 4, 2, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1, NULL, 0),
+    LROW("tc-varlen-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
+         "200,129,40,300/260,129,64,300", QUICK(BF16, BNHD)),
+    LROW("tc-varlen-qk-mqa", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BOTH, 0.2, 0.5, 0, "90,300,50/150,260,120",
+         0),
+    LROW("tc-varlen-d72", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190",
+         QUICK(F16, BNHD)),
+    LROW("tc-causal-d40", ALL, 1, 2, 1, 300, 300, 40, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1, NULL, 0),
 };
 enum { ROWS = sizeof rows / sizeof rows[0] };
 

@@ -1,6 +1,6 @@
 #!/bin/sh
 # The GPU backends under NVIDIA's compute-sanitizer (docs/RELIABILITY.md, "GPU backends"): the conformance
-# table's quick grid (`sparge check`, every case and device of the cuda backend, experimental=on rows included)
+# table's quick grid (`sparge check`, every case and device of the cuda backend)
 # and the conformance program's particular checks, each under memcheck (out-of-bounds and misaligned accesses,
 # leaks), racecheck (shared-memory hazards), initcheck (reads of uninitialised global memory) and synccheck
 # (barrier misuse). A tool finding anything, or a check failing, fails the run.

@@ -189,18 +189,12 @@ static void test_devices(void **state)
             snprintf(dn, sizeof dn, strncmp(name, "cpu", 3) ? "%s:%d" : "%s", name, i);
             sparge_device *dev;
             assert_int_equal(sparge_device_open(dn, &dev), SPARGE_OK);
-            /* A device with the option experimental runs the cases again with it on (the tensor-core backward of
-             * these shapes). */
-            for (int pass = 0; pass < 2; pass++) {
-                if (pass && sparge_device_set_option(dev, "experimental", "on") != SPARGE_OK)
-                    break;
-                for (int c = 0; c < CASES; c++)
-                    for (int d = 0; d < 2; d++)
-                        for (int lay = 0; lay < 2; lay++, ran++)
-                            run_case(dev, &cases[c], d ? SPARGE_BF16 : SPARGE_F32, (tu_layout)lay,
-                                     1000u * (uint64_t)c + 10u * (uint64_t)d + (uint64_t)lay);
-                print_message("  %s%s: %d shape cases passed\n", dn, pass ? " (experimental=on)" : "", CASES * 4);
-            }
+            for (int c = 0; c < CASES; c++)
+                for (int d = 0; d < 2; d++)
+                    for (int lay = 0; lay < 2; lay++, ran++)
+                        run_case(dev, &cases[c], d ? SPARGE_BF16 : SPARGE_F32, (tu_layout)lay,
+                                 1000u * (uint64_t)c + 10u * (uint64_t)d + (uint64_t)lay);
+            print_message("  %s: %d shape cases passed\n", dn, CASES * 4);
             sparge_device_close(dev);
         }
     }

@@ -185,10 +185,6 @@ static const sparge_option_def gpu_option_defs[] = {
      "backward dQ: a separate pass over the mask or fp32 atomics (deterministic always takes the pass)"},
     {"bwd_overlap", "SPARGE_CUDA_BWD_OVERLAP", "auto|on|off",
      "the dK/dV pass may start on the SMs the wgmma dQ pass's last wave leaves idle"},
-    {"experimental", "SPARGE_CUDA_EXPERIMENTAL", "auto|off|on",
-     "on: the tensor cores also take head dims other than 64 and 128 and the grouped-head, causal and varlen "
-     "backwards, whose kernels have not yet been run against cpu-ref on a GPU; auto (off) leaves those calls to the "
-     "next tier"},
 };
 enum {
     OPT_MAP_TILE,
@@ -198,8 +194,7 @@ enum {
     OPT_BWD_KERNEL,
     OPT_BWD_KEYS,
     OPT_DQ,
-    OPT_BWD_OVERLAP,
-    OPT_EXPERIMENTAL
+    OPT_BWD_OVERLAP
 };
 
 /* value's position in def's "auto|a|b" list (0 for auto), or -1. */
@@ -243,7 +238,6 @@ static sparge_status set_gpu_option(gpu_ctx *ctx, int index, const char *value)
     case OPT_BWD_KEYS: o.bwd_keys = c == 0 ? 0 : c == 1 ? 64 : 128; break;
     case OPT_DQ: o.dq = c; break;
     case OPT_BWD_OVERLAP: o.bwd_no_overlap = c == 2; break;
-    case OPT_EXPERIMENTAL: o.experimental = c == 2; break;
     }
     return SPARGE_OK;
 }
@@ -341,9 +335,9 @@ static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_l
 GPU_OP(op_mma_forward, sparge_fwd_args, sparge_cuda_mma_forward)
 GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 
-/* The tensor-core tier's limits: f16/bf16, D 64 or 128 (with experimental=on: a multiple of 8 up to 128, and 256 in
- * the forward; the grouped-head, causal and varlen backwards), sm_80+, 16-byte rows, masks of 128-row query blocks and
- * 64- or 128-key blocks, 32-bit token and block counts; then whether the kernels its options pick fit the device. */
+/* The tensor-core tier's limits: f16/bf16, D a multiple of 8 up to 128 and 256 in the forward, sm_80+, 16-byte rows,
+ * masks of 128-row query blocks and 64- or 128-key blocks, 32-bit token and block counts; then whether the kernels its
+ * options pick fit the device. */
 static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
 {
     const gpu_ctx *ctx = (const gpu_ctx *)impl;
@@ -356,13 +350,9 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor cores take f16 and bf16, not %s", what,
                            sparge_dtype_name(d->dtype));
     const int64_t D = d->head_dim;
-    const bool experimental = ctx->opt.experimental;
     if (D % 8 || D > 256 || (D > 128 && (D != 256 || d->op != SPARGE_OP_FORWARD)))
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (the tensor-core kernels take multiples of 8 up to "
                            "128, and 256 in the forward)", what, (long long)D);
-    if (D != 64 && D != 128 && !experimental)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (64 and 128; the others with the device option "
-                           "experimental=on)", what, (long long)D);
     if (ctx->cc_major < 8)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor-core kernels need sm_80 or newer (device is sm_%d%d)",
                            what, ctx->cc_major, ctx->cc_minor);
@@ -372,10 +362,6 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
     if (!d->rows_aligned)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: every row must be contiguous along D and start 16-byte "
                            "aligned (data pointer and B/H/N strides multiples of 8 elements)", what);
-    if (d->op == SPARGE_OP_BACKWARD && ((d->kv_heads && d->kv_heads != d->H) || d->causal || d->varlen) &&
-        !experimental)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: grouped K/V heads, causal and varlen (with the device option "
-                           "experimental=on)", what);
     if (d->kv_heads > 65535 || d->H > 65535)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 65535 heads", what); /* gpu_kv_head's range */
     if (d->Nq > INT32_MAX - 128 || d->Nk > INT32_MAX - 128 || d->B * d->H * ((d->Nq + 127) / 128) > INT32_MAX ||

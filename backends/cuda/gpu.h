@@ -21,7 +21,6 @@ struct gpu_options {
     int dq;                            /* GPU_DQ_* */
     int bwd_no_overlap;                /* 1: the dK/dV pass waits for the whole dQ pass */
     int map_tile;                      /* GPU_MAP_*: the pooled-map logits kernel */
-    int experimental;                  /* 1: the tensor-core tier also takes the calls of cuda_supports' list */
 };
 
 constexpr int GPU_MAX_RETIRED = 48;
@@ -279,7 +278,7 @@ sparge_status SPARGE_GPU_FN(generic_backward)(gpu_ctx *ctx, const sparge_bwd_arg
 sparge_status SPARGE_GPU_FN(generic_fits)(const gpu_ctx *ctx, int64_t D, bool backward);
 #ifndef SPARGE_USE_HIP
 /* Tensor-core tier (forward.cu, backward.cu; sm_90a kernels in *_sm90.cu): mma.sync and wgmma, f16/bf16,
- * D ∈ {64, 128}, masks of 128 × 64 or 128 × 128 blocks. */
+ * D a multiple of 8 up to 128 (256 in the forward), masks of 128 × 64 or 128 × 128 blocks. */
 sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a);
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a);
 /* The kernels these options and this device pick for head dim D exist in the build and fit the device. */

@@ -19,8 +19,8 @@ usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--
   --no-14b     skip the Wan2.1-14B rows (they need about 4 GiB of GPU memory)
   --no-peers   skip the PyTorch peers (they need python3 with torch and CUDA; PYTHON picks the interpreter)
   --shapes     also the model shapes at the 1.3B token count: grouped K/V heads (H=32, Hkv=8) beside equal
-               heads, 4 packed sequences beside a batch of 4, block-causal, the tensor cores' experimental
-               head dims and backwards (experimental=on), and with the peers causal 95 % against
+               heads, 4 packed sequences beside a batch of 4, block-causal, head dims 96 and 256, and with
+               the peers causal 95 % against
                FlexAttention on the same causal block mask (prediction included) and dense D=64, 256 against
                cuDNN
   --shapes-only  the model shapes of --shapes alone, without the Wan2.1 tables and their peers
@@ -124,9 +124,8 @@ if [ "$shapes" = 1 ]; then
         "bench-varlen|--B 1 --H 12 --N 32760 --varlen 8190,8190,8190,8190 --D 128 ${shape[*]}"
         "bench-varlen-batch|--B 4 --H 12 --N 8190 --D 128 ${shape[*]}"
         "bench-causal|--B 1 --H 12 --N 32760 --causal --D 128 ${shape[*]}"
-        "bench-causal-experimental|--B 1 --H 12 --N 32760 --causal --D 128 --ops bwd --option experimental=on ${shape[*]}"
-        "bench-d96-experimental|--B 1 --H 12 --N 32760 --D 96 --option experimental=on ${shape[*]}"
-        "bench-d256-experimental|--B 1 --H 12 --N 32760 --D 256 --ops mask,fwd --option experimental=on ${shape[*]}"
+        "bench-d96|--B 1 --H 12 --N 32760 --D 96 ${shape[*]}"
+        "bench-d256|--B 1 --H 12 --N 32760 --D 256 --ops mask,fwd ${shape[*]}"
     )
 fi
 for b in "${benches[@]}"; do
@@ -234,9 +233,8 @@ gpu_name=$(nvidia-smi -i "$gpu" --query-gpu=name,driver_version,power.limit,cloc
         section "Four packed sequences of 8190 tokens" bench-varlen
         section "A batch of four 8190-token sequences, the same work" bench-varlen-batch
         section "Block-causal" bench-causal "Rates count the attendable (query, key) pairs only."
-        section "Block-causal backward on the tensor cores (experimental=on)" bench-causal-experimental
-        section "Head dim 96 on the tensor cores (experimental=on)" bench-d96-experimental
-        section "Head dim 256, forward on the tensor cores (experimental=on)" bench-d256-experimental
+        section "Head dim 96" bench-d96
+        section "Head dim 256, forward" bench-d256
         section "Causal 95 % against FlexAttention on the same causal block mask" peers-causal
         section "Dense forward at D=64 against cuDNN" peers-dense-d64
         section "Dense forward at D=256 against cuDNN" peers-dense-d256
