@@ -2,6 +2,7 @@
 import contextlib
 import ctypes
 import dataclasses
+import re
 import threading
 import weakref
 
@@ -358,7 +359,8 @@ class Mask:
         A causal mask's kept blocks all of whose token pairs may attend (those below the diagonal) are full blocks
         (full_kv_num_blocks / full_kv_indices, computed without a mask_mod); the others, its diagonal blocks, are
         partial blocks, inside which the mask_mod kv_idx <= q_idx + Nk − Nq (the bottom-right causal rule) masks
-        tokens. Variable-length masks have no BlockMask form and are refused."""
+        tokens; from_flex_block_mask(..., causal=True) takes such a BlockMask back. Variable-length masks have
+        no BlockMask form and are refused."""
         if self.varlen:
             raise ValueError("sparge: a FlexAttention BlockMask has no packed sequences; to_flex_block_mask takes "
                              "fixed-length masks")
@@ -393,23 +395,43 @@ class Mask:
                                         seq_lengths=(self.Nq, self.Nk))
 
     @classmethod
-    def from_flex_block_mask(cls, block_mask, Nq, Nk, *, B=None, H=None, keep_partial=False, device=None,
-                             backend=None):
+    def from_flex_block_mask(cls, block_mask, Nq, Nk, *, B=None, H=None, keep_partial=False, causal=False,
+                             device=None, backend=None):
         """A sparge Mask from a FlexAttention BlockMask: the union of its partial (kv_num_blocks/kv_indices)
         and full (full_kv_*) blocks over blocks of its BLOCK_SIZE. Batch or head dimensions of size 1 are
         broadcast to B or H when given. A BlockMask with a mask_mod masks tokens inside its partial blocks,
-        which a block mask cannot: that is refused unless keep_partial=True keeps those blocks whole."""
+        which a block mask cannot: that is refused unless keep_partial=True keeps those blocks whole.
+
+        causal=True gives a causal Mask (Nq <= Nk), which masks the tokens of its kept blocks by the
+        bottom-right rule kv_idx <= q_idx + Nk − Nq, as to_flex_block_mask's BlockMasks do; the import is
+        exact, or refused with ValueError: every full block must lie wholly on or below that diagonal, and
+        the mask_mod must equal the rule on every token pair of the partial blocks (without a mask_mod they
+        are whole, so they must lie below the diagonal too). The mask_mod is called on broadcasting int64
+        index tensors, once per (b, h) where the BlockMask's batch or head dimension is not 1 (else with
+        index 0), over the existing tokens of the partial blocks only; it must work elementwise (torch
+        operations, no Python branching on the indices). The rows must keep their diagonal blocks and
+        nothing above them, as for any causal Mask. keep_partial=True is refused with causal=True: a causal
+        Mask cannot keep its diagonal blocks whole."""
         kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
         full_num, full_idx = getattr(block_mask, "full_kv_num_blocks", None), getattr(block_mask,
                                                                                      "full_kv_indices", None)
         size = block_mask.BLOCK_SIZE
         block_q, block_k = (size, size) if isinstance(size, int) else (size[0], size[1])
         Nq, Nk = _checks.integer(Nq, "Nq", 1, _lib.INT32_MAX), _checks.integer(Nk, "Nk", 1, _lib.INT32_MAX)
+        causal = _checks.flag(causal, "causal")
         mask_mod = getattr(block_mask, "mask_mod", None)
-        if (mask_mod is not None and getattr(mask_mod, "__name__", "") != "noop_mask" and not keep_partial
-                and bool((kv_num > 0).any())):
+        if mask_mod is not None and getattr(mask_mod, "__name__", "") == "noop_mask":
+            mask_mod = None
+        if causal:
+            if keep_partial:
+                raise ValueError("sparge: keep_partial=True and causal=True exclude each other: a causal mask "
+                                 "masks the tokens of its diagonal blocks by the bottom-right rule, it cannot "
+                                 "keep them whole")
+            _checks.causal_lengths(Nq, Nk)
+        elif mask_mod is not None and not keep_partial and bool((kv_num > 0).any()):
             raise ValueError("sparge: this BlockMask has a mask_mod, which masks tokens inside its partial blocks; "
-                             "a sparge mask keeps or drops whole blocks. keep_partial=True keeps them whole.")
+                             "a sparge mask keeps or drops whole blocks. keep_partial=True keeps them whole "
+                             "(causal=True imports a bottom-right causal mask_mod).")
 
         def dense_of(num, idx):
             while num.dim() < 3:
@@ -424,13 +446,15 @@ class Mask:
             dense = torch.zeros(tuple(num.shape) + (Nkb + 1,), dtype=torch.uint8)
             return dense.scatter_(-1, torch.where(used, idx, torch.full_like(idx, Nkb)), 1)[..., :Nkb]
 
-        dense = dense_of(kv_num, kv_idx)
-        if full_num is not None:
-            dense = dense | dense_of(full_num, full_idx)
+        partial = dense_of(kv_num, kv_idx)
+        full = dense_of(full_num, full_idx) if full_num is not None else None
+        dense = partial if full is None else partial | full
         Nqb = -(-Nq // block_q)
         if dense.shape[2] != Nqb:
             raise ValueError(f"sparge: the BlockMask has {dense.shape[2]} query-block rows; Nq = {Nq} in blocks "
                              f"of {block_q} needs {Nqb}")
+        if causal:
+            _flex_causal_tokens(partial, full, mask_mod, Nq, Nk, block_q, block_k, kv_num.device)
         B = dense.shape[0] if B is None else _checks.integer(B, "B", 1, _lib.INT64_MAX)
         H = dense.shape[1] if H is None else _checks.integer(H, "H", 1, _lib.INT64_MAX)
         try:
@@ -438,8 +462,21 @@ class Mask:
         except RuntimeError as e:
             raise ValueError(f"sparge: the BlockMask's [B, H] = {list(dense.shape[:2])} cannot broadcast to "
                              f"[{B}, {H}]") from e
-        return cls.from_dense(dense, Nq, Nk, block_q, block_k, device if device is not None else kv_num.device,
-                              backend)
+        device = device if device is not None else kv_num.device
+        if not causal:
+            return cls.from_dense(dense, Nq, Nk, block_q, block_k, device, backend)
+        try:
+            return cls.from_dense(dense, Nq, Nk, block_q, block_k, device, backend, causal=True)
+        except _lib.SpargeError as e:
+            if e.status_name != "SPARGE_ERR_INVALID":
+                raise
+            found = re.search(r"row (\d+)(.*)", str(e))
+            detail = str(e)
+            if found:
+                r = int(found.group(1))
+                detail = f"row [b={r // (H * Nqb)}, h={r // Nqb % H}, i={r % Nqb}]{found.group(2)}"
+            raise ValueError("sparge: the BlockMask is not a causal sparge mask (every query-block row keeps its "
+                             f"diagonal blocks and none above them): {detail}") from e
 
     # ------------------------------------------------------------ views (copies)
     def _to_host(self, fn, shape, dtype, slot, nslots):
@@ -509,6 +546,61 @@ class Mask:
     def sparsity(self):
         """1 − kept / attendable block pairs."""
         return self.stats().sparsity
+
+
+_FLEX_CHECK_PAIRS = 1 << 22  # token pairs per mask_mod call when a causal BlockMask's partial blocks are checked
+
+
+def _flex_causal_tokens(partial, full, mask_mod, Nq, Nk, block_q, block_k, device):
+    """Refuse a BlockMask whose token masking differs from a causal sparge mask's over the same blocks:
+    full blocks (and partial ones without a mask_mod) must lie wholly on or below the bottom-right diagonal,
+    and the mask_mod must equal the rule kv_idx <= q_idx + Nk − Nq on the existing pairs of every partial
+    block. partial and full are the BlockMask's uint8 [B', H', Nqb, Nkb] blocks, B' and H' its own."""
+    off = Nk - Nq
+    Nqb, Nkb = partial.shape[2], partial.shape[3]
+    first_query = torch.arange(Nqb) * block_q
+    last_key = (torch.arange(1, Nkb + 1) * block_k).clamp(max=Nk) - 1
+    whole = last_key[None, :] <= first_query[:, None] + off  # [Nqb, Nkb]: every pair attends
+
+    def first(sel):
+        b, h, i, j = (int(x) for x in sel.nonzero()[0])
+        return f"[b={b}, h={h}, i={i}, j={j}]"
+
+    if full is not None and bool((full.bool() & ~whole).any()):
+        raise ValueError(f"sparge: full block {first(full.bool() & ~whole)} holds token pairs above the causal "
+                         f"diagonal (kv_idx > q_idx + {off}), which FlexAttention attends and a causal sparge mask "
+                         "does not; only blocks wholly on or below the diagonal can be full")
+    if mask_mod is None:
+        if bool((partial.bool() & ~whole).any()):
+            raise ValueError(f"sparge: partial block {first(partial.bool() & ~whole)} has no mask_mod, so "
+                             "FlexAttention attends all its token pairs, some above the causal diagonal "
+                             f"(kv_idx > q_idx + {off}); give the BlockMask the mask_mod kv_idx <= q_idx + {off}")
+        return
+    blocks = partial.bool().nonzero()  # [n, 4] (b, h, i, j), b and h 0 where the BlockMask broadcasts
+    dq = torch.arange(block_q, device=device)[None, :, None]
+    dk = torch.arange(block_k, device=device)[None, None, :]
+    step = max(1, _FLEX_CHECK_PAIRS // (block_q * block_k))
+    for start in range(0, len(blocks), step):
+        b, h, i, j = blocks[start:start + step].to(device)[:, :, None, None].unbind(1)  # each [n, 1, 1]
+        t, u = i * block_q + dq, j * block_k + dk  # [n, bq, 1], [n, 1, bk]
+        exists = (t < Nq) & (u < Nk)
+        t, u = t.clamp(max=Nq - 1), u.clamp(max=Nk - 1)  # tokens past Nq / Nk do not exist: never asked for
+        try:
+            got = torch.as_tensor(mask_mod(b, h, t, u), device=device).to(torch.bool).broadcast_to(exists.shape)
+        except Exception as e:
+            raise ValueError(f"sparge: the BlockMask's mask_mod could not be evaluated ({type(e).__name__}: {e}); "
+                             "causal=True calls it on broadcasting integer index tensors (b, h, q_idx, kv_idx), "
+                             "so it must work elementwise with torch operations, without Python branching on "
+                             f"the indices (sparge's own rule is kv_idx <= q_idx + {off})") from e
+        wrong = (got != (u <= t + off)) & exists
+        if bool(wrong.any()):
+            n, tq, uk = (int(x) for x in wrong.nonzero()[0])
+            bad = blocks[start + n]
+            raise ValueError(f"sparge: the BlockMask's mask_mod differs from the bottom-right causal rule kv_idx <= "
+                             f"q_idx + {off} in partial block [b={int(bad[0])}, h={int(bad[1])}, i={int(bad[2])}, "
+                             f"j={int(bad[3])}]: at q_idx = {int(t[n, tq, 0])}, kv_idx = {int(u[n, 0, uk])} it gives "
+                             f"{bool(got[n, tq, uk])}; a causal sparge mask masks the tokens of its blocks by that "
+                             "rule only (a top-left causal mask_mod is that rule only for Nq = Nk)")
 
 
 def _scale_arg(scale):

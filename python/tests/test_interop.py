@@ -184,10 +184,23 @@ def causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def bottom_right(off):
+    """sparge's causal rule for Nk - Nq = off, as to_flex_block_mask's mask_mod states it."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + off
+    return mask_mod
+
+
 class FlexBlockMasks(unittest.TestCase):
     def block_mask_like(self, kv_num, kv_idx, full_num=None, full_idx=None, block=(128, 64), mask_mod=noop_mask):
         return types.SimpleNamespace(kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
                                      full_kv_indices=full_idx, BLOCK_SIZE=block, mask_mod=mask_mod)
+
+    @staticmethod
+    def blocks(kept):
+        """FlexAttention's counts and indices of kept blocks [..., Nkb], the kept ones first."""
+        order = torch.argsort(kept.to(torch.int32), dim=-1, descending=True, stable=True)
+        return kept.sum(-1, dtype=torch.int32), order.to(torch.int32)
 
     def test_from_flex_fields(self):
         # B=1 H=2, 2 query-block rows, 4 key blocks; partial and full blocks are united, -1 and stale tails ignored.
@@ -220,6 +233,111 @@ class FlexBlockMasks(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"cannot broadcast to \[1, 3\]"):
             sparge.Mask.from_flex_block_mask(self.block_mask_like(kv_num.expand(1, 2, 2), kv_idx.expand(1, 2, 2, 2)),
                                              256, 128, H=3)
+
+    def causal_block_mask_like(self, Nq, Nk, block, H=1, seed=0, mask_mod=None):
+        """A causal BlockMask as FlexAttention lays one out: per head, every diagonal block and about half of the
+        other blocks below it kept; those all of whose pairs attend are full, the others partial, with the
+        bottom-right causal mask_mod unless another is given. Returns it, the kept blocks [1,H,Nqb,Nkb] and the
+        whole blocks [Nqb,Nkb]."""
+        bq, bk = block
+        off, Nqb, Nkb = Nk - Nq, -(-Nq // bq), -(-Nk // bk)
+        first_query = torch.arange(Nqb) * bq
+        last_query = (torch.arange(1, Nqb + 1) * bq).clamp(max=Nq) - 1
+        first_key = torch.arange(Nkb) * bk
+        last_key = (torch.arange(1, Nkb + 1) * bk).clamp(max=Nk) - 1
+        allowed = first_key[None, :] <= last_query[:, None] + off
+        whole = last_key[None, :] <= first_query[:, None] + off
+        diagonal = torch.zeros(Nqb, Nkb, dtype=torch.bool)
+        t = torch.arange(Nq)
+        diagonal[t // bq, (t + off) // bk] = True  # the blocks holding a query's last attendable key
+        g = torch.Generator().manual_seed(seed)
+        kept = diagonal | (allowed & (torch.rand(1, H, Nqb, Nkb, generator=g) < 0.5))
+        bm = self.block_mask_like(*self.blocks(kept & ~whole), *self.blocks(kept & whole), block,
+                                  mask_mod or bottom_right(off))
+        return bm, kept, whole
+
+    def test_from_flex_causal(self):
+        for Nq, Nk, block in ((300, 300, (128, 64)), (200, 330, (32, 64)), (200, 330, (64, 32))):
+            bm, kept, whole = self.causal_block_mask_like(Nq, Nk, block, H=2, seed=Nq + block[0])
+            mask = sparge.Mask.from_flex_block_mask(bm, Nq, Nk, causal=True)
+            self.assertTrue(mask.causal)
+            self.assertEqual((mask.B, mask.H, mask.Nq, mask.Nk, mask.block_q, mask.block_k), (1, 2, Nq, Nk) + block)
+            self.assertTrue(torch.equal(mask.dense, kept.to(torch.uint8)))
+            # The token pairs FlexAttention attends: full blocks whole, partial blocks where mask_mod allows.
+            t, u = torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
+            blocks = kept[..., t // block[0], u // block[1]]
+            flex_pairs = blocks & (whole[t // block[0], u // block[1]] | (u <= t + Nk - Nq))
+            self.assertTrue(torch.equal(mask.token_mask(), flex_pairs))
+            q, k, v = randn(1, 2, Nq, 32, seed=1), randn(1, 2, Nk, 32, seed=2), randn(1, 2, Nk, 32, seed=3)
+            out = sparge.sparge_attention(q, k, v, is_causal=True, mask=mask)
+            ref, _ = dense_masked_attention(q.double(), k.double(), v.double(), flex_pairs)
+            self.assertLess(rel_l2(out, ref), 1e-5)
+        # Batch and head dimensions of size 1 broadcast; the mask_mod is then evaluated for index 0.
+        bm, kept, _ = self.causal_block_mask_like(200, 330, (64, 32))
+        wide = sparge.Mask.from_flex_block_mask(bm, 200, 330, B=2, H=3, causal=True, backend="cpu-ref")
+        self.assertTrue(torch.equal(wide.dense, kept.to(torch.uint8).expand(2, 3, -1, -1)))
+        self.assertTrue(wide.causal)
+        # For Nq = Nk the top-left rule is the bottom-right one.
+        bm, kept, _ = self.causal_block_mask_like(300, 300, (128, 64), mask_mod=causal_mask)
+        self.assertTrue(torch.equal(sparge.Mask.from_flex_block_mask(bm, 300, 300, causal=True).dense,
+                                    kept.to(torch.uint8)))
+
+    def test_from_flex_causal_refusals(self):
+        def refuses(pattern, bm, Nq, Nk, **kw):
+            with self.assertRaisesRegex(ValueError, pattern):
+                sparge.Mask.from_flex_block_mask(bm, Nq, Nk, causal=True, **kw)
+
+        # SDPA's top-left causal rule differs from sparge's bottom-right one when Nq < Nk.
+        bm, _, _ = self.causal_block_mask_like(200, 330, (32, 64), mask_mod=causal_mask)
+        refuses(r"mask_mod differs from the bottom-right causal rule kv_idx <= q_idx \+ 130 in partial block "
+                r"\[b=0, h=0, i=0, j=\d+\]", bm, 200, 330)
+        # Masking something else inside the partial blocks: a sliding window; on one head only.
+        window = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (kv_idx > q_idx - 16)  # noqa: E731
+        refuses("mask_mod differs from the bottom-right causal rule", self.causal_block_mask_like(
+            300, 300, (128, 64), mask_mod=window)[0], 300, 300)
+        per_head = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & ((h == 0) | (kv_idx > q_idx - 16))  # noqa: E731
+        refuses(r"partial block \[b=0, h=1, ", self.causal_block_mask_like(300, 300, (128, 64), H=2,
+                                                                          mask_mod=per_head)[0], 300, 300)
+
+        def branching(b, h, q_idx, kv_idx):
+            if kv_idx <= q_idx:  # Python control flow on tensors
+                return True
+            return False
+
+        refuses("mask_mod could not be evaluated", self.causal_block_mask_like(300, 300, (128, 64),
+                                                                              mask_mod=branching)[0], 300, 300)
+        # Full blocks must lie wholly on or below the diagonal: one on it, one above it.
+        bm, kept, whole = self.causal_block_mask_like(300, 300, (128, 64))
+        nothing = torch.zeros_like(kept)
+        on = self.block_mask_like(*self.blocks(nothing), *self.blocks(kept), (128, 64), bottom_right(0))
+        refuses(r"full block \[b=0, h=0, i=0, j=0\] holds token pairs above the causal diagonal", on, 300, 300)
+        above = kept & whole
+        above[0, 0, 0, 4] = True
+        refuses(r"full block \[b=0, h=0, i=0, j=4\] holds", self.block_mask_like(
+            bm.kv_num_blocks, bm.kv_indices, *self.blocks(above), (128, 64), bottom_right(0)), 300, 300)
+        # Without a mask_mod the partial blocks are whole, which the diagonal ones are not.
+        refuses(r"partial block \[b=0, h=0, i=0, j=\d\] has no mask_mod", self.block_mask_like(
+            bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, (128, 64)), 300, 300)
+        # sparge's causal rules, checked on import: diagonal blocks kept, none above them.
+        dropped = self.block_mask_like(*self.blocks(kept & ~whole & (torch.arange(5) != 1)), bm.full_kv_num_blocks,
+                                       bm.full_kv_indices, (128, 64), bottom_right(0))
+        refuses(r"not a causal sparge mask.*row \[b=0, h=0, i=0\] drops block 1", dropped, 300, 300)
+        beyond = self.block_mask_like(*self.blocks(kept & ~whole | (torch.arange(5) == 4)), bm.full_kv_num_blocks,
+                                      bm.full_kv_indices, (128, 64), bottom_right(0))
+        refuses(r"not a causal sparge mask.*row \[b=0, h=0, i=0\] keeps block 4, which lies above", beyond,
+                300, 300)
+        refuses("keep_partial=True and causal=True exclude each other", bm, 300, 300, keep_partial=True)
+        refuses("causal attention needs Nq <= Nk", bm, 300, 250)
+
+    @unittest.skipUnless(HAVE_FLEX, f"skipped: torch {torch.__version__} has no FlexAttention (torch >= 2.5)")
+    def test_causal_round_trip(self):
+        for Nq, Nk in ((300, 300), (300, 330)):
+            q, k = randn(1, 2, Nq, 64, seed=21), randn(1, 2, Nk, 64, seed=22)
+            mask = sparge.predict_mask(q, k, topk=0.3, topp=0.0, causal=True)
+            bm = mask.to_flex_block_mask()
+            back = sparge.Mask.from_flex_block_mask(bm, Nq, Nk, causal=True)
+            self.assertTrue(back.causal)
+            self.assertTrue(torch.equal(back.dense, mask.dense))
 
     @unittest.skipUnless(HAVE_FLEX, f"skipped: torch {torch.__version__} has no FlexAttention (torch >= 2.5)")
     def test_round_trip_and_flex_attention_agree(self):
