@@ -48,8 +48,8 @@ static sparge_status alloc_array(sparge_mask *m, int64_t count, size_t elem, voi
     return m->dev->be->alloc(m->dev->impl, (size_t)bytes, out);
 }
 
-/* The layout's sequences: their offsets (checked: from 0, strictly increasing, ending at the totals), the longest
- * lengths, and causal's Nq ≤ Nk per sequence. */
+/* The layout's sequences: their offsets (checked: from 0, non-decreasing, ending at the totals), the longest
+ * lengths, keys for every sequence with queries, and causal's Nq ≤ Nk per sequence. */
 static sparge_status check_layout(const sparge_mask_layout *l, int64_t *max_q, int64_t *max_k, const char *fn)
 {
     if (l->B <= 0 || l->H <= 0 || l->Nq <= 0 || l->Nk <= 0)
@@ -80,8 +80,8 @@ static sparge_status check_layout(const sparge_mask_layout *l, int64_t *max_q, i
             return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: %s[0] = %d must be 0", fn, which, cu[t][0]);
         *longest[t] = 0;
         for (int64_t b = 0; b < l->B; b++) {
-            if (cu[t][b + 1] <= cu[t][b])
-                return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: %s must increase strictly (entries %lld and %lld are %d, %d)",
+            if (cu[t][b + 1] < cu[t][b])
+                return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: %s must not decrease (entries %lld and %lld are %d, %d)",
                                    fn, which, (long long)b, (long long)b + 1, cu[t][b], cu[t][b + 1]);
             if (cu[t][b + 1] - cu[t][b] > *longest[t])
                 *longest[t] = cu[t][b + 1] - cu[t][b];
@@ -90,9 +90,12 @@ static sparge_status check_layout(const sparge_mask_layout *l, int64_t *max_q, i
             return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: %s[%lld] = %d but the packed tensors hold %lld tokens", fn, which,
                                (long long)l->B, cu[t][l->B], (long long)total[t]);
     }
-    for (int64_t b = 0; l->causal && b < l->B; b++) {
+    for (int64_t b = 0; b < l->B; b++) {
         const int64_t nq = cu[0][b + 1] - cu[0][b], nk = cu[1][b + 1] - cu[1][b];
-        if (nq > nk)
+        if (nq > 0 && nk == 0)
+            return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: sequence %lld has %lld query and 0 key tokens (its queries would "
+                               "attend nothing)", fn, (long long)b, (long long)nq);
+        if (l->causal && nq > nk)
             return SPARGE_FAIL(SPARGE_ERR_SHAPE, "%s: causal attention needs Nq <= Nk, sequence %lld has %lld query and "
                                "%lld key tokens", fn, (long long)b, (long long)nq, (long long)nk);
     }
@@ -564,8 +567,8 @@ sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *
         }
         st.kept_blocks += head_kept;
         st.total_blocks += head_allowed;
-        if (head_sparsity)
-            head_sparsity[bhi] = 1.0 - (double)head_kept / (double)head_allowed;
+        if (head_sparsity) /* a sequence without queries may attend nothing, so it drops nothing: 0 */
+            head_sparsity[bhi] = head_allowed ? 1.0 - (double)head_kept / (double)head_allowed : 0.0;
     }
     st.sparsity = 1.0 - (double)st.kept_blocks / (double)st.total_blocks;
     st.token_density = pairs / allowed_pairs;

@@ -196,9 +196,10 @@ typedef struct {
     int block_q, block_k;
     int causal;          /* keys after a query's diagonal (bottom-right aligned: key u ≤ t + Nk − Nq) are never
                           * attended; Nq ≤ Nk per sequence */
-    const int32_t *cu_seqlens_q, *cu_seqlens_k; /* NULL, or host arrays of B+1 strictly increasing token offsets
+    const int32_t *cu_seqlens_q, *cu_seqlens_k; /* NULL, or host arrays of B+1 non-decreasing token offsets
                                                  * from 0: sequence b is tokens [cu[b], cu[b+1]) of the packed
-                                                 * tensors ([1, H, Nq, D] views); copied by the call */
+                                                 * tensors ([1, H, Nq, D] views); copied by the call. A sequence
+                                                 * may be empty, but one with queries needs keys */
 } sparge_mask_layout;
 sparge_status sparge_mask_create_ex(sparge_device *dev, const sparge_mask_layout *layout, sparge_mask **out);
 void sparge_mask_destroy(sparge_mask *mask);
@@ -253,8 +254,8 @@ typedef struct {
     int32_t min_row_blocks, max_row_blocks;
 } sparge_mask_stats;
 
-/* Overall statistics; head_sparsity [B*H] (per sequence and head for varlen) and row_mass [B*H*Nqb] optional.
- * Synchronizes. */
+/* Overall statistics; head_sparsity [B*H] (per sequence and head for varlen, 0 for a sequence without queries) and
+ * row_mass [B*H*Nqb] optional. Synchronizes. */
 sparge_status sparge_mask_get_stats(const sparge_mask *mask, sparge_mask_stats *out,
                                     double *head_sparsity, float *row_mass);
 

@@ -398,7 +398,7 @@ static void test_bad_layouts(void **state)
             fail_msg("%s: %s, \"%s\" (expected %s naming %s)", #call, sparge_status_name(s_), sparge_last_error(),      \
                      sparge_status_name(want), word);                                                                  \
     } while (0)
-    REFUSED(SPARGE_ERR_INVALID, sparge_mask_create_ex(ref, &l, &m), "increase");
+    REFUSED(SPARGE_ERR_INVALID, sparge_mask_create_ex(ref, &l, &m), "must not decrease");
     l.cu_seqlens_q = from1;
     REFUSED(SPARGE_ERR_INVALID, sparge_mask_create_ex(ref, &l, &m), "must be 0");
     l.cu_seqlens_q = ok;
