@@ -71,6 +71,14 @@ static const row rows[] = {
     LROW("varlen-small", ALL, 0, 2, 0, 0, 0, 64, 64, 32, ALL_DT, BOTH, 0.2, 0.5, 0, "90,30,70", QUICK(F16, BHND)),
     LROW("varlen-causal-gqa-small", ALL, 0, 4, 2, 0, 0, 64, 64, 32, ALL_DT, BOTH, 0.2, 0.4, 1, "80,40,50/100,50,60",
          QUICK(BF16, BNHD)),
+    /* Empty sequences among them: without queries (their keys, kept by no query block, get dK = dV = 0) and
+     * without any token. */
+    LROW("varlen-empty-small", ALL, 0, 2, 0, 0, 0, 64, 64, 32, ALL_DT, BOTH, 0.2, 0.5, 0, "0,90,0,70/0,130,40,70",
+         QUICK(F32, BNHD)),
+    LROW("varlen-empty-causal-gqa-small", ALL, 0, 4, 2, 0, 0, 64, 64, 32, ALL_DT, BOTH, 0.2, 0.4, 1,
+         "0,80,0,50/30,100,0,60", QUICK(BF16, BHND)),
+    LROW("varlen-empty", ALL, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0, "0,200,0,131/0,333,64,131",
+         QUICK(F16, BHND)),
 
     /* The full grid: several B·H, ragged tails, Nq ≠ Nk, D from 32 to 256, masked and dense. */
     PAIR("one-tile", ALL, 1, 1, 128, 128, 64, 128, 64, ALL_DT, BOTH, NULL, 0),
@@ -167,6 +175,16 @@ static const row rows[] = {
      * selection arms on causal rows (Top-p = 1 keeps every allowed block, Top-k alone). */
     LROW("varlen-one-token", ALL, 0, 4, 1, 0, 0, 32, 64, 32, ALL_DT, BOTH, 0.2, 0.5, 1, "1,100,1,64/1,130,5,64", 0),
     LROW("varlen-big-blocks", ALL, 0, 2, 2, 0, 0, 64, 256, 128, F32 | BF16, BHND, 0.3, 0.3, 0, "3,200,1/50,7,2", 0),
+    /* Empty sequences first, between and last: without queries but with keys (which get dK = dV = 0), without any
+     * token; causal, grouped heads, D = 128 with 128-key blocks, and D = 96 (the next tier) in every dtype. */
+    LROW("varlen-empty-causal", ALL, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
+         "0,200,0,131/0,333,64,131", 0),
+    LROW("varlen-empty-last-gqa", ALL, 0, 4, 2, 0, 0, 128, 128, 128, F16 | BF16, BOTH, 0.2, 0.5, 0,
+         "131,0,260,0/190,50,260,70", 0),
+    LROW("varlen-empty-causal-mqa-last", ALL, 0, 4, 1, 0, 0, 64, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 1,
+         "200,0,129,0/260,0,129,0", 0),
+    LROW("varlen-empty-d96", ALL, 0, 2, 1, 0, 0, 96, 128, 64, ALL_DT, BHND, 0.1, 0.5, 1, "0,200,0,131/0,333,64,131",
+         0),
     LPAIR("causal-mqa-big-blocks", ALL, 2, 3, 1, 90, 200, 64, 256, 512, F32 | BF16, BNHD, 1, 0, 0),
     LROW("causal-topp1", ALL, 1, 4, 2, 150, 260, 64, 64, 32, F32 | BF16, BHND, 0.0, 1.0, 1, NULL, 0),
     LROW("causal-topk", ALL, 2, 2, 1, 190, 190, 64, 32, 64, F32 | F16, BNHD, 0.3, 0.0, 1, NULL, 0),
@@ -184,6 +202,10 @@ static const row rows[] = {
          0),
     LROW("tc-varlen-d72", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190",
          QUICK(F16, BNHD)),
+    LROW("tc-varlen-empty-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
+         "0,200,0,131,0/0,333,64,131,40", 0),
+    LROW("tc-varlen-empty-last", ALL, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,
+         "131,0,260,0/190,50,260,70", 0),
     LROW("tc-causal-d40", ALL, 1, 2, 1, 300, 300, 40, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1, NULL, 0),
 };
 enum { ROWS = sizeof rows / sizeof rows[0] };
@@ -191,8 +213,8 @@ enum { ROWS = sizeof rows / sizeof rows[0] };
 static check_case table[ROWS * 6];
 static int table_len = -1;
 
-/* Parses a comma-separated list of sequence lengths into cu (offsets from 0); returns the count, or 0 if malformed
- * or longer than CHECK_MAX_SEQ. *end points past the list. */
+/* Parses a comma-separated list of sequence lengths (0 allowed: an empty sequence) into cu (offsets from 0); returns
+ * the count, or 0 if malformed or longer than CHECK_MAX_SEQ. *end points past the list. */
 static int parse_lengths(const char *s, int32_t *cu, const char **end)
 {
     int n = 0;
@@ -200,7 +222,7 @@ static int parse_lengths(const char *s, int32_t *cu, const char **end)
     for (;;) {
         char *e;
         const long v = strtol(s, &e, 10);
-        if (e == s || v <= 0 || n == CHECK_MAX_SEQ)
+        if (e == s || v < 0 || n == CHECK_MAX_SEQ)
             return 0;
         cu[n + 1] = cu[n] + (int32_t)v;
         n++;
@@ -898,6 +920,8 @@ static sparge_status call_pool(const void *p)
     sparge_status s = SPARGE_OK;
     for (int64_t b = 0, r0 = 0; !s && b < a->nseq; b++) {
         const int64_t n = a->cu[b + 1] - a->cu[b], nb = (n + a->block - 1) / a->block;
+        if (!n) /* an empty sequence has no block */
+            continue;
         sparge_tensor x = rows_of(a->q, a->cu[b], n), out = rows_of(a->out[0], r0, nb);
         s = sparge_pool(a->dev, &x, a->block, &out);
         r0 += nb;
