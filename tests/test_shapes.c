@@ -2,8 +2,8 @@
  * block-causal masks (bottom-right aligned, Nq = Nk and Nq < Nk), packed variable-length batches, and their
  * combinations; forward, backward and mask prediction, ragged blocks, both layouts. Then cpu-ref itself against
  * definitions it does not share code with: grouped heads equal repeated K/V heads, a varlen batch equals its
- * sequences run one at a time, causal attention equals a naive token-masked softmax. Bad layouts are refused
- * and write nothing. */
+ * sequences run one at a time, and one with empty sequences the batch without them, causal attention equals a
+ * naive token-masked softmax. Bad layouts are refused and write nothing. */
 #define _POSIX_C_SOURCE 200809L /* mkstemp */
 #include <math.h>
 #include <stdio.h>
@@ -36,6 +36,7 @@ static const shape_case cases[] = {
     {"varlen", 2, 2, 64, 128, 64, 0, 4, 0, 0, {300, 77, 129, 256}, {300, 77, 129, 256}, 0.2, 0.5},
     {"varlen nq!=nk", 3, 3, 32, 64, 64, 0, 3, 0, 0, {100, 250, 64}, {140, 90, 64}, 0.25, 0.0},
     {"varlen causal gqa", 4, 1, 64, 128, 64, 1, 3, 0, 0, {200, 129, 64}, {260, 129, 190}, 0.15, 0.5},
+    {"varlen empty causal", 2, 1, 64, 128, 64, 1, 4, 0, 0, {0, 200, 0, 131}, {0, 333, 64, 131}, 0.2, 0.5},
 };
 enum { CASES = sizeof cases / sizeof cases[0] };
 
@@ -538,11 +539,185 @@ static void test_layout_refusals_write_nothing(void **state)
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_mask_set_dense(m, all));
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_mask_get_stats(m, NULL, NULL, NULL));
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_mask_export(m, NULL, D, SPARGE_F32));
+    /* a layout whose sequence 1 has queries but no keys, causal or not: refused naming it, no mask made */
+    const int32_t no_keys[4] = {0, 1, 1, 90};
+    sparge_mask_layout lk = l;
+    lk.cu_seqlens_k = no_keys;
+    for (int causal = 1; causal >= 0; causal--) {
+        sparge_mask *unset = plain;
+        lk.causal = causal;
+        EXPECT_FAIL(SPARGE_ERR_SHAPE, sparge_mask_create_ex(dev, &lk, &unset));
+        if (!strstr(sparge_last_error(), "sequence 1 has 39 query and 0 key tokens"))
+            fail_msg("the refusal does not name the sequence without keys: %s", sparge_last_error());
+        assert_ptr_equal(unset, plain);
+    }
 #undef EXPECT_FAIL
     sparge_mask_destroy(m);
     sparge_mask_destroy(empty);
     sparge_mask_destroy(plain);
     sparge_device_close(dev);
+}
+
+/* Rows [n0, n0 + n) of each head of a [1, heads, N, D] fp64 image into dst at row d0 of [1, heads, M, D]. */
+static void copy_rows(double *dst, int64_t M, int64_t d0, const double *src, int64_t N, int64_t n0, int64_t n,
+                      int64_t heads, int64_t D)
+{
+    for (int64_t h = 0; h < heads; h++)
+        memcpy(dst + (h * M + d0) * D, src + (h * N + n0) * D, sizeof(double) * (size_t)(n * D));
+}
+
+/* Empty sequences (docs/DESIGN.md §1.12): a causal packed batch whose sequences 0 and 2 have keys but no queries
+ * and whose last has no token equals, on both CPU tiers, the batch of its sequences 1 and 3 alone: the same rows
+ * selected (an empty sequence's keep nothing), the same statistics (an empty sequence's per-head sparsity 0), O and
+ * LSE, dQ and those sequences' dK, dV, in both backward modes; the keys of the empty sequences get dK = dV = 0. Its
+ * rows refuse an import that keeps a block, and its export names its offsets and imports back. */
+static void test_empty_sequences(void **state)
+{
+    (void)state;
+    enum { H = 2, HK = 1, D = 8, TQ = 70, TK = 110, TKC = 85, B = 5 };
+    const int32_t cq[B + 1] = {0, 0, 30, 30, 70, 70}, ck[B + 1] = {0, 20, 60, 65, 110, 110};
+    const int32_t sq[3] = {0, 30, 70}, sk[3] = {0, 40, 85}; /* sequences 1 and 3 alone */
+    const sparge_mask_layout l = {.B = B, .H = H, .Nq = TQ, .Nk = TK, .block_q = 16, .block_k = 8, .causal = 1,
+                                  .cu_seqlens_q = cq, .cu_seqlens_k = ck},
+                             lc = {.B = 2, .H = H, .Nq = TQ, .Nk = TKC, .block_q = 16, .block_k = 8, .causal = 1,
+                                   .cu_seqlens_q = sq, .cu_seqlens_k = sk};
+    const sparge_mask_params mp = {0, 0, 0.3, 0.3, 0.0f, 1};
+    static const char *const tiers[2] = {"cpu-ref", "cpu"};
+    for (int t = 0; t < 2; t++) {
+        sparge_device *dev;
+        assert_int_equal(sparge_device_open(tiers[t], &dev), SPARGE_OK);
+        tu_rng g = {53};
+        tu_tensor x[8], c[8]; /* q, k, v, o, dO, dq, dk, dv: the batch with empty sequences, and without */
+        const int64_t heads[8] = {H, HK, HK, H, H, H, HK, HK};
+        for (int i = 0; i < 8; i++) {
+            const int keys = i == 1 || i == 2 || i == 6 || i == 7;
+            x[i] = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, heads[i], keys ? TK : TQ, D);
+            c[i] = tu_alloc(dev, SPARGE_F32, TU_BHND, 1, heads[i], keys ? TKC : TQ, D);
+        }
+        for (int i = 0; i < 5; i++) {
+            tu_fill_normal(&x[i], &g, 1.0);
+            double *v = tu_get(&x[i]);
+            if (i == 1 || i == 2) { /* the keys of sequences 1 and 3 */
+                double *kc = malloc(sizeof(double) * HK * TKC * D);
+                copy_rows(kc, TKC, 0, v, TK, ck[1], ck[2] - ck[1], HK, D);
+                copy_rows(kc, TKC, sk[1], v, TK, ck[3], ck[4] - ck[3], HK, D);
+                tu_set(&c[i], kc);
+                free(kc);
+            } else {
+                tu_set(&c[i], v);
+            }
+            free(v);
+        }
+        sparge_mask *m, *mc;
+        assert_int_equal(sparge_mask_create_ex(dev, &l, &m), SPARGE_OK);
+        assert_int_equal(sparge_mask_create_ex(dev, &lc, &mc), SPARGE_OK);
+        assert_int_equal(sparge_mask_predict(dev, &x[0].t, &x[1].t, &mp, m), SPARGE_OK);
+        assert_int_equal(sparge_mask_predict(dev, &c[0].t, &c[1].t, &mp, mc), SPARGE_OK);
+        sparge_mask_shape ms, msc;
+        assert_int_equal(sparge_mask_get_shape(m, &ms), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_shape(mc, &msc), SPARGE_OK);
+        assert_true(ms.Nqb == msc.Nqb && ms.Nkb == msc.Nkb);
+        const int64_t row = ms.Nqb * ms.Nkb; /* one (sequence, head)'s cells */
+        uint8_t *dense = malloc((size_t)(B * H * row)), *dc = malloc((size_t)(2 * H * row));
+        uint8_t *zero = calloc(1, (size_t)row);
+        assert_int_equal(sparge_mask_get_dense(m, dense), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_dense(mc, dc), SPARGE_OK);
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++) {
+                const uint8_t *want = b == 1 || b == 3 ? dc + ((b / 2) * H + h) * row : zero;
+                if (memcmp(dense + (b * H + h) * row, want, (size_t)row))
+                    fail_msg("%s: sequence %d head %d selects other blocks than without the empty sequences", tiers[t],
+                             b, h);
+            }
+        sparge_mask_stats st, stc;
+        double hs[B * H], hsc[2 * H];
+        assert_int_equal(sparge_mask_get_stats(m, &st, hs, NULL), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_stats(mc, &stc, hsc, NULL), SPARGE_OK);
+        assert_true(st.kept_blocks == stc.kept_blocks && st.total_blocks == stc.total_blocks);
+        assert_true(st.sparsity == stc.sparsity && st.token_density == stc.token_density);
+        assert_true(st.mean_row_mass == stc.mean_row_mass);
+        assert_true(st.min_row_blocks == stc.min_row_blocks && st.max_row_blocks == stc.max_row_blocks);
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                assert_true(hs[b * H + h] == (b == 1 || b == 3 ? hsc[(b / 2) * H + h] : 0.0));
+        /* attention on both, then the gradients: the same values where both have them */
+        float lse[H * TQ], lsec[H * TQ];
+        assert_int_equal(sparge_attention_forward(dev, &x[0].t, &x[1].t, &x[2].t, m, NULL, &x[3].t, lse), SPARGE_OK);
+        assert_int_equal(sparge_attention_forward(dev, &c[0].t, &c[1].t, &c[2].t, mc, NULL, &c[3].t, lsec), SPARGE_OK);
+        double *o = tu_get(&x[3]), *oc = tu_get(&c[3]), lse_d[H * TQ], lsec_d[H * TQ];
+        assert_true(check_rel_l2(o, oc, H * TQ * D) <= 1e-6);
+        for (int i = 0; i < H * TQ; i++)
+            lse_d[i] = lse[i], lsec_d[i] = lsec[i];
+        assert_true(check_rel_l2(lse_d, lsec_d, H * TQ) <= 1e-6);
+        free(o), free(oc);
+        for (int det = 0; det < 2; det++) {
+            const sparge_attn_params ap = {0.0f, det, 1};
+            for (int i = 5; i < 8; i++)
+                tu_poison(&x[i]), tu_poison(&c[i]);
+            assert_int_equal(sparge_attention_backward(dev, &x[0].t, &x[1].t, &x[2].t, &x[3].t, &x[4].t, lse, m, &ap,
+                                                       &x[5].t, &x[6].t, &x[7].t), SPARGE_OK);
+            assert_int_equal(sparge_attention_backward(dev, &c[0].t, &c[1].t, &c[2].t, &c[3].t, &c[4].t, lsec, mc, &ap,
+                                                       &c[5].t, &c[6].t, &c[7].t), SPARGE_OK);
+            double *dq = tu_get(&x[5]), *dqc = tu_get(&c[5]);
+            assert_true(check_rel_l2(dq, dqc, H * TQ * D) <= 1e-6);
+            free(dq), free(dqc);
+            for (int i = 6; i < 8; i++) {
+                double *g = tu_get(&x[i]), *gc = tu_get(&c[i]), *own = calloc(HK * TK * D, sizeof(double));
+                copy_rows(own, TK, ck[1], gc, TKC, 0, ck[2] - ck[1], HK, D);
+                copy_rows(own, TK, ck[3], gc, TKC, sk[1], ck[4] - ck[3], HK, D);
+                /* the keys of sequences 0 and 2 (no query) are 0, not left poisoned (NaN) */
+                if (!(check_rel_l2(g, own, HK * TK * D) <= 1e-6))
+                    fail_msg("%s: %s of the batch with empty sequences (deterministic %d) differs", tiers[t],
+                             i == 6 ? "dK" : "dV", det);
+                for (int64_t e = 0; e < (int64_t)ck[1] * D; e++)
+                    assert_true(g[e] == 0.0);
+                free(g), free(gc), free(own);
+            }
+        }
+        /* an import keeping a block in a row of sequence 2 (no query) is refused; the selection stays */
+        uint8_t *bad = malloc((size_t)(B * H * row)), *held = malloc((size_t)(B * H * row));
+        memcpy(bad, dense, (size_t)(B * H * row));
+        bad[(2 * H + 1) * row] = 1;
+        assert_int_equal(sparge_mask_set_dense(m, bad), SPARGE_ERR_INVALID);
+        if (!strstr(sparge_last_error(), "past its sequence's query blocks"))
+            fail_msg("%s: the refused import does not say why: %s", tiers[t], sparge_last_error());
+        assert_int_equal(sparge_mask_get_dense(m, held), SPARGE_OK);
+        assert_memory_equal(held, dense, (size_t)(B * H * row));
+        /* the export names the offsets, and a mask of that layout takes its bytes back */
+        char prefix[] = "/tmp/sparge-test-empty-XXXXXX", path[64], text[1024] = {0};
+        int fd = mkstemp(prefix);
+        assert_true(fd >= 0);
+        close(fd);
+        remove(prefix);
+        assert_int_equal(sparge_mask_export(m, prefix, D, SPARGE_F32), SPARGE_OK);
+        snprintf(path, sizeof path, "%s.json", prefix);
+        FILE *f = fopen(path, "r");
+        assert_non_null(f);
+        assert_true(fread(text, 1, sizeof text - 1, f) > 0);
+        fclose(f);
+        remove(path);
+        if (!strstr(text, "\"cu_seqlens_q\": [0, 0, 30, 30, 70, 70],") ||
+            !strstr(text, "\"cu_seqlens_k\": [0, 20, 60, 65, 110, 110],"))
+            fail_msg("%s: the export does not name the offsets: %s", tiers[t], text);
+        snprintf(path, sizeof path, "%s.u8", prefix);
+        f = fopen(path, "rb");
+        assert_non_null(f);
+        assert_int_equal(fread(bad, 1, (size_t)(B * H * row), f), (size_t)(B * H * row));
+        fclose(f);
+        remove(path);
+        sparge_mask *back;
+        assert_int_equal(sparge_mask_create_ex(dev, &l, &back), SPARGE_OK);
+        assert_int_equal(sparge_mask_set_dense(back, bad), SPARGE_OK);
+        assert_int_equal(sparge_mask_get_dense(back, held), SPARGE_OK);
+        assert_memory_equal(held, dense, (size_t)(B * H * row));
+        sparge_mask_destroy(back);
+        free(bad), free(held), free(dense), free(dc), free(zero);
+        sparge_mask_destroy(m);
+        sparge_mask_destroy(mc);
+        for (int i = 0; i < 8; i++)
+            tu_free(&x[i]), tu_free(&c[i]);
+        sparge_device_close(dev);
+    }
 }
 
 /* sparge_attention with a causal varlen mask of its own blocks and params whose blocks are 0 (the mask's, as for
@@ -688,6 +863,7 @@ int main(void)
                                        cmocka_unit_test(test_predict_after_kv_heads_change),
                                        cmocka_unit_test(test_layout_refusals_write_nothing),
                                        cmocka_unit_test(test_attention_given_mask), cmocka_unit_test(test_export_varlen),
+                                       cmocka_unit_test(test_empty_sequences),
                                        cmocka_unit_test(test_devices)};
     int rc = cmocka_run_group_tests_name("shapes", tests, NULL, NULL);
     sparge_device_close(ref);
