@@ -479,6 +479,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
     const int bh = tile_id / p.Nqb, i = tile_id % p.Nqb, b = bh / p.H, h = bh % p.H;
     const gpu_seq sq = gpu_seq_of<VARLEN>(p, b);
     const int nq = sq.nq, nk = sq.nk, q0 = i * kBlockQ, diag = nk - nq;
+    /* A row past its sequence stores nothing, and after an empty last sequence even its zero-filled loads would
+     * address past the end of Q. */
+    if (VARLEN && q0 >= nq)
+        return;
     const int32_t *list = p.counts ? p.indices + (int64_t)tile_id * p.Nkb : nullptr;
     int nsteps = (list ? p.counts[tile_id] : p.Nkb) * SUB;
     if (CAUSAL && !list) /* dense causal: the 64-key steps up to the block's last diagonal */
