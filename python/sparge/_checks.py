@@ -179,9 +179,10 @@ def causal_lengths(Nq, Nk, where=""):
 
 
 def cu_seqlens(t, name, total, role):
-    """flash-attn's cumulative sequence lengths: a 1-D int32 tensor (any device) of B+1 offsets, from 0, strictly
-    increasing, ending at `total` (the packed tensor `role`'s tokens). Returns a host copy, never the caller's
-    tensor: a Mask keeps it, and a caller refilling its buffer for the next batch must not change the mask's."""
+    """flash-attn's cumulative sequence lengths: a 1-D int32 tensor (any device) of B+1 offsets, from 0,
+    non-decreasing (a sequence may be empty), ending at `total` (the packed tensor `role`'s tokens). Returns a host
+    copy, never the caller's tensor: a Mask keeps it, and a caller refilling its buffer for the next batch must not
+    change the mask's."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"sparge: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
@@ -193,12 +194,25 @@ def cu_seqlens(t, name, total, role):
     if values[0] != 0:
         raise ValueError(f"sparge: {name}[0] = {values[0]}, must be 0")
     for b in range(len(values) - 1):
-        if values[b + 1] <= values[b]:
-            raise ValueError(f"sparge: {name} must increase strictly (every sequence holds a token): entries {b} and "
-                             f"{b + 1} are {values[b]}, {values[b + 1]}")
+        if values[b + 1] < values[b]:
+            raise ValueError(f"sparge: {name} must not decrease (sequence {b} would hold a negative number of "
+                             f"tokens): entries {b} and {b + 1} are {values[b]}, {values[b + 1]}")
     if values[-1] != total:
         raise ValueError(f"sparge: {name}[-1] = {values[-1]} but {role} holds {total} tokens")
     return host
+
+
+def sequence_lengths(cu_q, cu_k, causal):
+    """[(nq, nk)] of the packed sequences of checked offsets (as many of each): a sequence may be empty, but one
+    with queries needs keys, and causal attention nq <= nk."""
+    lengths = list(zip(cu_q.diff().tolist(), cu_k.diff().tolist()))
+    for b, (nq, nk) in enumerate(lengths):
+        if nq and not nk:
+            raise ValueError(f"sparge: sequence {b} has {nq} query and 0 key tokens (its queries would attend "
+                             "nothing)")
+        if causal:
+            causal_lengths(nq, nk, f" in every sequence (sequence {b})")
+    return lengths
 
 
 def qkv(q, k, v, layout_, grouped=True):

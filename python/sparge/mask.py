@@ -71,7 +71,7 @@ class MaskStats:
     blocks) and the sparsity per batch entry [B] (float64). Block counts and sparsities are over the block pairs
     a query may attend (causal: on or below the diagonal; variable-length: within each sequence), token_density
     over the token pairs it may attend. For a variable-length mask B counts sequences, so head_sparsity and
-    sequence_sparsity are per sequence."""
+    sequence_sparsity are per sequence; a sequence without queries counts nothing and has sparsity 0."""
 
     kept_blocks: int
     total_blocks: int
@@ -107,9 +107,10 @@ class Mask:
 
     cu_seqlens_q, cu_seqlens_k (1-D int32 tensors of B+1 offsets, any device; both or neither): a batch of B
     variable-length sequences packed along N (flash-attn's varlen convention): sequence b is tokens
-    [cu[b], cu[b+1]) of the packed [1, H, Nq, D] / [1, Hkv, Nk, D] tensors, Nq and Nk being the totals. Its views
-    are [B, H, Nqb, Nkb] over the longest sequence's blocks (max_seqlen_q / max_seqlen_k tokens); rows and
-    columns past a shorter sequence's blocks hold nothing."""
+    [cu[b], cu[b+1]) of the packed [1, H, Nq, D] / [1, Hkv, Nk, D] tensors, Nq and Nk being the totals. A
+    sequence may be empty (its rows keep nothing, and its keys get zero gradients), but one with queries needs
+    keys. Its views are [B, H, Nqb, Nkb] over the longest sequence's blocks (max_seqlen_q / max_seqlen_k tokens);
+    rows and columns past a shorter sequence's blocks hold nothing."""
 
     def __init__(self, B, H, Nq, Nk, block_q=_checks.DEFAULT_BLOCK_Q, block_k=_checks.DEFAULT_BLOCK_K,
                  device="cpu", backend=None, *, causal=False, cu_seqlens_q=None, cu_seqlens_k=None):
@@ -139,10 +140,7 @@ class Mask:
             for name, t in zip(("cu_seqlens_q", "cu_seqlens_k"), cu):
                 if t.numel() != B + 1:
                     raise ValueError(f"sparge: {name} has {t.numel()} entries; B = {B} sequences need {B + 1}")
-            if causal:
-                lq, lk = cu[0].diff().tolist(), cu[1].diff().tolist()
-                for b, (nq, nk) in enumerate(zip(lq, lk)):
-                    _checks.causal_lengths(nq, nk, f" in every sequence (sequence {b})")
+            _checks.sequence_lengths(cu[0], cu[1], causal)
         elif causal:
             _checks.causal_lengths(Nq, Nk)
         self.torch_device = _torch_device(device)

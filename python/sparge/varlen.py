@@ -54,8 +54,10 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     """Block-sparse attention over a packed batch of variable-length sequences, with flash_attn_varlen_func's
     arguments: q [Tq, H, D], k and v [Tk, Hkv, D] (Hkv dividing H: grouped K/V heads, query head h reading K/V
     head h / (H/Hkv)), any strides; cu_seqlens_q / cu_seqlens_k int32 tensors (any device; copied to the host once)
-    of B+1 offsets from 0, strictly increasing, ending at Tq / Tk; max_seqlen_q / max_seqlen_k at least the
-    longest sequence (flash-attn's bound; checked, not otherwise used). Sequence b's queries attend its keys only.
+    of B+1 offsets from 0, non-decreasing, ending at Tq / Tk; max_seqlen_q / max_seqlen_k at least the longest
+    sequence (flash-attn's bound; checked, not otherwise used). Sequence b's queries attend its keys only. A
+    sequence may be empty, as in flash-attn (its keys, if any, get zero gradients), but one with queries needs
+    keys.
 
     causal=True: causal per sequence, aligned bottom-right as flash-attn aligns it (query t of a sequence attends
     its keys u <= t + nk − nq; nq <= nk in every sequence). softmax_scale defaults to 1/sqrt(D). The hybrid mask
@@ -64,7 +66,7 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     return_mask=True (O, mask): the mask's views are [B, H, Nqb, Nkb] over the longest sequence's blocks, and
     mask.stats() gives head_sparsity [B, H] and sequence_sparsity [B] per sequence. Gradients flow to q, k and v
     through sparge's backward (dk, dv summed over each K/V head's query heads); the call runs eagerly. Tensors
-    without heads or of head dim 0 give zeros and zero gradients (and no mask)."""
+    without heads, queries or head dim give zeros and zero gradients (and no mask)."""
     Tq, H, D = _packed(q, "q")
     Tk, Hkv, Dk = _packed(k, "k")
     if _packed(v, "v") != (Tk, Hkv, Dk):
@@ -84,14 +86,11 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"sparge: cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()} (B+1 "
                          "each, one sequence of queries per sequence of keys)")
-    lengths_q, lengths_k = cu_q.diff().tolist(), cu_k.diff().tolist()
-    for name, given, lengths in (("max_seqlen_q", max_seqlen_q, lengths_q), ("max_seqlen_k", max_seqlen_k,
-                                                                           lengths_k)):
-        if _checks.integer(given, name, 1, _checks.INT32_MAX) < max(lengths):
-            raise ValueError(f"sparge: {name} = {given} but a sequence holds {max(lengths)} tokens")
-    if causal:
-        for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
-            _checks.causal_lengths(nq, nk, f" in every sequence (sequence {b})")
+    lengths = _checks.sequence_lengths(cu_q, cu_k, causal)
+    for name, given, longest in (("max_seqlen_q", max_seqlen_q, max(nq for nq, _ in lengths)),
+                                 ("max_seqlen_k", max_seqlen_k, max(nk for _, nk in lengths))):
+        if _checks.integer(given, name, 0, _checks.INT32_MAX) < longest:
+            raise ValueError(f"sparge: {name} = {given} but a sequence holds {longest} tokens")
     B = cu_q.numel() - 1
     if mask is not None:
         no_prediction_params("sparge_attention_varlen", topk, topp)
@@ -108,7 +107,7 @@ def sparge_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         given_mask_matches("sparge_attention_varlen", mask, causal, "causal", block_q, block_k)
     else:
         topk, topp, block_q, block_k, scale = defaulted_mask_params(topk, topp, block_q, block_k, scale)
-        if H and D:  # no mask for empty tensors: their O is zeros, their gradients too
+        if H and D and Tq:  # no mask for empty tensors: their O is zeros, their gradients too
             mask = Mask._recycled(B, H, Tq, Tk, block_q, block_k, q.device, backend, causal, cu_q, cu_k)
             with torch.no_grad():
                 mask.predict(q[None], k[None], topk=topk, topp=topp, scale=scale, layout="bnhd")

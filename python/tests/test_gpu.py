@@ -100,6 +100,35 @@ class Shapes(unittest.TestCase):
             self.assertTrue(torch.equal(mask.dense[b, :, :own.Nqb, :own.Nkb], own.dense[0]))
             self.assertLess(rel_l2(out[s], alone[0]), TOL[torch.bfloat16], f"sequence {b}")
 
+    def test_varlen_empty_sequences(self):
+        # Sequences with keys but no queries and one without any token, first, between and last: the GPU's O and
+        # gradients on the CPU's mask are the CPU's, the keys no query attends get zero gradients, and the GPU's own
+        # prediction keeps nothing in the empty sequences' rows.
+        lq, lk = [0, 700, 0, 129, 0], [64, 1000, 0, 129, 40]
+        cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (lq, lk))
+        Tq, Tk = sum(lq), sum(lk)
+        g = torch.Generator().manual_seed(15)
+        q, k, v = (torch.randn(n, h, 64, generator=g).to(torch.bfloat16) for n, h in ((Tq, 4), (Tk, 1), (Tk, 1)))
+        d_out = torch.randn(Tq, 4, 64, generator=g).to(torch.bfloat16)
+        cpu = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, mask = sparge.sparge_attention_varlen(*cpu, cu_q, cu_k, 700, 1000, causal=True, topk=0.2,
+                                                   return_mask=True)
+        grads = torch.autograd.grad(out, cpu, d_out)
+        gpu = [t.to("cuda").requires_grad_() for t in (q, k, v)]
+        own = sparge.sparge_attention_varlen(*gpu, cu_q, cu_k, 700, 1000, causal=True, topk=0.2, return_mask=True)[1]
+        self.assertFalse(bool(own.dense[[0, 2, 4]].any()))
+        given = sparge.Mask.from_dense(mask.dense, Tq, Tk, causal=True, device="cuda", cu_seqlens_q=cu_q,
+                                       cu_seqlens_k=cu_k)
+        out_gpu = sparge.sparge_attention_varlen(*gpu, cu_q, cu_k, 700, 1000, causal=True, mask=given)
+        self.assertLess(rel_l2(out_gpu.cpu(), out), TOL[torch.bfloat16], "O")
+        alone = torch.zeros(Tk, dtype=torch.bool, device="cuda")  # the keys of the sequences without queries
+        for b, nq in enumerate(lq):
+            alone[int(cu_k[b]):int(cu_k[b + 1])] = nq == 0
+        for name, got, want in zip("qkv", torch.autograd.grad(out_gpu, gpu, d_out.to("cuda")), grads):
+            self.assertLess(rel_l2(got.cpu(), want), TOL[torch.bfloat16], f"d{name}")
+            if name != "q":
+                self.assertFalse(bool(got[alone].any()), f"d{name} of keys no query attends")
+
 
 @unittest.skipUnless(HAVE_CUDA, "skipped: no CUDA device (or libsparge built without CUDA)")
 class StreamsAndMasks(unittest.TestCase):

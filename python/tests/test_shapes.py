@@ -245,6 +245,72 @@ class Varlen(unittest.TestCase):
     def test_cross_lengths_mqa(self):
         self.check(3, 1, [100, 250, 64, 7], [140, 90, 64, 300], causal=False)
 
+    def test_empty_sequences(self):
+        # Padding entries, as flash-attn takes them: sequences with keys but no queries, and one without any token,
+        # first, between and last. The batch equals its two other sequences alone; the keys no query attends get
+        # zero gradients, and an empty sequence counts in no statistic (its sparsity is 0).
+        lq, lk = [0, 70, 0, 50, 0], [30, 90, 20, 60, 0]
+        q, k, v, cu_q, cu_k = ragged(4, 2, lq, lk, seed=13)
+        out, mask = sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 70, 90, causal=True, return_mask=True,
+                                                   **self.KW)
+        self.assertEqual(mask.B, 5)
+        real = torch.cat([torch.arange(30, 120), torch.arange(140, 200)])  # the keys of sequences 1 and 3
+        k2, v2 = (t.detach()[real].requires_grad_() for t in (k, v))
+        q2 = q.detach().requires_grad_()
+        cu_q2, cu_k2 = (torch.tensor(c, dtype=torch.int32) for c in ([0, 70, 120], [0, 90, 150]))
+        out2, mask2 = sparge.sparge_attention_varlen(q2, k2, v2, cu_q2, cu_k2, 70, 90, causal=True, return_mask=True,
+                                                     **self.KW)
+        expect_close(self, out, out2, "O")
+        self.assertTrue(torch.equal(mask.dense[[1, 3]], mask2.dense))
+        self.assertFalse(bool(mask.dense[[0, 2, 4]].any()))
+        st, st2 = mask.stats(), mask2.stats()
+        self.assertEqual((st.kept_blocks, st.total_blocks, st.sparsity, st.token_density),
+                         (st2.kept_blocks, st2.total_blocks, st2.sparsity, st2.token_density))
+        self.assertTrue(torch.equal(st.head_sparsity[[1, 3]], st2.head_sparsity))
+        self.assertTrue(torch.equal(st.head_sparsity[[0, 2, 4]], torch.zeros(3, 4, dtype=torch.float64)))
+        self.assertEqual(st.sequence_sparsity[[0, 2, 4]].tolist(), [0.0, 0.0, 0.0])
+        d_out = randn(*out.shape, seed=17)
+        for deterministic in (False, True):
+            with self.subTest(deterministic=deterministic):
+                out, out2 = (sparge.sparge_attention_varlen(*args, 70, 90, causal=True, mask=m,
+                                                             deterministic=deterministic)
+                             for args, m in (((q, k, v, cu_q, cu_k), mask), ((q2, k2, v2, cu_q2, cu_k2), mask2)))
+                dq, dk, dv = torch.autograd.grad(out, (q, k, v), d_out)
+                dq2, dk2, dv2 = torch.autograd.grad(out2, (q2, k2, v2), d_out)
+                expect_close(self, dq, dq2, "dq")
+                for name, g, g2 in (("dk", dk, dk2), ("dv", dv, dv2)):
+                    expect_close(self, g[real], g2, name)
+                    others = torch.ones(len(k), dtype=torch.bool)
+                    others[real] = False
+                    self.assertTrue(torch.equal(g[others], torch.zeros_like(g[others])), name)
+        # The mask of these offsets takes the selection back; its empty rows refuse a kept block.
+        copy = sparge.Mask.from_dense(mask.dense, 120, 200, 64, 32, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        self.assertTrue(torch.equal(copy.dense, mask.dense))
+        bad = mask.dense.clone()
+        bad[2, 0, 0, 0] = 1
+        with self.assertRaisesRegex(sparge.SpargeError, "past its sequence"):
+            copy.set_dense(bad)
+        self.assertTrue(torch.equal(copy.dense, mask.dense))
+
+    def test_no_queries_at_all(self):
+        # Every sequence without queries: zeros (an empty O) and zero gradients, without a mask.
+        q, k, v, cu_q, cu_k = ragged(2, 1, [0, 0], [20, 30], seed=19)
+        out, mask = sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 0, 30, return_mask=True)
+        self.assertEqual((tuple(out.shape), mask), ((0, 2, 32), None))
+        for g in torch.autograd.grad(out, (k, v), torch.empty_like(out)):
+            self.assertTrue(torch.equal(g, torch.zeros_like(g)))
+
+    def test_queries_without_keys_refused(self):
+        q, k, v, cu_q, cu_k = ragged(2, 2, [40, 30], [40, 30])
+        no_keys = torch.tensor([0, 0, 70], dtype=torch.int32)  # sequence 0: 40 queries, no key
+        for causal in (False, True):
+            with self.subTest(causal=causal):
+                with self.assertRaisesRegex(ValueError, r"sequence 0 has 40 query and 0 key tokens"):
+                    sparge.sparge_attention_varlen(q, k, v, cu_q, no_keys, 40, 70, causal=causal)
+                with self.assertRaisesRegex(ValueError, r"sequence 0 has 40 query and 0 key tokens"):
+                    sparge.Mask(2, 2, 70, 70, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=no_keys)
+        self.assertIsNone(q.grad)
+
     def test_given_mask(self):
         q, k, v, cu_q, cu_k = ragged(2, 1, [70, 50], [70, 80], seed=3)
         out, mask = sparge.sparge_attention_varlen(q, k, v, cu_q, cu_k, 70, 80, causal=True, return_mask=True,
@@ -289,7 +355,7 @@ class Varlen(unittest.TestCase):
         q, k, v, cu_q, cu_k = ragged(2, 2, [40, 30], [40, 30])
         before = [t.detach().clone() for t in (q, k, v)]
         bad = {
-            "increase strictly": torch.tensor([0, 40, 40, 70], dtype=torch.int32),
+            "must not decrease": torch.tensor([0, 40, 30, 70], dtype=torch.int32),
             r"cu_seqlens_q\[0\] = 5, must be 0": torch.tensor([5, 40, 70], dtype=torch.int32),
             r"cu_seqlens_q\[-1\] = 60 but q holds 70 tokens": torch.tensor([0, 40, 60], dtype=torch.int32),
             "must be torch.int32": torch.tensor([0, 40, 70]),
