@@ -1,10 +1,11 @@
 /* libFuzzer target for masks and attention on "cpu" and "cpu-ref" (docs/RELIABILITY.md, "Fuzzing").
  *
- * The input bytes decode into a mask shape (B, H, Nq, Nk, blocks; now and then an invalid or overflowing one),
- * then a sequence of operations on one mask per device: selections from a pooled map (any floats, strided
- * views, k and p from a table of edge values), imports of dense masks (rows possibly empty), inspections
- * (get_csr with or without the transpose, get_dense, get_stats), small forwards and backwards (D, dtype,
- * layout, scale, deterministic, dense or masked, NaN/Inf injected) and misuse (NULLs, the other device's mask).
+ * The input bytes decode into a mask shape (B, H, Nq, Nk, blocks, causal, packed sequences, some empty; now and
+ * then an invalid or overflowing one), then a sequence of operations on one mask per device: selections from a
+ * pooled map (any floats, strided views, k and p from a table of edge values), imports of dense masks (rows
+ * possibly empty), inspections (get_csr with or without the transpose, get_dense, get_stats), small forwards and
+ * backwards (D, dtype, layout, scale, deterministic, dense or masked, NaN/Inf injected) and misuse (NULLs, the
+ * other device's mask).
  * A missing byte reads as 0, so every input is valid.
  *
  * Every call runs on both devices. An accepted call is checked against an oracle: the selection rule of
@@ -201,9 +202,12 @@ static unsigned create_expectation(const shape *s, int *skip)
         return BIT(SPARGE_ERR_INVALID);
     if (s->Nq > INT32_MAX || s->Nk > INT32_MAX)
         return BIT(SPARGE_ERR_OVERFLOW);
-    for (int64_t b = 0; s->causal && b < (s->varlen ? s->B : 1); b++)
-        if (s->varlen ? s->cu_q[b + 1] - s->cu_q[b] > s->cu_k[b + 1] - s->cu_k[b] : s->Nq > s->Nk)
+    for (int64_t b = 0; b < (s->varlen ? s->B : 1); b++) { /* queries need keys; causal, no more than keys */
+        const int64_t nq = s->varlen ? s->cu_q[b + 1] - s->cu_q[b] : s->Nq,
+                      nk = s->varlen ? s->cu_k[b + 1] - s->cu_k[b] : s->Nk;
+        if ((nq > 0 && nk == 0) || (s->causal && nq > nk))
             return BIT(SPARGE_ERR_SHAPE);
+    }
     const int64_t Nqb = (s->maxq + s->bq - 1) / s->bq, Nkb = (s->maxk + s->bk - 1) / s->bk;
     unsigned __int128 cells = sat_mul(sat_mul(sat_mul((uint64_t)s->B, (uint64_t)s->H), (uint64_t)Nqb), (uint64_t)Nkb);
     if (sat_mul(cells, 4) > (unsigned __int128)INT64_MAX)
@@ -232,8 +236,9 @@ static shape decode_shape(input *in)
     }
     s.varlen = kind < 224 && (kind & 4);
     s.maxq = s.maxk = 0;
-    for (int64_t b = 0; s.varlen && b < s.B; b++) { /* sequences of 1..24 tokens each */
-        int32_t nq = 1 + (int32_t)(u8(in) % 24), nk = 1 + (int32_t)(u8(in) % 24);
+    for (int64_t b = 0; s.varlen && b < s.B; b++) { /* sequences of 1..24 tokens each, now and then of none */
+        const unsigned cq = u8(in), ck = u8(in);
+        int32_t nq = cq >= 232 ? 0 : 1 + (int32_t)(cq % 24), nk = ck >= 232 ? 0 : 1 + (int32_t)(ck % 24);
         if (s.causal && nq > nk && (kind & 2)) {
             const int32_t t = nq;
             nq = nk, nk = t;
@@ -546,7 +551,8 @@ static void inspect(mask_pair *mp, int transpose)
                 }
                 kept += head_kept;
                 total += head_allowed;
-                CHECK(close_to(head_sp[h], 1.0 - (double)head_kept / (double)head_allowed, 1e-12),
+                /* a sequence without queries drops nothing: 0 */
+                CHECK(close_to(head_sp[h], head_allowed ? 1.0 - (double)head_kept / (double)head_allowed : 0.0, 1e-12),
                       "head %lld sparsity %.17g", (long long)h, head_sp[h]);
             }
             CHECK(stats.kept_blocks == kept && stats.total_blocks == total, "kept %lld of %lld, expected %lld of %lld",
