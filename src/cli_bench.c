@@ -31,8 +31,8 @@ static const char help[] =
     "  --kv-heads N        K/V heads, dividing --H (grouped heads; default --H)\n"
     "  --causal            block-causal attention (bottom-right aligned)\n"
     "  --varlen LIST       packed sequences of these lengths (comma list summing to --N, the same for keys: --B 1,\n"
-    "                      no other --Nk, at most 64 lengths); the dense level then keeps every block of every\n"
-    "                      sequence\n"
+    "                      no other --Nk, at most 64 lengths; 0 is an empty sequence); the dense level then keeps\n"
+    "                      every block of every sequence\n"
     "  --topk K --topp P   hybrid mask parameters (default 0.03, 0.2: the paper's)\n"
     "  --sparsity LIST     comma list of levels: 'dense', 'hybrid' (k, p above) or a target\n"
     "                      sparsity in [0,1) reached with Top-k = 1 - s (default dense,hybrid)\n"
@@ -283,7 +283,7 @@ int cli_bench(int argc, char **argv)
             }
             memcpy(one, p, len);
             one[len] = 0;
-            total += cli_int(one, "--varlen", 1, Nq);
+            total += cli_int(one, "--varlen", 0, Nq);
             free(one);
             if (total > Nq)
                 break;

@@ -86,6 +86,7 @@ bad --kv-heads bench $small --H 2 --kv-heads 3
 bad --causal bench $small --Nk 32 --causal
 bad --varlen bench $small --varlen 32,30
 bad --varlen bench $small --varlen 32,x
+bad --varlen bench $small --varlen -1,65
 bad --varlen bench $small --varlen 32,32,
 bad --varlen bench $small --varlen ''
 bad --varlen bench $small --varlen 0000000000000000000000000000064xyz
@@ -136,6 +137,7 @@ good bench --backend cpu-ref --B 1 --H 2 --N 40 --Nk 72 --D 8 --dtype bf16 --lay
     --sparsity hybrid,0.5 --reps 1 --warmup 0 --option strict=on
 good bench $small --H 2 --kv-heads 1 --causal --varlen 1,20,43 --sparsity dense,0.5 --deterministic \
     --output "$tmp/run.json" --export-mask "$tmp/mask"
+good bench $small --causal --varlen 0,30,0,34,0 --sparsity dense,0.5
 good bench --backend=cpu --N=50 --D=8 --block-q=16 --block-k=8 --timing=each --reps=1 --warmup=0 --fallback \
     --option simd=generic --deterministic --sparsity 0.25 --output "$tmp/run.csv"
 
