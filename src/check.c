@@ -203,7 +203,7 @@ static const row rows[] = {
     LROW("tc-varlen-d72", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190",
          QUICK(F16, BNHD)),
     LROW("tc-varlen-empty-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
-         "0,200,0,131,0/0,333,64,131,40", 0),
+         "0,200,0,131,0/0,333,64,131,40", QUICK(BF16, BHND)),
     LROW("tc-varlen-empty-last", ALL, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,
          "131,0,260,0/190,50,260,70", 0),
     LROW("tc-causal-d40", ALL, 1, 2, 1, 300, 300, 40, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1, NULL, 0),
