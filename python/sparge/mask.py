@@ -350,14 +350,15 @@ class Mask:
     # ------------------------------------------------------------ FlexAttention (torch >= 2.5)
     def to_flex_block_mask(self):
         """This mask as a FlexAttention BlockMask (torch >= 2.5) with BLOCK_SIZE = (block_q, block_k) and
-        seq_lengths = (Nq, Nk), so that flex_attention with it computes what sparge computes. Kept blocks are
-        listed row-ascending, the unkept ones after them as FlexAttention orders them.
+        seq_lengths = (Nq, Nk), so that flex_attention with it computes what sparge computes, compiled or not.
+        Kept blocks are listed row-ascending, the unkept ones after them as FlexAttention orders them.
 
-        Without causal every kept block is whole: kv_num_blocks / kv_indices hold them, with no mask_mod.
-        A causal mask's kept blocks all of whose token pairs may attend (those below the diagonal) are full blocks
-        (full_kv_num_blocks / full_kv_indices, computed without a mask_mod); the others, its diagonal blocks, are
-        partial blocks, inside which the mask_mod kv_idx <= q_idx + Nk − Nq (the bottom-right causal rule) masks
-        tokens; from_flex_block_mask(..., causal=True) takes such a BlockMask back. Variable-length masks have
+        Kept blocks all of whose token pairs attend are full blocks (full_kv_num_blocks / full_kv_indices):
+        without causal every kept block; with causal those below the diagonal. A causal mask's diagonal blocks
+        are partial blocks (kv_num_blocks / kv_indices). The mask_mod is flex_mask_mod(): the kept blocks, and
+        with causal the bottom-right rule kv_idx <= q_idx + Nk − Nq. It masks the tokens of the partial blocks,
+        and it is all that eager (uncompiled) flex_attention reads, which ignores the block lists.
+        from_flex_block_mask(..., causal=self.causal) takes such a BlockMask back. Variable-length masks have
         no BlockMask form and are refused."""
         if self.varlen:
             raise ValueError("sparge: a FlexAttention BlockMask has no packed sequences; to_flex_block_mask takes "
@@ -373,24 +374,33 @@ class Mask:
             return counts, order.to(torch.int32).contiguous()
 
         dense = self.dense.bool()
-        if not self.causal:
-            counts, indices = blocks(dense)
-            return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(self.block_q, self.block_k),
-                                            seq_lengths=(self.Nq, self.Nk))
-        off = self.Nk - self.Nq
-        first_query = torch.arange(self.Nqb, device=dense.device) * self.block_q
-        last_key = (torch.arange(1, self.Nkb + 1, device=dense.device) * self.block_k).clamp(max=self.Nk) - 1
-        whole = last_key[None, :] <= first_query[:, None] + off  # [Nqb, Nkb]: every pair of the block attends
-        full = dense & whole
+        full = dense
+        if self.causal:
+            first_query = torch.arange(self.Nqb, device=dense.device) * self.block_q
+            last_key = (torch.arange(1, self.Nkb + 1, device=dense.device) * self.block_k).clamp(max=self.Nk) - 1
+            full = dense & (last_key[None, :] <= first_query[:, None] + self.Nk - self.Nq)  # every pair attends
         counts, indices = blocks(dense & ~full)
         full_counts, full_indices = blocks(full)
-
-        def causal_mask(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx + off
-
         return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices,
-                                        BLOCK_SIZE=(self.block_q, self.block_k), mask_mod=causal_mask,
+                                        BLOCK_SIZE=(self.block_q, self.block_k), mask_mod=self.flex_mask_mod(),
                                         seq_lengths=(self.Nq, self.Nk))
+
+    def flex_mask_mod(self):
+        """FlexAttention's mask_mod(b, h, q_idx, kv_idx) for this fixed-length mask: whether query q_idx attends key
+        kv_idx (the pairs of token_mask()), as elementwise torch operations on a copy of the dense block view."""
+        if self.varlen:
+            raise ValueError("sparge: flex_mask_mod takes fixed-length masks")
+        kept, bq, bk, Nqb, Nkb = self.dense.bool(), self.block_q, self.block_k, self.Nqb, self.Nkb
+        off = self.Nk - self.Nq
+
+        def block_mask_mod(b, h, q_idx, kv_idx):
+            # Compiled kernels may ask for padded indices past Nq or Nk; their blocks are clamped into range.
+            return kept[b, h, (q_idx // bq).clamp(max=Nqb - 1), (kv_idx // bk).clamp(max=Nkb - 1)]
+
+        def causal_mask_mod(b, h, q_idx, kv_idx):
+            return block_mask_mod(b, h, q_idx, kv_idx) & (kv_idx <= q_idx + off)
+
+        return causal_mask_mod if self.causal else block_mask_mod
 
     @classmethod
     def from_flex_block_mask(cls, block_mask, Nq, Nk, *, B=None, H=None, keep_partial=False, causal=False,

@@ -346,12 +346,13 @@ class FlexBlockMasks(unittest.TestCase):
         bm = mask.to_flex_block_mask()
         self.assertIsInstance(bm, BlockMask)
         self.assertEqual(tuple(bm.BLOCK_SIZE), (128, 64))
-        self.assertTrue(torch.equal(bm.kv_num_blocks, mask.counts))
+        self.assertTrue(torch.equal(bm.full_kv_num_blocks, mask.counts))
+        self.assertFalse(bool(bm.kv_num_blocks.any()))
         for b in range(mask.B):
             for h in range(mask.H):
                 for i in range(mask.Nqb):
                     n = int(mask.counts[b, h, i])
-                    self.assertTrue(torch.equal(bm.kv_indices[b, h, i, :n], mask.indices[b, h, i, :n]))
+                    self.assertTrue(torch.equal(bm.full_kv_indices[b, h, i, :n], mask.indices[b, h, i, :n]))
         self.assertTrue(torch.equal(bm.to_dense().to(torch.uint8), mask.dense))
         back = sparge.Mask.from_flex_block_mask(bm, 300, 330)
         self.assertTrue(torch.equal(back.dense, mask.dense))
@@ -368,7 +369,8 @@ class FxTracing(unittest.TestCase):
 
             def forward(self, x):
                 qkv = self.proj(x).view(1, 200, 3, 2, 16)  # a proxy is indexed, not unpacked, under tracing
-                return sparge_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], layout="bnhd", topk=0.5, topp=0.0, block_q=64, block_k=32)
+                return sparge_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], layout="bnhd", topk=0.5, topp=0.0,
+                                        block_q=64, block_k=32)
 
         torch.manual_seed(0)
         module, x = Attend(), randn(1, 200, 32, seed=14)

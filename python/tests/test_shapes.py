@@ -442,8 +442,8 @@ class Empty(unittest.TestCase):
 
 
 class FlexBlockMask(unittest.TestCase):
-    """to_flex_block_mask of causal masks: full blocks where every pair attends, partial (diagonal) blocks with the
-    causal mask_mod. On torch < 2.5 a stand-in BlockMask records what sparge hands to from_kv_blocks."""
+    """to_flex_block_mask: full blocks where every pair attends, partial (causal diagonal) blocks, and a mask_mod that
+    is the token mask. On torch < 2.5 a stand-in BlockMask records what sparge hands to from_kv_blocks."""
 
     def block_mask(self, mask):
         try:
@@ -474,35 +474,41 @@ class FlexBlockMask(unittest.TestCase):
                 else:
                     sys.modules[n] = m
 
-    def test_causal(self):
+    def test_blocks_and_mask_mod(self):
         Nq, Nk, bq, bk = 150, 230, 32, 16
         q, k, v = tensors([(1, 2, Nq, 16), (1, 2, Nk, 16), (1, 2, Nk, 16)], seed=30)
-        out, mask = sparge.sparge_attention(q, k, v, is_causal=True, topk=0.3, topp=0.0, block_q=bq, block_k=bk,
-                                            return_mask=True)
-        bm, real = self.block_mask(mask)
+        for causal in (True, False):
+            out, mask = sparge.sparge_attention(q, k, v, is_causal=causal, topk=0.3, topp=0.0, block_q=bq,
+                                                block_k=bk, return_mask=True)
+            bm, real = self.block_mask(mask)
 
-        def dense_of(num, idx):
-            d = torch.zeros(mask.B, mask.H, mask.Nqb, mask.Nkb, dtype=torch.bool)
-            for b, h, i in torch.nonzero(num >= 0).tolist():
-                d[b, h, i, idx[b, h, i, :num[b, h, i]].long()] = True
-            return d
+            def dense_of(num, idx):
+                d = torch.zeros(mask.B, mask.H, mask.Nqb, mask.Nkb, dtype=torch.bool)
+                for b, h, i in torch.nonzero(num >= 0).tolist():
+                    d[b, h, i, idx[b, h, i, :num[b, h, i]].long()] = True
+                return d
 
-        partial, full = dense_of(bm.kv_num_blocks, bm.kv_indices), dense_of(bm.full_kv_num_blocks,
-                                                                           bm.full_kv_indices)
-        self.assertFalse(bool((partial & full).any()))
-        self.assertTrue(torch.equal(partial | full, mask.dense.bool()))
-        self.assertTrue(bool(full.any()) and bool(partial.any()))
-        t, u = torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
-        causal = u <= t + Nk - Nq
-        self.assertTrue(torch.equal(bm.mask_mod(0, 0, t, u), causal))
-        for b, h, i, j in torch.nonzero(partial | full).tolist():
-            block = causal[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
-            self.assertEqual(bool(block.all()), bool(full[b, h, i, j]), f"block ({i}, {j})")
-        self.assertEqual(tuple(bm.BLOCK_SIZE), (bq, bk))
-        if real:
-            from torch.nn.attention.flex_attention import flex_attention
+            partial, full = dense_of(bm.kv_num_blocks, bm.kv_indices), dense_of(bm.full_kv_num_blocks,
+                                                                               bm.full_kv_indices)
+            self.assertFalse(bool((partial & full).any()))
+            self.assertTrue(torch.equal(partial | full, mask.dense.bool()))
+            self.assertTrue(bool(full.any()) and bool(partial.any()) == causal)
+            # The mask_mod is the token mask itself: eager flex_attention reads it and not the block lists.
+            t, u = torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
+            tokens = mask.token_mask()
+            for h in range(mask.H):
+                self.assertTrue(torch.equal(bm.mask_mod(0, h, t, u), tokens[0, h]))
+            padded = bm.mask_mod(0, 0, torch.arange(Nq + bq)[:, None], torch.arange(Nk + bk)[None, :])
+            self.assertEqual(tuple(padded.shape), (Nq + bq, Nk + bk))  # padded indices stay in range
+            allowed = u <= t + Nk - Nq if causal else torch.ones(Nq, Nk, dtype=torch.bool)
+            for b, h, i, j in torch.nonzero(partial | full).tolist():
+                block = allowed[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+                self.assertEqual(bool(block.all()), bool(full[b, h, i, j]), f"block ({i}, {j})")
+            self.assertEqual(tuple(bm.BLOCK_SIZE), (bq, bk))
+            if real:
+                from torch.nn.attention.flex_attention import flex_attention
 
-            self.assertLess(rel_l2(flex_attention(q, k, v, block_mask=bm), out), 1e-5)
+                self.assertLess(rel_l2(flex_attention(q, k, v, block_mask=bm), out), 1e-5)
 
     def test_varlen_refused(self):
         _, _, _, cu_q, cu_k = ragged(1, 1, [40, 30], [40, 30])
