@@ -288,13 +288,17 @@ build() {
     local t0 stamp
     t0=$(date +%s)
     if [ -n "$debs" ]; then # libraries the machine lacks, unpacked from .deb files (the CBLAS and LAPACKE, say)
-        local p=/tmp/gpu-deps d
+        local p=/tmp/gpu-deps d pcdirs libdirs
         for d in "$debs"/*.deb; do [ -f "$d" ] && dpkg -x "$d" "$p"; done
-        for d in "$p"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc; do [ -f "$d" ] && sed -i "s|=/usr|=$p/usr|" "$d"; done
-        export PKG_CONFIG_PATH=$p/usr/lib/x86_64-linux-gnu/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+        # Debian keeps OpenBLAS and the reference LAPACK in subfolders (openblas-pthread/, lapack/) that its
+        # alternatives would link into place: every folder holding .pc files or libraries is searched instead.
+        find "$p" -name '*.pc' -exec sed -i "s|=/usr|=$p/usr|" {} +
+        pcdirs=$(find "$p" -type d -name pkgconfig | tr '\n' ':')
+        libdirs=$(find "$p" -name '*.so*' -printf '%h\n' | sort -u | tr '\n' ':')
+        export PKG_CONFIG_PATH=$pcdirs${PKG_CONFIG_PATH:-}
         export CPATH=$p/usr/include:$p/usr/include/x86_64-linux-gnu${CPATH:+:$CPATH}
-        export LIBRARY_PATH=$p/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}
-        export LD_LIBRARY_PATH=$p/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        export LIBRARY_PATH=$libdirs${LIBRARY_PATH:-}
+        export LD_LIBRARY_PATH=$libdirs${LD_LIBRARY_PATH:-}
     fi
     export PATH=/usr/local/cuda/bin:$PATH
     stamp="$(cat "$state/commit.txt" 2>/dev/null) $flags"
