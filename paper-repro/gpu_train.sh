@@ -287,12 +287,16 @@ build() {
     local bdir=$here/.build-gpu flags=${GPU_TRAIN_CONFIGURE_FLAGS:-"--with-cuda --with-cuda-arch=90 --without-hip --with-blas"}
     local t0 stamp
     t0=$(date +%s)
-    if [ -n "$debs" ]; then # libraries the machine lacks, unpacked from .deb files (the CBLAS and LAPACKE, say)
-        local p=/tmp/gpu-deps d pcdirs libdirs
+    # libraries the machine lacks, unpacked from .deb files (the CBLAS and LAPACKE, say); a later call on the same
+    # machine finds them unpacked, and its reused build needs them
+    local p=/tmp/gpu-deps d pcdirs libdirs
+    if [ -n "$debs" ]; then
         for d in "$debs"/*.deb; do [ -f "$d" ] && dpkg -x "$d" "$p"; done
         # Debian keeps OpenBLAS and the reference LAPACK in subfolders (openblas-pthread/, lapack/) that its
         # alternatives would link into place: every folder holding .pc files or libraries is searched instead.
         find "$p" -name '*.pc' -exec sed -i "s|=/usr|=$p/usr|" {} +
+    fi
+    if [ -d "$p" ]; then
         pcdirs=$(find "$p" -type d -name pkgconfig | tr '\n' ':')
         libdirs=$(find "$p" -name '*.so*' -printf '%h\n' | sort -u | tr '\n' ':')
         export PKG_CONFIG_PATH=$pcdirs${PKG_CONFIG_PATH:-}
