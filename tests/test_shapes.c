@@ -566,6 +566,33 @@ static void copy_rows(double *dst, int64_t M, int64_t d0, const double *src, int
         memcpy(dst + (h * M + d0) * D, src + (h * N + n0) * D, sizeof(double) * (size_t)(n * D));
 }
 
+/* Exports m to a temporary prefix and reads the files back: its JSON into json (NUL-terminated) and exactly n bytes of
+ * its dense view into bytes, nothing past them. Both files are removed. */
+static void export_mask(const sparge_mask *m, int64_t D, char *json, size_t json_cap, uint8_t *bytes, size_t n)
+{
+    char prefix[] = "/tmp/sparge-test-export-XXXXXX", path[64];
+    int fd = mkstemp(prefix);
+    assert_true(fd >= 0);
+    close(fd);
+    remove(prefix);
+    assert_int_equal(sparge_mask_export(m, prefix, D, SPARGE_F32), SPARGE_OK);
+    snprintf(path, sizeof path, "%s.json", prefix);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    const size_t len = fread(json, 1, json_cap - 1, f);
+    json[len] = 0;
+    assert_true(len > 0);
+    fclose(f);
+    remove(path);
+    snprintf(path, sizeof path, "%s.u8", prefix);
+    f = fopen(path, "rb");
+    assert_non_null(f);
+    assert_int_equal(fread(bytes, 1, n, f), n);
+    assert_int_equal(fgetc(f), EOF); /* nothing past [B,H,Nqb,Nkb] */
+    fclose(f);
+    remove(path);
+}
+
 /* Empty sequences (docs/DESIGN.md §1.12): a causal packed batch whose sequences 0 and 2 have keys but no queries
  * and whose last has no token equals, on both CPU tiers, the batch of its sequences 1 and 3 alone: the same rows
  * selected (an empty sequence's keep nothing), the same statistics (an empty sequence's per-head sparsity 0), O and
@@ -684,27 +711,11 @@ static void test_empty_sequences(void **state)
         assert_int_equal(sparge_mask_get_dense(m, held), SPARGE_OK);
         assert_memory_equal(held, dense, (size_t)(B * H * row));
         /* the export names the offsets, and a mask of that layout takes its bytes back */
-        char prefix[] = "/tmp/sparge-test-empty-XXXXXX", path[64], text[1024] = {0};
-        int fd = mkstemp(prefix);
-        assert_true(fd >= 0);
-        close(fd);
-        remove(prefix);
-        assert_int_equal(sparge_mask_export(m, prefix, D, SPARGE_F32), SPARGE_OK);
-        snprintf(path, sizeof path, "%s.json", prefix);
-        FILE *f = fopen(path, "r");
-        assert_non_null(f);
-        assert_true(fread(text, 1, sizeof text - 1, f) > 0);
-        fclose(f);
-        remove(path);
+        char text[1024];
+        export_mask(m, D, text, sizeof text, bad, (size_t)(B * H * row));
         if (!strstr(text, "\"cu_seqlens_q\": [0, 0, 30, 30, 70, 70],") ||
             !strstr(text, "\"cu_seqlens_k\": [0, 20, 60, 65, 110, 110],"))
             fail_msg("%s: the export does not name the offsets: %s", tiers[t], text);
-        snprintf(path, sizeof path, "%s.u8", prefix);
-        f = fopen(path, "rb");
-        assert_non_null(f);
-        assert_int_equal(fread(bad, 1, (size_t)(B * H * row), f), (size_t)(B * H * row));
-        fclose(f);
-        remove(path);
         sparge_mask *back;
         assert_int_equal(sparge_mask_create_ex(dev, &l, &back), SPARGE_OK);
         assert_int_equal(sparge_mask_set_dense(back, bad), SPARGE_OK);
@@ -808,32 +819,15 @@ static void test_export_varlen(void **state)
     assert_int_equal(sparge_mask_create_ex(ref, &l, &m), SPARGE_OK);
     const sparge_mask_params mp = {0, 0, 0.3, 0.3, 0.0f, 1};
     assert_int_equal(sparge_mask_predict(ref, &q.t, &k.t, &mp, m), SPARGE_OK);
-    char prefix[] = "/tmp/sparge-test-varlen-XXXXXX", path[64], text[1024] = {0};
-    int fd = mkstemp(prefix);
-    assert_true(fd >= 0);
-    close(fd);
-    remove(prefix);
-    assert_int_equal(sparge_mask_export(m, prefix, D, SPARGE_F32), SPARGE_OK);
-    snprintf(path, sizeof path, "%s.json", prefix);
-    FILE *f = fopen(path, "r");
-    assert_non_null(f);
-    assert_true(fread(text, 1, sizeof text - 1, f) > 0);
-    fclose(f);
-    remove(path);
+    char text[1024];
+    uint8_t bytes[3 * H * 3 * 7], held[sizeof bytes], back[sizeof bytes];
+    export_mask(m, D, text, sizeof text, bytes, sizeof bytes);
     static const char *const want[] = {"\"B\": 3,", "\"Nqb\": 3,", "\"Nkb\": 7,", "\"causal\": true,",
                                        "\"varlen\": true,", "\"cu_seqlens_q\": [0, 30, 31, 70],",
                                        "\"cu_seqlens_k\": [0, 50, 51, 90],"};
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         if (!strstr(text, want[i]))
             fail_msg("export JSON lacks %s: %s", want[i], text);
-    uint8_t bytes[3 * H * 3 * 7], held[sizeof bytes], back[sizeof bytes];
-    snprintf(path, sizeof path, "%s.u8", prefix);
-    f = fopen(path, "rb");
-    assert_non_null(f);
-    assert_int_equal(fread(bytes, 1, sizeof bytes, f), sizeof bytes);
-    assert_int_equal(fgetc(f), EOF); /* nothing past [B,H,Nqb,Nkb] */
-    fclose(f);
-    remove(path);
     assert_int_equal(sparge_mask_get_dense(m, held), SPARGE_OK);
     assert_memory_equal(bytes, held, sizeof bytes);
     sparge_mask *same, *shifted;
