@@ -82,9 +82,7 @@ done
     echo "# sparge on the CPU: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)"
     echo
     echo "Produced by \`experiments/bench/cpu.sh$([ "$quick" = 1 ] && echo ' --quick') --runs $runs\` on" \
-         "$(date -u '+%Y-%m-%d %H:%M UTC'), source commit $(git -C "$src" rev-parse --short HEAD 2>/dev/null ||
-         echo unknown)$(git -C "$src" diff --quiet HEAD 2>/dev/null || echo ' (with local changes)'), build" \
-         "\`$build\`."
+         "$(date -u '+%Y-%m-%d %H:%M UTC'), source commit $(source_commit "$src"), build \`$build\`."
     echo "CPU: $(sed -n 's/^cpu family[[:space:]]*: /family /p' /proc/cpuinfo | head -n 1)," \
          "$(sed -n 's/^model[[:space:]]*: /model /p' /proc/cpuinfo | head -n 1), $(nproc) logical CPUs;" \
          "load average $load_before before, $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo unknown) after" \

@@ -201,9 +201,7 @@ gpu_name=$(nvidia-smi -i "$gpu" --query-gpu=name,driver_version,power.limit,cloc
     echo "# sparge on $(sed -n "s/^  cuda:$gpu  *//p" <<<"$info")"
     echo
     echo "Produced by \`$invocation\` on $(date -u '+%Y-%m-%d %H:%M UTC') in $(($(date +%s) - t_all)) s;" \
-         "source commit" \
-         "$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$src" diff --quiet HEAD \
-         2>/dev/null || echo ' (with local changes)'), build \`$build\`."
+         "source commit $(source_commit "$src"), build \`$build\`."
     echo "nvidia-smi (name, driver, power limit, max SM clock, memory): $gpu_name."
     [ "$peers" = 0 ] || echo "Peers: $("$py" -c 'import torch; print("torch", torch.__version__)' 2>&1)."
     echo "Dense-equivalent TFLOP/s = 4·B·H·Nq·Nk·D / t (×2.5 for the backward); effective: the kept token pairs" \

@@ -130,11 +130,16 @@ def parse_levels(text):
 
 
 def git_commit():
+    """This checkout's commit, or in an unpacked dist tarball the one `make dist` wrote into its COMMIT file."""
     try:
         return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        try:
+            with open(os.path.join(HERE, "..", "..", "COMMIT")) as f:
+                return f.read().strip() or "unknown"
+        except OSError:
+            return "unknown"
 
 
 def first_line(e, limit=240):
