@@ -106,8 +106,8 @@ static const char *parse_sanity(void *ptr, const char *v)
     }
     if (strlen(buf) >= sizeof s->metric || strlen(colon + 1) >= sizeof s->real)
         return want;
-    snprintf(s->metric, sizeof s->metric, "%s", buf);
-    snprintf(s->real, sizeof s->real, "%s", colon + 1);
+    memcpy(s->metric, buf, strlen(buf) + 1); /* both fit: checked above */
+    memcpy(s->real, colon + 1, strlen(colon + 1) + 1);
     nchecks++;
     return NULL;
 }

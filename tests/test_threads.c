@@ -183,7 +183,7 @@ static void test_parallel_selections(void **state)
             c[t].Nk = 100 + 40 * t;
             c[t].Nqb = (c[t].Nq + SEL_BQ - 1) / SEL_BQ;
             c[t].Nkb = (c[t].Nk + SEL_BK - 1) / SEL_BK;
-            c[t].params = (sparge_mask_params){SEL_BQ, SEL_BK, 0.05 * (t % 4), 0.3 + 0.1 * (t % 3), 0.0f};
+            c[t].params = (sparge_mask_params){.block_q = SEL_BQ, .block_k = SEL_BK, .topk = 0.05 * (t % 4), .topp = 0.3 + 0.1 * (t % 3)};
             c[t].map = dev_map(dev, 1, SEL_H, c[t].Nqb, c[t].Nkb, 100 + (uint64_t)t);
             c[t].q = dev_random(dev, 1, SEL_H, c[t].Nq, SEL_D, 200 + (uint64_t)t);
             c[t].k = dev_random(dev, 1, SEL_H, c[t].Nk, SEL_D, 300 + (uint64_t)t);
@@ -270,7 +270,7 @@ static void *reader_worker(void *arg)
 {
     reader *r = arg;
     sparge_device *dev = r->dev;
-    const sparge_attn_params det = {0.0f, 1};
+    const sparge_attn_params det = {.deterministic = 1};
     sparge_tensor out[3] = {{0}};
     const sparge_tensor *like[3] = {r->q, r->k, r->k};
     const int64_t nlse = r->q->shape[0] * r->q->shape[1] * r->q->shape[2], nqd = nlse * SH_D;
@@ -358,10 +358,10 @@ static void test_shared_mask_readers(void **state)
             assert_int_equal(sparge_mask_get_shape(shared, &ms), SPARGE_OK);
             const int64_t ntc = ms.B * ms.H * ms.Nkb, nti = ntc * ms.Nqb;
             int32_t *tc = malloc(sizeof(int32_t) * (size_t)ntc), *ti = malloc(sizeof(int32_t) * (size_t)nti);
-            const sparge_attn_params det = {0.0f, 1};
+            const sparge_attn_params det = {.deterministic = 1};
             outcome out[ROUNDS][THREADS];
             for (int round = 0; round < ROUNDS; round++) {
-                const sparge_mask_params mp = {0, 0, 0.1 * round, 0.4 + 0.1 * round, 0.0f};
+                const sparge_mask_params mp = {.topk = 0.1 * round, .topp = 0.4 + 0.1 * round};
                 sparge_tensor map = dev_map(dev, ms.B, ms.H, ms.Nqb, ms.Nkb, 50 + (uint64_t)round);
                 /* the single-threaded results, on the solo mask */
                 assert_int_equal(sparge_mask_select(dev, &map, &mp, solo), SPARGE_OK);

@@ -93,7 +93,7 @@ const sparge_backend sparge_backend_cpu_ref = {
     .mask_transpose = sparge_cpu_mask_transpose,
 };
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(SPARGE_HAVE_AVX2)
 #include <cpuid.h>
 /* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c". Its VEX encoding
  * needs the AVX state the "avx2" check already requires of the OS. */

@@ -8,6 +8,7 @@ static void index_lines(void *impl, const sparge_mask_view *m, int by_key)
     const int64_t lines = by_key ? m->Nkb : m->Nqb, len = by_key ? m->Nqb : m->Nkb;
     const int64_t line_step = by_key ? 1 : m->Nkb, flag_step = by_key ? m->Nkb : 1, bh_n = m->B * m->H;
     int32_t *counts = by_key ? m->t_counts : m->counts, *indices = by_key ? m->t_indices : m->indices;
+    (void)impl; /* read by the OpenMP pragma alone */
 #pragma omp parallel for schedule(static) if (impl != NULL)
     for (int64_t bh = 0; bh < bh_n; bh++)
         for (int64_t l = 0; l < lines; l++) {

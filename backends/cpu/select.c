@@ -111,6 +111,7 @@ static sparge_status select_rows(void *impl, const sparge_select_args *a, select
     const sparge_view *map = &a->map;
     int64_t rows = m->B * m->H * m->Nqb;
     int failed = 0;
+    (void)threads; /* read by the OpenMP pragma alone */
 #pragma omp parallel if (threads)
     {
         cpu_ranked *order = malloc((size_t)m->Nkb * sizeof *order);

@@ -11,10 +11,6 @@
 #define TIER_NAME_(t) #t
 #define TIER_NAME(t) TIER_NAME_(t)
 
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-static inline size_t elem_size(sparge_dtype t) { return t == SPARGE_F32 ? 4 : 2; }
-
 static inline float load1(const void *p, sparge_dtype t, int64_t i)
 {
     switch (t) {
@@ -35,6 +31,10 @@ static inline void store1(void *p, sparge_dtype t, int64_t i, float x)
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static inline size_t elem_size(sparge_dtype t) { return t == SPARGE_F32 ? 4 : 2; }
 
 /* ------------------------------------------------ vector vocabulary per width
  * A register tile of GEMM is MR rows × NV vectors: 6 × 4 accumulators of
