@@ -376,9 +376,7 @@ class Mask:
         dense = self.dense.bool()
         full = dense
         if self.causal:
-            first_query = torch.arange(self.Nqb, device=dense.device) * self.block_q
-            last_key = (torch.arange(1, self.Nkb + 1, device=dense.device) * self.block_k).clamp(max=self.Nk) - 1
-            full = dense & (last_key[None, :] <= first_query[:, None] + self.Nk - self.Nq)  # every pair attends
+            full = dense & _causal_whole_blocks(self.Nq, self.Nk, self.block_q, self.block_k, dense.device)
         counts, indices = blocks(dense & ~full)
         full_counts, full_indices = blocks(full)
         return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices,
@@ -556,6 +554,14 @@ class Mask:
         return self.stats().sparsity
 
 
+def _causal_whole_blocks(Nq, Nk, block_q, block_k, device="cpu"):
+    """bool [Nqb, Nkb]: the blocks every token pair of which attends under the bottom-right causal rule (the
+    block's first query reaches its last key)."""
+    first_query = torch.arange(-(-Nq // block_q), device=device) * block_q
+    last_key = (torch.arange(1, -(-Nk // block_k) + 1, device=device) * block_k).clamp(max=Nk) - 1
+    return last_key[None, :] <= first_query[:, None] + Nk - Nq
+
+
 _FLEX_CHECK_PAIRS = 1 << 22  # token pairs per mask_mod call when a causal BlockMask's partial blocks are checked
 
 
@@ -565,10 +571,7 @@ def _flex_causal_tokens(partial, full, mask_mod, Nq, Nk, block_q, block_k, devic
     and the mask_mod must equal the rule kv_idx <= q_idx + Nk − Nq on the existing pairs of every partial
     block. partial and full are the BlockMask's uint8 [B', H', Nqb, Nkb] blocks, B' and H' its own."""
     off = Nk - Nq
-    Nqb, Nkb = partial.shape[2], partial.shape[3]
-    first_query = torch.arange(Nqb) * block_q
-    last_key = (torch.arange(1, Nkb + 1) * block_k).clamp(max=Nk) - 1
-    whole = last_key[None, :] <= first_query[:, None] + off  # [Nqb, Nkb]: every pair attends
+    whole = _causal_whole_blocks(Nq, Nk, block_q, block_k)
 
     def first(sel):
         b, h, i, j = (int(x) for x in sel.nonzero()[0])
