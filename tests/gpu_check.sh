@@ -13,13 +13,10 @@
 # One line per step: its verdict, time and summary. Exit status 1 if a step failed, 2 if the build cannot run it.
 set -eu
 src=$(cd "$(dirname "$0")/.." && pwd)
-build=$(cd "${1:-.}" && pwd)
+. "$src/tests/gpu_common.sh"
+gpu_build gpu_check.sh "${1:-.}" src/sparge tests/test_shapes
 out=${2:-$build/gpu-check}
 py=${PY:-python3}
-for bin in src/sparge tests/test_shapes; do
-    [ -x "$build/$bin" ] || { echo "gpu_check.sh: $build/$bin is missing: build it first (make check)" >&2; exit 2; }
-done
-"$build/src/sparge" info | grep -q "^  cuda:" || { echo "gpu_check.sh: sparge info lists no cuda device" >&2; exit 2; }
 mkdir -p "$out"
 
 status=0

@@ -13,15 +13,12 @@
 #   SANITIZE_CASE    `sparge check --case` filter for the grid (default: the whole quick grid)
 # Needs compute-sanitizer (CUDA toolkit) on PATH or in /usr/local/cuda/bin. Exit status 1 on any finding.
 set -eu
-build=$(cd "${1:-.}" && pwd)
+. "$(dirname "$0")/gpu_common.sh"
+gpu_build gpu_sanitize.sh "${1:-.}" src/sparge tests/conformance
 out=${2:-$build/sanitize}
 tools=${SANITIZE_TOOLS:-"memcheck racecheck initcheck synccheck"}
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 [ -x "$cs" ] || { echo "gpu_sanitize.sh: compute-sanitizer not found (CUDA toolkit)" >&2; exit 2; }
-for bin in src/sparge tests/conformance; do
-    [ -x "$build/$bin" ] || { echo "gpu_sanitize.sh: $build/$bin is missing: build it first (make check)" >&2; exit 2; }
-done
-"$build/src/sparge" info | grep -q "^  cuda:" || { echo "gpu_sanitize.sh: sparge info lists no cuda device" >&2; exit 2; }
 mkdir -p "$out"
 
 status=0
