@@ -20,9 +20,8 @@ usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--
   --no-peers   skip the PyTorch peers (they need python3 with torch and CUDA; PYTHON picks the interpreter)
   --shapes     also the model shapes at the 1.3B token count: grouped K/V heads (H=32, Hkv=8) beside equal
                heads, 4 packed sequences beside a batch of 4, block-causal, head dims 96 and 256, and with
-               the peers causal 95 % against
-               FlexAttention on the same causal block mask (prediction included) and dense D=64, 256 against
-               cuDNN
+               the peers causal 95 % against FlexAttention on the same causal block mask (prediction
+               included) and dense D=64, 256 against cuDNN
   --shapes-only  the model shapes of --shapes alone, without the Wan2.1 tables and their peers
 Writes OUT_DIR/bench-*.csv (sparge bench), OUT_DIR/speed-video.{csv,md} and OUT_DIR/masks/ (exp_speed),
 OUT_DIR/peers-{forward,backward}.{csv,md} (experiments/peers/peer_bench.py), OUT_DIR/log/*.txt (each
