@@ -1,13 +1,16 @@
-# SPARGE_BLAS: --with-blas[=yes|no] (default: guess), CBLAS and LAPACK for the trainer (experiments/trainer):
-# cblas_sgemm for its GEMMs, LAPACK's dsyevd for the matrix square roots of its Fréchet distance.
+# SPARGE_BLAS (after SPARGE_CUBLAS): --with-blas[=yes|no] (default: guess), CBLAS and LAPACK for the trainer
+# (experiments/trainer): cblas_sgemm for its host GEMMs, LAPACK's dsyevd for the matrix square roots of its Fréchet
+# distance.
 # CBLAS: OpenBLAS through pkg-config first (Debian: libopenblas-dev), then any library that links cblas_sgemm
 # with a <cblas.h> (BLIS's libblis-dev, the reference libblas-dev).
 # LAPACK: LAPACKE_dsyevd with <lapacke.h>, from the CBLAS library itself (upstream OpenBLAS exports LAPACKE),
 # else from liblapacke (pkg-config lapacke, then -llapacke; Debian: liblapacke-dev); failing that, LAPACK's
 # Fortran dsyevd_ in the CBLAS library (every OpenBLAS build carries LAPACK, Debian's too), declared by the
-# trainer itself. The trainer is built only when both are found.
-# Sets BLAS_CFLAGS (with -DSPARGE_TRAINER_LAPACKE=1 when LAPACKE is used), BLAS_LIBS and the conditional
-# HAVE_BLAS; the library itself never needs them.
+# trainer itself.
+# Without both, a build with cuBLAS and cuSOLVER (SPARGE_CUBLAS) still builds the trainer for CUDA devices: its
+# host GEMMs are plain loops and the eigen-decomposition is cuSOLVER's, so a GPU machine needs no host BLAS.
+# Sets TRAINER_CPPFLAGS (-DSPARGE_TRAINER_CBLAS=1 with -DSPARGE_TRAINER_LAPACKE=1 where LAPACKE is used, or
+# -DSPARGE_TRAINER_CUSOLVER=1), TRAINER_LIBS and the conditional HAVE_TRAINER; the library itself never needs them.
 AC_DEFUN([SPARGE_BLAS], [
   AC_ARG_WITH([blas], [AS_HELP_STRING([--with-blas], [CBLAS and LAPACK for sparge-train, e.g. OpenBLAS (default: guess)])],
               [], [with_blas=guess])
@@ -72,10 +75,20 @@ AC_DEFUN([SPARGE_BLAS], [
   ])
   AS_IF([test "x$with_blas" = xyes && test "x$have_blas" = xno],
         [AC_MSG_ERROR([--with-blas was given but no CBLAS with LAPACK was found (apt-get install libopenblas-dev liblapacke-dev)])])
-  AS_IF([test "x$have_blas" = xno && test "x$with_blas" = xno], [sparge_blas_summary="no (disabled)"],
-        [test "x$have_blas" = xno],
-        [SPARGE_WARN([no CBLAS with LAPACK found: sparge-train and its tests are not built (apt-get install libopenblas-dev liblapacke-dev)])])
-  AC_SUBST([BLAS_CFLAGS])
-  AC_SUBST([BLAS_LIBS])
-  AM_CONDITIONAL([HAVE_BLAS], [test "x$have_blas" = xyes])
+  have_trainer=no
+  AS_IF([test "x$have_blas" = xyes],
+        [have_trainer=yes
+         TRAINER_CPPFLAGS="$BLAS_CFLAGS -DSPARGE_TRAINER_CBLAS=1"
+         TRAINER_LIBS=$BLAS_LIBS],
+        [test "x$have_cusolver" = xyes],
+        [have_trainer=yes
+         TRAINER_CPPFLAGS="$CUDA_CPPFLAGS -DSPARGE_TRAINER_CUSOLVER=1"
+         TRAINER_LIBS=$CUSOLVER_LIBS
+         AS_IF([test "x$with_blas" = xno], [sparge_blas_summary="no (disabled)"])
+         sparge_blas_summary="$sparge_blas_summary; sparge-train for CUDA devices: host GEMMs as loops, cuSOLVER dsyevd"],
+        [test "x$with_blas" = xno], [sparge_blas_summary="no (disabled)"],
+        [SPARGE_WARN([no CBLAS with LAPACK and no cuSOLVER found: sparge-train and its tests are not built (apt-get install libopenblas-dev liblapacke-dev)])])
+  AC_SUBST([TRAINER_CPPFLAGS])
+  AC_SUBST([TRAINER_LIBS])
+  AM_CONDITIONAL([HAVE_TRAINER], [test "x$have_trainer" = xyes])
 ])

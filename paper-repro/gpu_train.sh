@@ -16,7 +16,7 @@
 #   gpu_train.sh status --state DIR                 what is done, what comes next, what the next chunk needs
 #   gpu_train.sh stage  --state DIR [--to DIR]      (here) copy what the next chunk needs into the folder `run`
 #                                                   carries (default paper-repro/.gpu-carry) and print the call
-#   gpu_train.sh next   --state DIR [--out DIR] [--budget S] [--debs DIR]
+#   gpu_train.sh next   --state DIR [--out DIR] [--budget S]
 #                                                   (on the GPU machine) build if needed, run jobs for at most S
 #                                                   seconds (default 540) from the start, copy what changed to DIR
 #   gpu_train.sh absorb --state DIR --from DIR      (here) take a chunk's files back into the state
@@ -39,11 +39,11 @@ cfg=${GPU_TRAIN_CONFIG:-$top/experiments/trainer/configs/gpu.cfg}
 gpu_device=${GPU_TRAIN_DEVICE:-cuda:0}
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-state='' to=$here/.gpu-carry out='' budget=540 debs='' from=''
+state='' to=$here/.gpu-carry out='' budget=540 from=''
 declare -A plan_opt=()
 while [ $# -gt 0 ]; do
     case $1 in
-    --state|--to|--out|--budget|--debs|--from|--teachers|--seeds|--sparsities|--ft-steps|--min-steps|--max-steps|\
+    --state|--to|--out|--budget|--from|--teachers|--seeds|--sparsities|--ft-steps|--min-steps|--max-steps|\
         --window|--tol)
         [ $# -ge 2 ] || { echo "gpu_train.sh: $1 needs a value (see --help)" >&2; exit 2; } ;;
     esac
@@ -52,7 +52,6 @@ while [ $# -gt 0 ]; do
     --to) to=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --budget) budget=$2; shift 2 ;;
-    --debs) debs=$2; shift 2 ;;
     --from) from=$2; shift 2 ;;
     --teachers|--seeds|--sparsities|--ft-steps|--min-steps|--max-steps|--window|--tol) plan_opt[${1#--}]=$2; shift 2 ;;
     -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
@@ -157,10 +156,37 @@ job_inputs() {
     case $1 in
     teacher:*)
         i=${1#teacher:}
-        [ ! -f "$state/t$i/state.safetensors" ] || (cd "$state" && ls "t$i"/state*.safetensors) ;;
+        [ ! -f "$state/t$i/state.safetensors" ] || ckpt_files "t$i/state.safetensors" ;;
     null) ;;
-    *) i=$(echo "$1" | cut -d: -f2); (cd "$state" && ls "t$i"/final*.safetensors 2>/dev/null) || echo "t$i/final.safetensors" ;;
+    *) i=$(echo "$1" | cut -d: -f2); ckpt_files "t$i/final.safetensors" ;;
     esac
+}
+
+# ckpt_files FILE: a checkpoint (relative to the state) and, when it is an index, the shards its metadata names
+# ("shards":"a,b" in the JSON header); shards of earlier saves beside it are not listed
+ckpt_files() {
+    local list
+    echo "$1"
+    [ -f "$state/$1" ] || return 0
+    list=$(head -c 65536 "$state/$1" | LC_ALL=C grep -ao '"shards":"[^"]*"' | sed -n '1s/^"shards":"\(.*\)"$/\1/p') || true
+    [ -z "$list" ] || echo "$list" | tr ',' '\n' | sed "s|^|$(dirname "$1")/|"
+}
+
+# prune_shards: removes the shards of earlier saves beside each checkpoint of the state, as the trainer does where it
+# saves, and the training state of a teacher with final weights, as teacher_chunk does at the plateau
+prune_shards() {
+    local idx keep f
+    for idx in "$state"/t*/final.safetensors; do
+        [ ! -f "$idx" ] || rm -f "$(dirname "$idx")"/state*.safetensors
+    done
+    for idx in "$state"/t*/state.safetensors "$state"/t*/final.safetensors; do
+        [ -f "$idx" ] || continue
+        keep=$(ckpt_files "${idx#"$state"/}")
+        for f in "${idx%.safetensors}"-*-of-*.safetensors; do
+            [ -f "$f" ] || continue
+            echo "$keep" | grep -qxF "${f#"$state"/}" || rm -f "$f"
+        done
+    done
 }
 
 # Whether a job can run with the files present: 0 yes; 1 no (its message on stdout).
@@ -273,6 +299,7 @@ absorb() {
         cp "$f" "$state/$name"
         echo "  $name"
     done
+    prune_shards
     status
 }
 
@@ -284,26 +311,9 @@ build() {
         expdir=$GPU_TRAIN_BINDIR train=$GPU_TRAIN_BINDIR/trainer/sparge-train
         return 0
     fi
-    local bdir=$here/.build-gpu flags=${GPU_TRAIN_CONFIGURE_FLAGS:-"--with-cuda --with-cuda-arch=90 --without-hip --with-blas"}
+    local bdir=$here/.build-gpu flags=${GPU_TRAIN_CONFIGURE_FLAGS:-"--with-cuda --with-cuda-arch=90 --without-hip"}
     local t0 stamp
     t0=$(date +%s)
-    # libraries the machine lacks, unpacked from .deb files (the CBLAS and LAPACKE, say); a later call on the same
-    # machine finds them unpacked, and its reused build needs them
-    local p=/tmp/gpu-deps d pcdirs libdirs
-    if [ -n "$debs" ]; then
-        for d in "$debs"/*.deb; do [ -f "$d" ] && dpkg -x "$d" "$p"; done
-        # Debian keeps OpenBLAS and the reference LAPACK in subfolders (openblas-pthread/, lapack/) that its
-        # alternatives would link into place: every folder holding .pc files or libraries is searched instead.
-        find "$p" -name '*.pc' -exec sed -i "s|=/usr|=$p/usr|" {} +
-    fi
-    if [ -d "$p" ]; then
-        pcdirs=$(find "$p" -type d -name pkgconfig | tr '\n' ':')
-        libdirs=$(find "$p" -name '*.so*' -printf '%h\n' | sort -u | tr '\n' ':')
-        export PKG_CONFIG_PATH=$pcdirs${PKG_CONFIG_PATH:-}
-        export CPATH=$p/usr/include:$p/usr/include/x86_64-linux-gnu${CPATH:+:$CPATH}
-        export LIBRARY_PATH=$libdirs${LIBRARY_PATH:-}
-        export LD_LIBRARY_PATH=$libdirs${LD_LIBRARY_PATH:-}
-    fi
     export PATH=/usr/local/cuda/bin:$PATH
     stamp="$(cat "$state/commit.txt" 2>/dev/null) $flags"
     if [ ! -f "$bdir/.stamp" ] || [ "$(cat "$bdir/.stamp")" != "$stamp" ]; then
@@ -315,7 +325,7 @@ build() {
         mkdir -p "$bdir"
         # shellcheck disable=SC2086
         (cd "$bdir" && "$top/configure" $flags >configure.log 2>&1) ||
-            { tail -n 30 "$bdir/configure.log"; echo "gpu_train.sh: configure failed (a CBLAS with LAPACK? --debs)" >&2; return 1; }
+            { tail -n 30 "$bdir/configure.log"; echo "gpu_train.sh: configure failed" >&2; return 1; }
         sed -n '/^sparge .* configuration/,$p' "$bdir/configure.log"
         echo "$stamp" >"$bdir/.stamp"
     fi
@@ -492,15 +502,19 @@ null_job() {
     evaluate "$state/results/null.eval.csv" null "$ARM_NULL" 0 0 - init="$n" attn=dense
 }
 
-# A job in a subshell of its own, started in the background so that `set -e` holds inside it (a failing command
-# ends the job, not the chunk: what is done still comes back).
+# run_job FUNCTION ARGS...: a job in a subshell of its own with `set -e` in force, its status in job_rc (a failing
+# command ends the job, not the chunk: what is done still comes back). Called as a plain command: in the condition
+# of an `if` or beside `||` bash ignores `set -e` inside the job, subshells included, and a job would run on past a
+# failed training into an evaluation of what it did not write.
 run_job() {
-    ( "$@" ) &
-    wait $!
+    set +e
+    ( set -e; "$@" )
+    job_rc=$?
+    set -e
 }
 
 next_chunk() {
-    local t_start j kind left est msg limit stamp=/tmp/gpu-chunk-start
+    local t_start j kind left est msg limit job_rc stamp=/tmp/gpu-chunk-start
     t_start=$(date +%s)
     touch "$stamp"
     commit=$(cat "$state/commit.txt" 2>/dev/null || echo unknown)
@@ -522,7 +536,8 @@ next_chunk() {
             limit=$((left - $(estimate heldout) - 30))
             [ "$limit" -ge 30 ] || { echo "== $left s left: not enough for a teacher chunk"; break; }
             echo "== $j: training for at most $limit s"
-            if run_job teacher_chunk "${j#teacher:}" "$limit"; then
+            run_job teacher_chunk "${j#teacher:}" "$limit"
+            if [ "$job_rc" = 0 ]; then
                 record "$j" $(($(date +%s) - t0)) "$(tail -n 1 "$state/t${j#teacher:}/heldout.csv" | sed "s/^/step /; s/,/ held-out loss /")"
             else
                 record "$j" $(($(date +%s) - t0)) failed
@@ -532,15 +547,14 @@ next_chunk() {
         est=$(estimate "$kind")
         [ "$left" -ge $((est + est / 4)) ] || { echo "== $left s left, $j needs about $est s: the next chunk"; break; }
         echo "== $j (about $est s)"
-        local rc=0
         # shellcheck disable=SC2046
         case $j in
-        null) run_job null_job || rc=$? ;;
-        prep:*) run_job prep_job "$(echo "$j" | cut -d: -f2)" "$(echo "$j" | cut -d: -f3)" || rc=$? ;;
-        discrim:*) run_job discrim_job "${j#discrim:}" || rc=$? ;;
-        arm:*) run_job arm_job $(echo "$j" | cut -d: -f2- | tr ':' ' ') || rc=$? ;;
+        null) run_job null_job ;;
+        prep:*) run_job prep_job "$(echo "$j" | cut -d: -f2)" "$(echo "$j" | cut -d: -f3)" ;;
+        discrim:*) run_job discrim_job "${j#discrim:}" ;;
+        arm:*) run_job arm_job $(echo "$j" | cut -d: -f2- | tr ':' ' ') ;;
         esac
-        if [ "$rc" != 0 ]; then
+        if [ "$job_rc" != 0 ]; then
             record "$j" $(($(date +%s) - t0)) failed
             rm -f "$state/results/$(job_id "$j").eval.csv" # not done: the next chunk tries again
             echo "== $j failed (its log: logs/); the chunk ends here"

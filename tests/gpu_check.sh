@@ -1,8 +1,9 @@
 #!/bin/sh
 # What CI cannot check, on a CUDA machine (docs/RELIABILITY.md, "GPU backends"): the whole conformance table on the
 # cuda device against cpu-ref (`sparge check --backend cuda --full`), its gradients against finite differences
-# (`--mode grad`), the shape tests on every device (tests/test_shapes), and the Python binding's GPU, torch.compile,
-# CUDA-graph and FlexAttention tests (with a torch that has CUDA). tests/gpu_sanitize.sh runs the grid under
+# (`--mode grad`), the shape tests on every device (tests/test_shapes), the trainer's tests where the build has it
+# (its CUDA ops against the host's, and its eigen-solver: cuSOLVER's in a build without a host LAPACK), and the
+# Python binding's GPU, torch.compile, CUDA-graph and FlexAttention tests (with a torch that has CUDA). tests/gpu_sanitize.sh runs the grid under
 # compute-sanitizer.
 #
 #   tests/gpu_check.sh [BUILD_DIR] [OUT_DIR]
@@ -38,6 +39,11 @@ step() {
 step check-full "passed, [0-9]+ failed" "$build/src/sparge" check --backend cuda --full
 step check-grad "passed, [0-9]+ failed" "$build/src/sparge" check --backend cuda --mode grad
 step test-shapes "PASSED|FAILED" "$build/tests/test_shapes"
+if [ -x "$build/tests/test_trainer" ] && [ -x "$build/tests/test_trainer_device" ]; then
+    step trainer "PASSED|FAILED" sh -c '"$1/tests/test_trainer" && exec "$1/tests/test_trainer_device"' sh "$build"
+else
+    echo "trainer: skipped (no tests/test_trainer: a build without sparge-train, or its tests not built)"
+fi
 if "$py" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
     step python "^(OK|FAILED)" sh -c 'cd "$1/python/tests" && SPARGE_BUILD_DIR=$2 PYTHONDONTWRITEBYTECODE=1 \
         exec "$3" -m unittest -v test_gpu test_compile test_interop' sh "$src" "$build" "$py"

@@ -1,6 +1,7 @@
 /* VBench-like metrics of sparge-train (README.md, "Evaluation"): a fixed motion/class
  * recognizer for distribution A, a fixed per-video feature vector, the Fréchet distance between
- * two feature sets (matrix square roots through LAPACK's dsyevd), and the imaging-quality and temporal-consistency
+ * two feature sets (matrix square roots through LAPACK's dsyevd, or cuSOLVER's in a build for CUDA devices without
+ * a host LAPACK), and the imaging-quality and temporal-consistency
  * scores. Nothing here is learned; everything is a pure function of the videos. */
 #include <math.h>
 #include <stdlib.h>
@@ -8,8 +9,11 @@
 
 #include "trainer.h"
 
-#ifdef SPARGE_TRAINER_LAPACKE
+#if defined(SPARGE_TRAINER_LAPACKE)
 #include <lapacke.h>
+#elif defined(SPARGE_TRAINER_CUSOLVER)
+#include <cuda_runtime_api.h>
+#include <cusolverDn.h>
 #else
 /* LAPACK's Fortran interface (m4/sparge_blas.m4 found it without LAPACKE): column-major, arguments by reference,
  * the hidden lengths of the two CHARACTER arguments last. */
@@ -317,18 +321,48 @@ void tr_feature_scales(const double *reference, int n, int dims, double *scale)
 
 /* ---------------------------------------------------------------- Fréchet distance */
 
-int tr_symmetric_eigen(double *a, int n, double *values, double *vectors)
+#if defined(SPARGE_TRAINER_CUSOLVER)
+/* dsyevd on the current CUDA device (the one the trainer's ops use): a[] column-major, as LAPACK's. */
+static int column_major_eigen(double *a, int n, double *values)
 {
-#ifdef SPARGE_TRAINER_LAPACKE
-    /* row-major: on return a[i·n + k] is component i of eigenvector k */
-    int info = LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', n, a, n, values);
-    if (info)
-        return -1;
-    memcpy(vectors, a, (size_t)n * n * sizeof(double));
-    return 0;
-#else
-    /* a is symmetric, so its row-major array is also the column-major one; on return column k of the
-     * column-major array (a[k·n + i]) is eigenvector k */
+    cusolverDnHandle_t h = NULL;
+    cusolverDnParams_t params = NULL;
+    double *d_a = NULL, *d_w = NULL;
+    void *d_work = NULL, *h_work = NULL;
+    int *d_info = NULL, info = -1;
+    size_t bytes = (size_t)n * n * sizeof(double), dev_bytes = 0, host_bytes = 0;
+    const cusolverEigMode_t jobz = CUSOLVER_EIG_MODE_VECTOR;
+    const cublasFillMode_t uplo = CUBLAS_FILL_MODE_UPPER;
+    int ok = cusolverDnCreate(&h) == CUSOLVER_STATUS_SUCCESS &&
+             cusolverDnCreateParams(&params) == CUSOLVER_STATUS_SUCCESS &&
+             cudaMalloc((void **)&d_a, bytes) == cudaSuccess &&
+             cudaMalloc((void **)&d_w, (size_t)n * sizeof(double)) == cudaSuccess &&
+             cudaMalloc((void **)&d_info, sizeof(int)) == cudaSuccess &&
+             cudaMemcpy(d_a, a, bytes, cudaMemcpyHostToDevice) == cudaSuccess &&
+             cusolverDnXsyevd_bufferSize(h, params, jobz, uplo, n, CUDA_R_64F, d_a, n, CUDA_R_64F, d_w, CUDA_R_64F,
+                                         &dev_bytes, &host_bytes) == CUSOLVER_STATUS_SUCCESS &&
+             cudaMalloc(&d_work, dev_bytes ? dev_bytes : 1) == cudaSuccess &&
+             (h_work = malloc(host_bytes ? host_bytes : 1)) != NULL &&
+             cusolverDnXsyevd(h, params, jobz, uplo, n, CUDA_R_64F, d_a, n, CUDA_R_64F, d_w, CUDA_R_64F, d_work,
+                              dev_bytes, h_work, host_bytes, d_info) == CUSOLVER_STATUS_SUCCESS &&
+             cudaMemcpy(&info, d_info, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && info == 0 &&
+             cudaMemcpy(a, d_a, bytes, cudaMemcpyDeviceToHost) == cudaSuccess &&
+             cudaMemcpy(values, d_w, (size_t)n * sizeof(double), cudaMemcpyDeviceToHost) == cudaSuccess;
+    cudaFree(d_a);
+    cudaFree(d_w);
+    cudaFree(d_info);
+    cudaFree(d_work);
+    free(h_work);
+    if (params)
+        cusolverDnDestroyParams(params);
+    if (h)
+        cusolverDnDestroy(h);
+    return ok ? 0 : -1;
+}
+#elif !defined(SPARGE_TRAINER_LAPACKE)
+/* LAPACK's dsyevd through its Fortran interface: a[] column-major. */
+static int column_major_eigen(double *a, int n, double *values)
+{
     int lwork = -1, liwork = -1, iw = 0, info = 0;
     double w = 0;
     dsyevd_("V", "U", &n, a, &n, values, &w, &lwork, &iw, &liwork, &info, 1, 1); /* workspace query */
@@ -342,7 +376,34 @@ int tr_symmetric_eigen(double *a, int n, double *values, double *vectors)
     int ok = work && iwork && !info;
     free(work);
     free(iwork);
-    if (!ok)
+    return ok ? 0 : -1;
+}
+#endif
+
+const char *tr_eigen_solver(void)
+{
+#if defined(SPARGE_TRAINER_LAPACKE)
+    return "LAPACKE dsyevd";
+#elif defined(SPARGE_TRAINER_CUSOLVER)
+    return "cuSOLVER dsyevd";
+#else
+    return "LAPACK dsyevd_";
+#endif
+}
+
+int tr_symmetric_eigen(double *a, int n, double *values, double *vectors)
+{
+#ifdef SPARGE_TRAINER_LAPACKE
+    /* row-major: on return a[i·n + k] is component i of eigenvector k */
+    int info = LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', n, a, n, values);
+    if (info)
+        return -1;
+    memcpy(vectors, a, (size_t)n * n * sizeof(double));
+    return 0;
+#else
+    /* a is symmetric, so its row-major array is also the column-major one; on return column k of the
+     * column-major array (a[k·n + i]) is eigenvector k */
+    if (column_major_eigen(a, n, values))
         return -1;
     for (int i = 0; i < n; i++)
         for (int k = 0; k < n; k++)

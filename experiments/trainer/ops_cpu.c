@@ -1,10 +1,13 @@
 /* The host table of ops.h: GEMMs through CBLAS, the rest as plain loops (LayerNorm and GELU over
- * OpenMP threads). ops_cuda.cu implements the same table on a CUDA device, one for one. */
+ * OpenMP threads). ops_cuda.cu implements the same table on a CUDA device, one for one. A build without
+ * CBLAS (one for CUDA devices, m4/sparge_blas.m4) runs the GEMMs as plain loops too: correct, not fast. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef SPARGE_TRAINER_CBLAS
 #include <cblas.h>
+#endif
 
 #include "exp.h"
 #include "ops.h"
@@ -45,11 +48,72 @@ static void download(tr_ops *o, void *dst, const void *src, size_t bytes) { (voi
 static void zero(tr_ops *o, void *dst, size_t bytes) { mark(o, TR_PART_OTHER), memset(dst, 0, bytes); }
 static void copy(tr_ops *o, float *dst, const float *src, size_t n) { (void)o, memcpy(dst, src, n * sizeof *dst); }
 
+#ifdef SPARGE_TRAINER_CBLAS
+/* out[rows, OUT] = in · wᵀ */
+static void gemm_in_wt(float *out, const float *in, const float *w, int rows, int IN, int OUT)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, OUT, IN, 1.0f, in, IN, w, IN, 0.0f, out, OUT);
+}
+
+/* din[rows, IN] = dout · w (+ din when accumulate) */
+static void gemm_dout_w(float *din, const float *dout, const float *w, int rows, int IN, int OUT, int accumulate)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, IN, OUT, 1.0f, dout, OUT, w, IN,
+                accumulate ? 1.0f : 0.0f, din, IN);
+}
+
+/* dw[OUT, IN] += doutᵀ · in */
+static void gemm_doutt_in(float *dw, const float *dout, const float *in, int rows, int IN, int OUT)
+{
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OUT, IN, rows, 1.0f, dout, OUT, in, IN, 1.0f, dw, IN);
+}
+#else
+static void gemm_in_wt(float *out, const float *in, const float *w, int rows, int IN, int OUT)
+{
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < OUT; j++) {
+            float acc = 0.0f;
+            for (int k = 0; k < IN; k++)
+                acc += in[(size_t)r * IN + k] * w[(size_t)j * IN + k];
+            out[(size_t)r * OUT + j] = acc;
+        }
+}
+
+static void gemm_dout_w(float *din, const float *dout, const float *w, int rows, int IN, int OUT, int accumulate)
+{
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float *d = din + (size_t)r * IN;
+        if (!accumulate)
+            memset(d, 0, (size_t)IN * sizeof *d);
+        for (int j = 0; j < OUT; j++) {
+            const float g = dout[(size_t)r * OUT + j], *wj = w + (size_t)j * IN;
+            for (int i = 0; i < IN; i++)
+                d[i] += g * wj[i];
+        }
+    }
+}
+
+static void gemm_doutt_in(float *dw, const float *dout, const float *in, int rows, int IN, int OUT)
+{
+#pragma omp parallel for schedule(static)
+    for (int j = 0; j < OUT; j++) {
+        float *d = dw + (size_t)j * IN;
+        for (int r = 0; r < rows; r++) {
+            const float g = dout[(size_t)r * OUT + j], *x = in + (size_t)r * IN;
+            for (int i = 0; i < IN; i++)
+                d[i] += g * x[i];
+        }
+    }
+}
+#endif
+
 static void linear_forward(tr_ops *o, float *out, const float *in, const float *w, const float *b, int rows, int IN,
                            int OUT)
 {
     mark(o, TR_PART_GEMM);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, OUT, IN, 1.0f, in, IN, w, IN, 0.0f, out, OUT);
+    gemm_in_wt(out, in, w, rows, IN, OUT);
     if (b)
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < OUT; j++)
@@ -61,9 +125,8 @@ static void linear_backward(tr_ops *o, float *din, float *dw, float *db, const f
 {
     mark(o, TR_PART_GEMM);
     if (din)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, IN, OUT, 1.0f, dout, OUT, w, IN,
-                    accumulate ? 1.0f : 0.0f, din, IN);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OUT, IN, rows, 1.0f, dout, OUT, in, IN, 1.0f, dw, IN);
+        gemm_dout_w(din, dout, w, rows, IN, OUT, accumulate);
+    gemm_doutt_in(dw, dout, in, rows, IN, OUT);
     if (db)
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < OUT; j++)

@@ -1,6 +1,8 @@
 /* Configuration, seeded randomness, AdamW, batches, losses, checkpoints, the Euler sampler and
  * the training loop of sparge-train. */
 #define _POSIX_C_SOURCE 200809L /* mkdir */
+#include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
@@ -440,12 +442,51 @@ static void json_escape(const char *s, char *out, size_t cap)
     out[n] = 0;
 }
 
-/* The path of shard i (1-based) of n beside the index file path: "dir/name.safetensors" -> "dir/name-i-of-n.safetensors". */
-static void shard_path(const char *path, int i, int n, char *out, size_t cap)
+/* The path of shard i (1-based) of n of the save `hash` beside the index file path: "dir/name.safetensors" ->
+ * "dir/name-HASH-i-of-n.safetensors". Each save's shards have names of their own, so a save stopped before its index
+ * replaced the previous one leaves the previous one whole. */
+static void shard_path(const char *path, const char *hash, int i, int n, char *out, size_t cap)
 {
     size_t len = strlen(path), ext = strlen(".safetensors");
     int has_ext = len > ext && !strcmp(path + len - ext, ".safetensors");
-    snprintf(out, cap, "%.*s-%d-of-%d.safetensors", (int)(has_ext ? len - ext : len), path, i, n);
+    snprintf(out, cap, "%.*s-%s-%d-of-%d.safetensors", (int)(has_ext ? len - ext : len), path, hash, i, n);
+}
+
+/* After a save to `path` is complete: removes the shards of earlier saves to it (file names shard_path gives, with
+ * any hash), except those in `keep` (comma-separated file names). A shard left behind only takes room, so a failed
+ * removal is not an error. */
+static void remove_old_shards(const char *path, const char *keep)
+{
+    const char *slash = strrchr(path, '/');
+    int dl = slash ? (int)(slash - path) + 1 : 0;
+    char dir[512], stem[512];
+    snprintf(dir, sizeof dir, "%.*s", dl, path); /* with its '/', or empty */
+    snprintf(stem, sizeof stem, "%s", path + dl);
+    size_t len = strlen(stem), ext = strlen(".safetensors");
+    if (len > ext && !strcmp(stem + len - ext, ".safetensors"))
+        stem[len -= ext] = 0;
+    DIR *d = opendir(dl ? dir : ".");
+    if (!d)
+        return;
+    for (struct dirent *e; (e = readdir(d));) {
+        if (strncmp(e->d_name, stem, len) || e->d_name[len] != '-' || strlen(e->d_name + len + 1) < 16)
+            continue;
+        const char *p = e->d_name + len + 1;
+        int hex = 1, i, n, end = 0;
+        for (int j = 0; j < 16; j++)
+            hex &= isxdigit((unsigned char)p[j]) && !isupper((unsigned char)p[j]);
+        if (!hex || sscanf(p + 16, "-%d-of-%d.safetensors%n", &i, &n, &end) != 2 || !end || p[16 + end])
+            continue;
+        size_t nl = strlen(e->d_name);
+        int kept = 0;
+        for (const char *k = keep; *k && !kept; k = strchr(k, ',') ? strchr(k, ',') + 1 : k + strlen(k))
+            kept = !strncmp(k, e->d_name, nl) && (k[nl] == ',' || !k[nl]);
+        char file[1100];
+        snprintf(file, sizeof file, "%s%s", dir, e->d_name);
+        if (!kept)
+            (void)unlink(file);
+    }
+    closedir(d);
 }
 
 int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const tr_config *c, char *err,
@@ -505,6 +546,8 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
     if (c->ckpt_shard_mib <= 0 || (double)total + 2048.0 + 256.0 * n <= limit) {
         snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"tag\":\"%s\"}", model, tag);
         rc = exp_st_write(path, n, names, data, ndims, (const int64_t(*)[8])shapes, SPARGE_F32, meta, err, err_len);
+        if (!rc)
+            remove_old_shards(path, "");
         goto out;
     }
     int *first = calloc((size_t)n + 1, sizeof *first), shards = 0, count = 0;
@@ -532,11 +575,12 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
     const unsigned char *bytes = (const unsigned char *)host;
     for (size_t b = 0; b < np * sizeof(float) * (opt ? 3 : 1); b++)
         hash = (hash ^ bytes[b]) * 1099511628211ull;
-    char id[64];
-    snprintf(id, sizeof id, "%016llx-%.0f", (unsigned long long)hash, (double)step);
+    char id[64], hex[17];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash);
+    snprintf(id, sizeof id, "%s-%.0f", hex, (double)step);
     char list[4096] = "", file[600];
     for (int i = 0; i < shards; i++) {
-        shard_path(path, i + 1, shards, file, sizeof file);
+        shard_path(path, hex, i + 1, shards, file, sizeof file);
         const char *base = strrchr(file, '/') ? strrchr(file, '/') + 1 : file;
         snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? "," : "", base);
         snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"shard\":\"%d/%d\",\"save\":\"%s\"}",
@@ -554,6 +598,8 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
              "{\"format\":\"sparge-train\",\"model\":\"%s\",\"tag\":\"%s\",\"shards\":\"%s\",\"save\":\"%s\"}", model,
              tag, list, id);
     rc = exp_st_write(path, 0, NULL, NULL, NULL, NULL, SPARGE_F32, meta, err, err_len);
+    if (!rc)
+        remove_old_shards(path, list);
 out:
     free(host);
     free(names);

@@ -227,12 +227,15 @@ void tr_feature_mean(const double *features, int n, int dims, double *mean);
 /* Per-feature standardization scale: the std over the reference rows (1 for a constant feature). */
 void tr_feature_scales(const double *reference, int n, int dims, double *scale);
 /* Fréchet distance ‖μa − μb‖² + Tr(Σa + Σb − 2(Σa^½ Σb Σa^½)^½) of two sets of feature rows, each
- * feature divided by scale[j] first (NULL: none); in double, ≥ 0. NaN for an empty set or when LAPACK fails. */
+ * feature divided by scale[j] first (NULL: none); in double, ≥ 0. NaN for an empty set or when the eigen-solver fails. */
 double tr_frechet_distance(const double *a, int na, const double *b, int nb, int dims, const double *scale);
 /* Eigen-decomposition of the symmetric n×n row-major matrix a (destroyed) by LAPACK's dsyevd (through LAPACKE,
- * or its Fortran interface where configure found no LAPACKE): values[n] ascending, and the eigenvectors as the
- * columns of vectors[n×n]. Returns 0, or -1 when LAPACK reports a failure or is out of memory. */
+ * or its Fortran interface where configure found no LAPACKE), or by cuSOLVER's on the current CUDA device in a
+ * build without a host LAPACK: values[n] ascending, and the eigenvectors as the columns of vectors[n×n].
+ * Returns 0, or -1 when the solver reports a failure (no CUDA device, for cuSOLVER) or memory runs out. */
 int tr_symmetric_eigen(double *a, int n, double *values, double *vectors);
+/* The eigen-solver of this build: "LAPACKE dsyevd", "LAPACK dsyevd_" or "cuSOLVER dsyevd". */
+const char *tr_eigen_solver(void);
 /* Imaging quality of one video in [0, 1] against the reference set's mean feature vector:
  * min(1, g/g_ref) · g_ref / (g_ref + max(0, σ − σ_ref)), g = TR_FEAT_GRADIENT_RMS (blur lowers
  * it), σ = TR_FEAT_NOISE_SIGMA (noise above the reference's lowers the score). */
