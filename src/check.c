@@ -133,6 +133,7 @@ static const row rows[] = {
     PAIR("fwd-mma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=mma", 0),
     PAIR("fwd-wgmma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma", 0),
     PAIR("fwd-wgmma-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma", 0),
+    PAIR("fwd-mma-d256", FWD, 1, 2, 300, 270, 256, 128, 64, F16 | BF16, BHND, "fwd_kernel=mma", 0),
     /* backward kernels, keys per CTA, dQ by a pass or by atomics, the dK/dV pass's overlap */
     TC_SHAPES("bwd-mma", BWD, "bwd_kernel=mma"),
     TC_SHAPES("bwd-wgmma", BWD, "bwd_kernel=wgmma"),
@@ -202,6 +203,10 @@ static const row rows[] = {
          0),
     LROW("tc-varlen-d72", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190",
          QUICK(F16, BNHD)),
+    /* D = 256 (the tensor-core forward only) with grouped heads, causal and packed sequences */
+    LPAIR("tc-causal-gqa-d256", FWD, 1, 4, 2, 260, 333, 256, 128, 64, F16 | BF16, BNHD, 1, 0, 0),
+    LROW("tc-varlen-causal-mqa-d256", FWD, 0, 3, 1, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
+         "200,129,40/260,129,64", 0),
     LROW("tc-varlen-empty-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
          "0,200,0,131,0/0,333,64,131,40", QUICK(BF16, BHND)),
     LROW("tc-varlen-empty-last", ALL, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,
