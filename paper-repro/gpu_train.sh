@@ -115,7 +115,6 @@ first_sparsity=${sparsities%%,*}
 ft_keys="data=B lr=1e-4 warmup=50 steps=$ft_steps ${GPU_TRAIN_FT_KEYS:-batch=4 log_every=100}" # the arms' fine-tuning
 eval_keys=${GPU_TRAIN_EVAL_KEYS:-eval_batches=8 sample_steps=16 batch=8}       # every model's evaluation
 heldout_keys=${GPU_TRAIN_HELDOUT_KEYS:-eval_batches=8 sample_steps=1 batch=8} # a teacher's held-out loss per chunk
-table2_p=0.6
 hybrid_k=0.03 # the paper's: 7 of gpu.cfg's 256 key blocks (floor(0.03·256) = 7)
 
 # Jobs in plan order, one a line: teacher:I, null, prep:I:S, discrim:I, arm:I:S:SEED:KIND (KIND hybvd, topkvd, toppvd,
@@ -357,6 +356,16 @@ evaluate() {
     rm -f "$file.tmp"
 }
 
+# table2_rows PREFIX ARM SEED TEACHER MODEL TEACHER_CKPT: Table 2's rows of a model, Top-p at each p of T2_PS (one Euler
+# step: Table 2 uses no sample metric), in PREFIX_pP.eval.csv
+table2_rows() {
+    local p
+    for p in $T2_PS; do
+        evaluate "${1}_p$p.eval.csv" table2 "$(t2_arm "$2" "$p")" "$3" "$4" - init="$5" teacher="$6" attn=topp topp="$p" \
+            sample_steps=1
+    done
+}
+
 record() { # JOB SECONDS RESULT: the run's line in runs.csv and its time for the estimates
     [ -f "$state/runs.csv" ] || echo "utc,job,commit,device,seconds,result" >"$state/runs.csv"
     echo "$(date -u +%FT%TZ),$1,$commit,$gpu,$2,$3" >>"$state/runs.csv"
@@ -416,8 +425,7 @@ prep_job() { # I S
     local i=$1 s=$2 d=$state/t$1 fin=$state/t$1/final.safetensors p_topp p_hyb log=$state/logs/prep_$1.log
     if [ "$s" = "$first_sparsity" ]; then
         evaluate "$state/results/teacher_$i.eval.csv" table6 "$ARM_TEACHER_T6" 0 "$i" 0 init="$fin" teacher="$fin" attn=dense
-        evaluate "$state/results/t2before_$i.eval.csv" table2 "$ARM_T2_BEFORE" 0 "$i" - init="$fin" teacher="$fin" \
-            attn=topp topp="$table2_p"
+        table2_rows "$state/results/t2before_$i" "$ARM_T2_BEFORE" 0 "$i" "$fin" "$fin"
     fi
     p_topp=$(run_train "$log" mode=calibrate seed=0 init="$fin" eval_batches=2 calib_iters=20 batch=8 \
         target_sparsity="$s" attn=topp | sed -n 2p | cut -d, -f1)
@@ -488,10 +496,8 @@ arm_job() { # I S SEED KIND
     [ "$steps" = "$ft_steps" ] || { echo "gpu_train.sh: $id stopped at step $steps" >&2; return 1; }
     evaluate "$state/results/$id.eval.csv" "$table" "$arm" "$seed" "$i" "$s" init="$ck" teacher="$fin" "${keys[@]}"
     case $kind in
-    hybvd) [ "$s" != "$first_sparsity" ] || evaluate "$state/results/t2_$id.eval.csv" table2 "$ARM_T2_HYB" "$seed" "$i" - \
-               init="$ck" teacher="$fin" attn=topp topp="$table2_p" ;;
-    denseB) evaluate "$state/results/t2_$id.eval.csv" table2 "$ARM_T2_DENSE" "$seed" "$i" - init="$ck" teacher="$fin" \
-                attn=topp topp="$table2_p" ;;
+    hybvd) [ "$s" != "$first_sparsity" ] || table2_rows "$state/results/t2_$id" "$ARM_T2_HYB" "$seed" "$i" "$ck" "$fin" ;;
+    denseB) table2_rows "$state/results/t2_$id" "$ARM_T2_DENSE" "$seed" "$i" "$ck" "$fin" ;;
     esac
     rm -f /tmp/gpu-"$id"*.safetensors
 }

@@ -118,7 +118,6 @@ target_sparsity=0.95 # Table 6: every sparse arm at this block sparsity (paper: 
 # Table 6 hybrid (--hybrid-k): Top-k keeps 2 of repro.cfg's 64 key blocks (floor(0.035·64) = 2; the paper's
 # k = 0.03 keeps 15 of Wan2.1's 512): with 1 block it would add nothing to the block Top-p always keeps, and
 # the hybrid would be Top-p only. p is calibrated so that the union reaches the target.
-table2_p=0.6         # Table 2: the paper's fixed Top-p
 ft_keys="data=B lr=3e-4 warmup=20 steps=$ft_steps log_every=50"
 runs=$out/runs
 mkdir -p "$runs" "$out/logs"
@@ -303,7 +302,8 @@ write_table2() {
     local f=$out/table2.md
     header "$f" "Table 2 — Top-p sparsity and attention error at fixed p, before and after sparse fine-tuning" "$PAPER_T2
 
-Here: the same Top-p (p = $table2_p) applied to the teacher and to the models fine-tuned in Tables 6 and 3."
+Here: the same Top-p at p = ${T2_PS// /, } (the paper's $T2_P) applied to the teacher and to the models fine-tuned in
+Tables 6 and 3 (evaluated with one Euler step: Table 2 uses no sample metric)."
     stats_table2 "$out/table2.csv" "$f.part"
     finish "$f"
 }
@@ -379,20 +379,23 @@ for entry in teacher table3 table6 table2 discrim; do
         ;;
     table2)
         need_teacher
-        echo "== Table 2: Top-p at p = $table2_p before and after fine-tuning"
+        echo "== Table 2: Top-p at p = ${T2_PS// /, } before and after fine-tuning"
         names=()
-        evaluate "$runs/t2_teacher.eval.csv" table2 "$ARM_T2_BEFORE" 0 init="$runs/teacher.safetensors" attn=topp topp="$table2_p"
-        names+=(t2_teacher)
-        for s in $(seq 1 "$seeds"); do
-            for pair in "t6_hybrid_vd:$ARM_T2_HYB" "t3_full_B:$ARM_T2_DENSE"; do
-                run=${pair%%:*}_s$s label=${pair#*:}
-                if [ -f "$runs/$run.safetensors" ]; then
-                    queue evaluate "$runs/t2_$run.eval.csv" table2 "$label" "$s" init="$runs/$run.safetensors" \
-                        attn=topp topp="$table2_p"
-                    names+=("t2_$run")
-                else
-                    echo "   (no $run: run table6 and table3 first for every row)"
-                fi
+        for p in $T2_PS; do
+            queue evaluate "$runs/t2_teacher_p$p.eval.csv" table2 "$(t2_arm "$ARM_T2_BEFORE" "$p")" 0 \
+                init="$runs/teacher.safetensors" attn=topp topp="$p" sample_steps=1
+            names+=("t2_teacher_p$p")
+            for s in $(seq 1 "$seeds"); do
+                for pair in "t6_hybrid_vd:$ARM_T2_HYB" "t3_full_B:$ARM_T2_DENSE"; do
+                    run=${pair%%:*}_s$s label=${pair#*:}
+                    if [ -f "$runs/$run.safetensors" ]; then
+                        queue evaluate "$runs/t2_${run}_p$p.eval.csv" table2 "$(t2_arm "$label" "$p")" "$s" \
+                            init="$runs/$run.safetensors" attn=topp topp="$p" sample_steps=1
+                        names+=("t2_${run}_p$p")
+                    else
+                        echo "   (no $run: run table6 and table3 first for every row)"
+                    fi
+                done
             done
         done
         drain

@@ -911,6 +911,82 @@ static double *feature_rows(char dist, uint64_t first, int count)
     return f;
 }
 
+/* Brute force: the softmax row of query i of (b, h), sorted descending, its normalized entropy and top mass. */
+static void attention_row_reference(const float *qkv, int N, int heads, int hd, int b, int h, int i, int top,
+                                    double *entropy, double *mass)
+{
+    const int d = heads * hd;
+    double *p = malloc((size_t)N * sizeof(double)), z = 0, mx = -INFINITY;
+    for (int j = 0; j < N; j++) {
+        double dot = 0;
+        for (int c = 0; c < hd; c++)
+            dot += (double)qkv[((size_t)b * N + i) * 3 * d + h * hd + c] * qkv[((size_t)b * N + j) * 3 * d + d + h * hd + c];
+        p[j] = dot / sqrt((double)hd);
+        mx = fmax(mx, p[j]);
+    }
+    for (int j = 0; j < N; j++)
+        z += p[j] = exp(p[j] - mx);
+    *entropy = 0, *mass = 0;
+    for (int j = 0; j < N; j++) {
+        p[j] /= z;
+        *entropy -= p[j] > 0 ? p[j] * log(p[j]) / log((double)N) : 0;
+    }
+    for (int r = 0; r < top; r++) { /* selection by repeated maximum: slow and obviously right */
+        int best = 0;
+        for (int j = 1; j < N; j++)
+            best = p[j] > p[best] ? j : best;
+        *mass += p[best];
+        p[best] = -1;
+    }
+    free(p);
+}
+
+/* Token-level entropy and top mass: uniform rows (1, ⌈0.05 N⌉/N), a row on one key (≈ 0, ≈ 1), random rows against
+ * the brute force, with query rows strided to max_rows per (b, h), ties included. */
+static void test_attention_stats(void **state)
+{
+    (void)state;
+    enum { B = 2, N = 37, HEADS = 3, HD = 5, D = HEADS * HD };
+    float *qkv = calloc((size_t)B * N * 3 * D, sizeof(float));
+    double e = 0, m = 0;
+    long rows = 0;
+    tr_attention_stats(qkv, B, N, HEADS, HD, 8, 0.05, &e, &m, &rows); /* q = 0: every row uniform */
+    assert_int_equal(rows, B * HEADS * 8);                               /* rows 0, 5, …, 35 */
+    assert_true(fabs(e / rows - 1.0) < 1e-12 && fabs(m / rows - 2.0 / N) < 1e-12);
+    for (int b = 0; b < B; b++) /* every query 40 times key 0 of its sequence in every head; other keys 0 */
+        for (int c = 0; c < D; c++) {
+            qkv[((size_t)b * N) * 3 * D + D + c] = 1.0f;
+            for (int i = 0; i < N; i++)
+                qkv[((size_t)b * N + i) * 3 * D + c] = 40.0f;
+        }
+    e = m = 0, rows = 0;
+    tr_attention_stats(qkv, B, N, HEADS, HD, N, 0.05, &e, &m, &rows);
+    assert_int_equal(rows, B * HEADS * N);
+    assert_true(e / rows < 1e-6 && m / rows > 1 - 1e-6);
+    uint64_t seed = 7;
+    for (size_t j = 0; j < (size_t)B * N * 3 * D; j++)
+        qkv[j] = (float)(2.0 * tr_normal(&seed));
+    for (int j = 0; j < N; j += 4) /* some equal keys: ties at the top-n boundary */
+        memcpy(qkv + (size_t)j * 3 * D + D, qkv + D, D * sizeof(float));
+    for (int top_pct = 5; top_pct <= 50; top_pct += 45) {
+        const int top = (int)ceil(top_pct / 100.0 * N - 1e-9);
+        double ref_e = 0, ref_m = 0;
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < HEADS; h++)
+                for (int i = 0; i < N; i += 3) {
+                    double re, rm;
+                    attention_row_reference(qkv, N, HEADS, HD, b, h, i, top, &re, &rm);
+                    ref_e += re, ref_m += rm;
+                }
+        e = m = 0, rows = 0;
+        tr_attention_stats(qkv, B, N, HEADS, HD, 13, top_pct / 100.0, &e, &m, &rows); /* stride ⌈37/13⌉ = 3 */
+        assert_int_equal(rows, B * HEADS * 13);
+        assert_true(fabs(e - ref_e) < 1e-9 * ref_e && fabs(m - ref_m) < 1e-9 * ref_m);
+        assert_true(ref_e / rows > 0.1 && ref_e / rows < 0.99); /* neither flat nor one-hot */
+    }
+    free(qkv);
+}
+
 static void test_frechet_distance(void **state)
 {
     (void)state;
@@ -1041,6 +1117,10 @@ static void test_eval_scores(void **state)
     assert_true(r.frechet_floor >= 0 && r.frechet > 2 * r.frechet_floor);
     assert_true(r.reference_imaging_quality > r.imaging_quality);
     assert_true(r.reference_temporal_consistency > r.temporal_consistency);
+    /* an untrained model attends almost uniformly: normalized entropy near 1, its top 5 % of keys near 5 % of the mass */
+    print_message("attention entropy %.4f, top-5 %% mass %.4f\n", r.attention_entropy, r.attention_top5_mass);
+    assert_true(r.attention_entropy > 0.9 && r.attention_entropy <= 1.0);
+    assert_true(r.attention_top5_mass >= 0.05 && r.attention_top5_mass < 0.3);
     const char *program = "experiments/trainer/sparge-train";
     if (access(program, X_OK) == 0) {
         char command[1024], header[1024], row[1024];
@@ -1056,14 +1136,15 @@ static void test_eval_scores(void **state)
         int columns = 1;
         for (const char *h = header; (h = strchr(h, ',')); h++)
             columns++;
-        assert_int_equal(columns, 21);
+        assert_int_equal(columns, 23);
         assert_non_null(strstr(header, "ref_mean_c0,class_accuracy,ref_class_accuracy,frechet,frechet_floor,"
                                        "imaging_quality,ref_imaging_quality,temporal_consistency,"
-                                       "ref_temporal_consistency\n"));
-        double values[21];
+                                       "ref_temporal_consistency,attention_entropy,attention_top5_mass\n"));
+        double values[23];
         char *cursor = row;
-        for (int i = 0; i < 21; i++, cursor++)
+        for (int i = 0; i < 23; i++, cursor++)
             values[i] = strtod(cursor, &cursor);
+        assert_true(fabs(values[21] - r.attention_entropy) < 1e-5 && fabs(values[22] - r.attention_top5_mass) < 1e-5);
         double class_accuracy = values[13], frechet = values[15]; /* the 14th and 16th columns */
         print_message("sparge-train mode=eval: class_accuracy %.4f, frechet %.5g\n", class_accuracy, frechet);
         assert_true(isfinite(class_accuracy) && frechet >= 0);
@@ -1283,6 +1364,7 @@ int main(void)
         cmocka_unit_test(test_training_lowers_loss),
         cmocka_unit_test(test_motion_recognizer),
         cmocka_unit_test(test_motion_recognizer_chance),
+        cmocka_unit_test(test_attention_stats),
         cmocka_unit_test(test_frechet_distance),
         cmocka_unit_test(test_quality_scores),
         cmocka_unit_test(test_eval_scores),

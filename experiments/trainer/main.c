@@ -72,14 +72,14 @@ int main(int argc, char **argv)
                "sample_sharpness,sample_temporal_change,sample_temporal_jitter,sample_mean_c0,"
                "ref_sharpness,ref_temporal_change,ref_temporal_jitter,ref_mean_c0,"
                "class_accuracy,ref_class_accuracy,frechet,frechet_floor,imaging_quality,ref_imaging_quality,"
-               "temporal_consistency,ref_temporal_consistency\n");
+               "temporal_consistency,ref_temporal_consistency,attention_entropy,attention_top5_mass\n");
         printf("%.6g,%.6g,%.6g,%.4f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,%.5f,", r.velocity_mse, r.velocity_rel_l2,
                r.diffusion_loss, r.sparsity, r.attention_rel_l1, r.sample.sharpness, r.sample.temporal_change,
                r.sample.temporal_jitter, r.sample.mean_c0, r.reference.sharpness, r.reference.temporal_change,
                r.reference.temporal_jitter, r.reference.mean_c0);
-        printf("%.4f,%.4f,%.5g,%.5g,%.4f,%.4f,%.4f,%.4f\n", r.class_accuracy, r.reference_class_accuracy, r.frechet,
-               r.frechet_floor, r.imaging_quality, r.reference_imaging_quality, r.temporal_consistency,
-               r.reference_temporal_consistency);
+        printf("%.4f,%.4f,%.5g,%.5g,%.4f,%.4f,%.4f,%.4f,%.6f,%.6f\n", r.class_accuracy, r.reference_class_accuracy,
+               r.frechet, r.frechet_floor, r.imaging_quality, r.reference_imaging_quality, r.temporal_consistency,
+               r.reference_temporal_consistency, r.attention_entropy, r.attention_top5_mass);
         return 0;
     }
     if (tr_train(&cfg, err, sizeof err)) {

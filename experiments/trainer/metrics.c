@@ -486,3 +486,83 @@ double tr_frechet_distance(const double *a, int na, const double *b, int nb, int
     free(buf);
     return fmax(0, result);
 }
+
+/* ---------------------------------------------------------------- token-level attention statistics */
+
+/* The value of rank r (0: the largest) among x[0..n), by quickselect; x is reordered. */
+static double rank_desc(double *x, int n, int r)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const double pivot = x[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (x[i] > pivot)
+                i++;
+            while (x[j] < pivot)
+                j--;
+            if (i <= j) {
+                const double t = x[i];
+                x[i++] = x[j];
+                x[j--] = t;
+            }
+        }
+        if (r <= j)
+            hi = j;
+        else if (r >= i)
+            lo = i;
+        else
+            return x[r]; /* between the two parts: equal to the pivot */
+    }
+    return x[r];
+}
+
+void tr_attention_stats(const float *qkv, int B, int N, int heads, int hd, int max_rows, double top_fraction,
+                        double *entropy, double *top_mass, long *rows)
+{
+    const int d = heads * hd, stride = N > max_rows ? (N + max_rows - 1) / max_rows : 1;
+    const int top = top_fraction * N < 1 ? 1 : (int)ceil(top_fraction * N - 1e-9);
+    const double scale = 1.0 / sqrt((double)hd), log_n = log((double)N);
+    double ent = 0, mass = 0;
+    long count = 0;
+#pragma omp parallel reduction(+ : ent, mass, count)
+    {
+        double *e = malloc(2 * (size_t)N * sizeof(double)), *w = e ? e + N : NULL;
+#pragma omp for collapse(2) schedule(static)
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < heads; h++)
+                for (int i = 0; e && i < N; i += stride) {
+                    const float *q = qkv + ((size_t)b * N + i) * 3 * d + h * hd;
+                    double mx = -INFINITY;
+                    for (int j = 0; j < N; j++) {
+                        const float *k = qkv + ((size_t)b * N + j) * 3 * d + d + h * hd;
+                        double dot = 0;
+                        for (int c = 0; c < hd; c++)
+                            dot += (double)q[c] * k[c];
+                        e[j] = dot * scale;
+                        mx = e[j] > mx ? e[j] : mx;
+                    }
+                    double z = 0, zs = 0;
+                    for (int j = 0; j < N; j++) { /* H = ln Z − Σ p·s, with s shifted by the row's max */
+                        const double sj = e[j] - mx;
+                        e[j] = exp(sj);
+                        z += e[j];
+                        zs += e[j] * sj;
+                    }
+                    ent += N > 1 ? (log(z) - zs / z) / log_n : 0.0;
+                    memcpy(w, e, (size_t)N * sizeof(double));
+                    const double thr = rank_desc(w, N, top - 1);
+                    double above = 0;
+                    int n_above = 0;
+                    for (int j = 0; j < N; j++)
+                        if (e[j] > thr)
+                            above += e[j], n_above++;
+                    mass += (above + (top - n_above) * thr) / z;
+                    count++;
+                }
+        free(e);
+    }
+    *entropy += ent;
+    *top_mass += mass;
+    *rows += count;
+}

@@ -1020,6 +1020,23 @@ static void score_videos(tr_eval_result *res, const double *sample_f, const int 
         res->class_accuracy = res->reference_class_accuracy = NAN;
 }
 
+/* tr_attention_stats over every block of the held-out forwards (a tr_qkv_hook). */
+typedef struct {
+    const tr_dims *d;
+    double entropy, top_mass;
+    long rows;
+} attention_stats;
+
+static int attention_stats_hook(void *ctx, int layer, const float *qkv, char *err, size_t err_len)
+{
+    attention_stats *a = ctx;
+    (void)layer;
+    long before = a->rows;
+    tr_attention_stats(qkv, a->d->B, a->d->N, a->d->nh, a->d->hd, TR_ATTN_STAT_ROWS, 0.05, &a->entropy, &a->top_mass,
+                       &a->rows);
+    return a->rows > before ? 0 : exp_fail(err, err_len, "attention statistics: out of memory");
+}
+
 int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err_len)
 {
     if (tr_config_check(cfg, err, err_len))
@@ -1065,9 +1082,13 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
     int *y = (int *)(t + cfg->batch);
     memset(res, 0, sizeof *res);
     double diff2 = 0, ref2 = 0, videos = (double)cfg->eval_batches * cfg->batch;
+    attention_stats stats = {d, 0, 0, 0};
     for (int i = 0; i < cfg->eval_batches; i++) {
         tr_make_batch(&held_out, d, 1000000000 + i, x0, y, t, eps, xt);
-        if (tr_model_forward(model, xt, t, y, u, err, err_len))
+        tr_model_set_qkv_hook(model, attention_stats_hook, &stats); /* not during the sampler's forwards */
+        int failed = tr_model_forward(model, xt, t, y, u, err, err_len);
+        tr_model_set_qkv_hook(model, NULL, NULL);
+        if (failed)
             goto out;
         res->sparsity += tr_model_last_sparsity(model) / cfg->eval_batches;
         res->attention_rel_l1 += tr_model_last_attention_l1(model) / cfg->eval_batches;
@@ -1112,6 +1133,8 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
     score_videos(res, sample_f, sample_label, real_f, real_label, classes, videos_n, ref_f, n_ref, d->T);
     res->velocity_mse = teacher ? diff2 / (n * (double)cfg->eval_batches) : NAN;
     res->velocity_rel_l2 = teacher ? sqrt(diff2 / ref2) : NAN;
+    res->attention_entropy = stats.entropy / stats.rows;
+    res->attention_top5_mass = stats.top_mass / stats.rows;
     rc = 0;
 out:
     free(labels);

@@ -240,6 +240,12 @@ const char *tr_eigen_solver(void);
  * min(1, g/g_ref) · g_ref / (g_ref + max(0, σ − σ_ref)), g = TR_FEAT_GRADIENT_RMS (blur lowers
  * it), σ = TR_FEAT_NOISE_SIGMA (noise above the reference's lowers the score). */
 double tr_imaging_quality(const double *features, const double *reference_mean);
+/* Token-level flatness of the attention of one block's qkv activation [B, N, 3, heads, hd] (the layout of
+ * tr_qkv_hook): for query rows 0, s, 2s, … (s = ⌈N / max_rows⌉) of every batch element and head, the exact softmax
+ * of q·kᵀ/√hd over all N keys in double; adds each row's entropy normalized by ln N (1: uniform) to *entropy, the
+ * mass of its ⌈top_fraction·N⌉ largest weights to *top_mass, and the number of rows to *rows. */
+void tr_attention_stats(const float *qkv, int B, int N, int heads, int hd, int max_rows, double top_fraction,
+                        double *entropy, double *top_mass, long *rows);
 
 /* ---------------------------------------------------------------- training */
 
@@ -295,6 +301,9 @@ typedef struct {
     double diffusion_loss;                /* ‖u − (ε − x0)‖² mean on the same inputs */
     double sparsity;                      /* mean block sparsity of the masks on those inputs */
     double attention_rel_l1;              /* mean relative L1 of sparse vs dense attention output, same Q/K/V */
+    /* the model's exact (dense) attention on those inputs, tr_attention_stats over every block (TR_ATTN_STAT_ROWS
+     * query rows per video and head): mean normalized token-level entropy, mean mass of a row's top 5 % keys */
+    double attention_entropy, attention_top5_mass;
     tr_video_stats sample, reference;     /* means over Euler samples and over real videos of the same classes */
     /* VBench-like scores (README.md, "Evaluation"); "reference_" ones are of the batches' real videos */
     double class_accuracy;           /* tr_motion_estimate on the samples vs their classes (NaN if frames < 3) */
@@ -306,6 +315,7 @@ typedef struct {
 } tr_eval_result;
 /* Size of the fixed reference set of the Fréchet distance and of the imaging-quality reference. */
 #define TR_EVAL_REFERENCE_VIDEOS 256
+#define TR_ATTN_STAT_ROWS 128
 int tr_evaluate(const tr_config *cfg, tr_eval_result *out, char *err, size_t err_len);
 
 /* mode=calibrate: bisection (calib_iters steps, p on a 1e-6 grid) for the p of attn= (topp, or hybrid with its
