@@ -7,10 +7,10 @@
 #      --max-steps); bit-for-bit across chunks (AdamW moments and step in the checkpoint, batches a function of
 #      the step);
 #   2. an untrained model (the null model of the sanity checks);
-#   3. per sparsity (the first of --sparsities first), per teacher: its evaluation, Table 2's "before" row, Top-p and
+#   3. per sparsity (the first of --sparsities first), per teacher: its evaluation, Table 2's "before" rows, Top-p and
 #      hybrid p calibrated on it, the training-free hybrid; at the first sparsity its Q/K/V dump and exp_discrim;
 #      then per seed the Table 6 arms (hybrid, Top-k only, Top-p only with L_VD; at the first sparsity also the
-#      hybrid with the diffusion loss), each fine-tuned on B and evaluated (the hybrid's Table 2 row too); after
+#      hybrid with the diffusion loss), each fine-tuned on B and evaluated (the hybrid's Table 2 rows too); after
 #      the first sparsity the dense fine-tunings on B and on A (Tables 3 and 2's control).
 #
 #   gpu_train.sh status --state DIR                 what is done, what comes next, what the next chunk needs
