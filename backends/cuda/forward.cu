@@ -422,9 +422,6 @@ bool use_wgmma(const gpu_ctx *ctx, int D)
 
 sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D)
 {
-    if (use_wgmma(ctx, D) && fwd_tile_dim(D) == 256)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward takes head dims up to 128, not %d (set "
-                           "fwd_kernel=auto for the mma.sync kernel)", D);
     if (use_wgmma(ctx, D)) {
         if (!sparge_cuda_wgmma_forward_available(ctx))
             return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: fwd_kernel=wgmma needs an sm_90 device and a build with "

@@ -8,7 +8,7 @@
  *   O += P·V   m64nDk16, P from registers (the S accumulator layout packed to 16 bits is the
  *              A-fragment layout), V from shared memory as an MN-major operand (transpose bit).
  * Two CTAs share an SM (≤ 128 registers, 2 × 97 KB of shared memory at D = 128), so one CTA's
- * softmax overlaps the other's MMAs.
+ * softmax overlaps the other's MMAs; at D = 256 one CTA fills it (193 KB), and P·V is two m64n128k16 halves.
  *
  * Shared-memory layout: every tile is made of 64-row regions (a warpgroup's Q rows, a K or a V
  * tile); a region holds D/64 panels of 64 rows × 128 bytes (64 elements of one row), each in the
@@ -60,8 +60,12 @@ struct wg_traits {
 
 /* ---------------------------------------------------------------- kernel */
 
+/* D = 256: 193 KB of shared memory and a 64×256 f32 accumulator (128 registers) a thread, one CTA per SM. */
+template <int D>
+constexpr int ctas_per_sm() { return D > 128 ? 1 : 2; }
+
 template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD>
-__global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params p)
+__global__ void __launch_bounds__(THREADS, ctas_per_sm<D>()) wgmma_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using W = wg_traits<D>;
@@ -181,8 +185,16 @@ __global__ void __launch_bounds__(THREADS, 2) wgmma_fwd_kernel(const fwd_params 
         wgmma_fence();
         const uint64_t v_desc = sw128_desc(v_tile, W::PANEL_BYTES, CORE_GROUP_BYTES);
 #pragma unroll
-        for (int kk = 0; kk < TILE_K / 16; kk++)
-            wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], desc_advance(v_desc, kk * 2 * CORE_GROUP_BYTES));
+        for (int kk = 0; kk < TILE_K / 16; kk++) {
+            const uint64_t v_kk = desc_advance(v_desc, kk * 2 * CORE_GROUP_BYTES);
+            if constexpr (D <= 128) {
+                wgmma_rs_t<T, D>(&o_acc[0][0], pa[kk], v_kk);
+            } else { /* n128 halves: columns 128·half.., two 64-column panels further each */
+#pragma unroll
+                for (int half = 0; half < D / 128; half++)
+                    wgmma_rs_t<T, 128>(&o_acc[16 * half][0], pa[kk], desc_advance(v_kk, half * 2 * W::PANEL_BYTES));
+            }
+        }
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(o_acc);
@@ -249,6 +261,8 @@ sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64
 {
     /* A head dim below the tile's width (fwd_tile_dim) runs the PAD kernels. */
     const bool bf = dt == SPARGE_BF16, pad = D != fwd_tile_dim(D);
+    if (fwd_tile_dim(D) == 256)
+        return bf ? launch<gpu_bf16, 256, false>(ctx, p, n_items) : launch<gpu_half, 256, false>(ctx, p, n_items);
     if (fwd_tile_dim(D) == 128)
         return bf ? (pad ? launch<gpu_bf16, 128, true>(ctx, p, n_items) : launch<gpu_bf16, 128, false>(ctx, p, n_items))
                   : (pad ? launch<gpu_half, 128, true>(ctx, p, n_items) : launch<gpu_half, 128, false>(ctx, p, n_items));

@@ -70,7 +70,8 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
  * mma.sync tile above. Only sm_90 (H100/H200) has wgmma; sm_100/sm_120 have none of it (sm_120
  * keeps mma.sync, sm_100's tcgen05 is not written). Two 64-row warpgroups per CTA (bq = 128), 64-key
  * tiles, one 2-stage K/V ring, 128 registers (D = 128: 8 bytes spilled; D = 64: 113), two CTAs per
- * SM. The mma.sync kernel is issue-bound on sm_90 (ldmatrix + 16×8 MMAs, tensor pipe 47.5 % busy);
+ * SM (D = 256: 218 registers and 193 KB of shared memory, one CTA per SM, P·V as two n128 halves).
+ * The mma.sync kernel is issue-bound on sm_90 (ldmatrix + 16×8 MMAs, tensor pipe 47.5 % busy);
  * wgmma reads Q, K and V from shared memory itself. Measured on the H200 (B=1 H=12 N=32760 bf16,
  * experiments/BENCHMARKS.md, wgmma section):
  *   D = 128: dense 448 TFLOP/s (mma.sync 328), 95 % Top-k 0.795 ms (1.060)
@@ -82,7 +83,7 @@ static inline fwd_tile fwd_tile_for(int cc_major, int cc_minor, int D)
  * fit two CTAs per SM and tie with this kernel (±2 %). */
 static inline int fwd_use_wgmma(int cc_major, int cc_minor, int D)
 {
-    return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128);
+    return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128 || D == 256);
 }
 
 #endif
