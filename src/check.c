@@ -43,6 +43,9 @@ typedef struct {
 /* Grouped K/V heads (hkv), block-causal masks and packed variable-length sequences (sparge_mask_layout). */
 #define LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, k, p, causal, seqs, quick)                           \
     {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, NULL, quick, hkv, causal, seqs}
+/* ... with device options */
+#define LROW_OPTS(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, k, p, causal, seqs, opts)                        \
+    {label, ops, B, H, Nq, Nk, D, bq, bk, dts, lays, k, p, 0.0, opts, 0, hkv, causal, seqs}
 /* Such a fixed-length shape masked and dense (varlen needs a mask, so a varlen row has no dense twin). */
 #define LPAIR(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, causal, quick, dense_quick)                         \
     LROW(label, ops, B, H, hkv, Nq, Nk, D, bq, bk, dts, lays, 0.1, 0.5, causal, NULL, quick),                          \
@@ -144,6 +147,15 @@ static const row rows[] = {
     TC_SHAPES("dq-pass", BWD, "dq=pass"),
     TC_SHAPES("dq-atomic", BWD, "dq=atomic"),
     TC_SHAPES("bwd-no-overlap", BWD, "bwd_overlap=off"),
+    /* grouped heads, causal masks and packed sequences on each backward kernel, dQ by a pass and by atomics */
+    LROW_OPTS("bwd-mma-varlen-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
+              "200,129,40,300/260,129,64,300", "bwd_kernel=mma"),
+    LROW_OPTS("bwd-wgmma-varlen-causal-gqa-atomic", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              "200,129,40,300/260,129,64,300", "bwd_kernel=wgmma dq=atomic"),
+    LROW_OPTS("bwd-wgmma-causal-dense-wide", BWD, 1, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
+              "bwd_kernel=wgmma bwd_keys=128"),
+    LROW_OPTS("bwd-wgmma-varlen-d128-bk128", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,
+              "90,300,50/150,260,120", "bwd_kernel=wgmma bwd_keys=128"),
     /* The pooled map's logits kernels: fp32 tiles of 128x64 and 64x64, f16x3 on tensor cores (the "cuda" tier
      * only: elsewhere a clean refusal), D a multiple of 16 and not. */
     ROW("map-128x64", MASK, 1, 3, 1000, 1000, 128, 128, 64, F32 | BF16, BOTH, 0.03, 0.2, "map_tile=128x64", 0),

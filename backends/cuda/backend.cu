@@ -369,7 +369,7 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: more than 2^31 tokens or blocks", what);
     if (d->op == SPARGE_OP_FORWARD)
         return sparge_cuda_forward_fits(ctx, (int)d->head_dim);
-    return sparge_cuda_backward_fits(ctx, (int)d->head_dim, d->block_k, d->deterministic, d->causal, d->varlen);
+    return sparge_cuda_backward_fits(ctx, (int)d->head_dim, d->block_k, d->deterministic);
 }
 
 extern "C" const sparge_backend sparge_backend_cuda_generic =

@@ -652,7 +652,9 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         q_job = {p.counts, (int)(BH * p.Nqb), p.Nkb, order_q};
         pq.order = order_q;
     }
-    const int wgmma_pass = wgmma_keys && !atomic_dq; /* the wgmma dQ pass does the prep's work and runs first */
+    /* The wgmma dQ pass does the prep's work and runs first; it takes neither causal masks nor packed sequences, so
+     * there the wgmma dK/dV pass runs between the prep and the mma.sync dQ pass. */
+    const int wgmma_pass = wgmma_keys && !atomic_dq && !p.causal && !p.seq_q;
     if (wgmma_pass) {
         pq.dq_done = pk.dq_done = dq_done;
         pq.dq_ctas = pk.dq_ctas = (uint32_t)(BH * pq.Nqb);
@@ -703,13 +705,11 @@ struct bwd_plan {
  * except where the wgmma dK/dV kernel takes 64 keys per CTA (bk = 64 masks): there its 64 × D reductions per step
  * cost more than the wgmma pass (H200, 1.3B shape, 95 %: 3.241 against 2.771 ms; dense, 128 keys per CTA: 46.98
  * against 48.66 ms). The dq option overrides the choice where deterministic is 0. */
-bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic, int mma_only)
+bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic)
 {
     const gpu_options &o = ctx->opt;
-    /* mma_only (causal, varlen): the mma.sync kernels alone mask per token and take sequence frames
-     * (sparge_cuda_backward_fits refuses bwd_kernel=wgmma there). */
     const int wgmma = o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel == GPU_KERNEL_WGMMA
-                                                      : !mma_only && sparge_cuda_wgmma_backward_available(ctx);
+                                                      : sparge_cuda_wgmma_backward_available(ctx);
     /* 128 keys per CTA where the mask allows it (dense, bk = 128): 47.2 against 59.7 ms dense on the H200. */
     const int keys = !wgmma ? 0 : o.bwd_keys ? o.bwd_keys : 128;
     const int narrow = keys == 64 || (keys && bk && bk != 128);
@@ -802,12 +802,9 @@ sparge_view staged_view(const sparge_view &v, void *data, int64_t H, int64_t Dt)
 
 } // namespace
 
-sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic, int causal, int varlen)
+sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic)
 {
-    const bwd_plan pl = plan_for(ctx, bk, deterministic, causal || varlen);
-    if (pl.wgmma_keys && (causal || varlen))
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma kernels take neither causal masks nor "
-                           "packed sequences (set bwd_kernel=auto or mma)");
+    const bwd_plan pl = plan_for(ctx, bk, deterministic);
     if (pl.wgmma_keys) {
         if (!sparge_cuda_wgmma_backward_available(ctx))
             return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma needs an sm_90 device and a "
@@ -836,7 +833,7 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     sparge_status s;
     const int bk = m ? args->bk : 128;
     const int causal = m ? m->causal : args->causal;
-    const bwd_plan pl = plan_for(ctx, m ? args->bk : 0, args->deterministic, causal || varlen);
+    const bwd_plan pl = plan_for(ctx, m ? args->bk : 0, args->deterministic);
     const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, overlap = pl.overlap;
 
     const int Nqb = varlen ? (int)m->Nqb : (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = m ? (int)m->Nkb : 0;

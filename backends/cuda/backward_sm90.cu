@@ -2,9 +2,11 @@
  * contributions) on warpgroup MMA (wgmma.mma_async).
  *
  * Same contract and arithmetic as backward.cu's mma.sync dK/dV kernel, which it replaces on
- * sm_90; backward.cu still runs the prep (D_t, LSE·log2e, zeroed dQ accumulator), the
- * heavy-first launch order and the dQ conversion; the separate (deterministic) dQ pass is
- * dq_sm90.cu's.
+ * sm_90, causal masks (P = 0 past a query's diagonal, on the steps that reach it) and packed
+ * sequences (a CTA's key block and query steps inside its sequence's frame) included; backward.cu
+ * still runs the prep (D_t, LSE·log2e, zeroed dQ accumulator), the heavy-first launch order and
+ * the dQ conversion; the separate (deterministic) dQ pass is dq_sm90.cu's, or with causal masks or
+ * packed sequences the mma.sync one.
  *
  * Design choices:
  * - Each warpgroup (128 threads) owns 64 keys: every product is an m64 wgmma with the keys as M,
@@ -68,7 +70,7 @@ struct bwd90_traits {
     static constexpr int SMEM_BYTES = 2 * WGS * TILE_BYTES + 4 * TILE_BYTES + WGS * DS_BYTES + 2 * VEC_BYTES + 1024;
 };
 
-template <typename T, int D, int WGS>
+template <typename T, int D, int WGS, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(const bwd_params p, int sub_shift)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -89,21 +91,26 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     const int work = (int)(blockIdx.x >> sub_shift), part = (int)(blockIdx.x & ((1u << sub_shift) - 1));
     const int tile_id = p.order ? p.order[work] : work;
     const int bh = tile_id / p.Nkb, j = tile_id - bh * p.Nkb, b = bh / p.H, h = bh - b * p.H;
-    const int key0 = ((j << sub_shift) + part) * KEYS;
-    if (key0 >= p.Nk) /* the second half of a ragged last block */
+    const gpu_seq sq = gpu_seq_of<VARLEN>(p, b); /* with varlen, b is the sequence */
+    const int nq = sq.nq, nk = sq.nk, diag = nk - nq, key0 = ((j << sub_shift) + part) * KEYS;
+    if (key0 >= nk) /* the second half of a ragged last block, or a block past its sequence */
         return;
     const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
-    const int nsteps = warp_uniform((list ? p.t_counts[tile_id] : p.Nqb) * SUB_Q);
+    /* Dense causal: the query blocks before the first whose last query may attend key0 add nothing. */
+    const int i0 = CAUSAL && !list ? max(0, key0 - diag) / BWD_BLOCK_Q : 0;
+    const int nsteps = warp_uniform((list ? p.t_counts[tile_id] : p.Nqb - i0) * SUB_Q);
 
-    const T *q = (const T *)p.q + b * p.q_sb + h * p.q_sh;
-    const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh;
+    const T *q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
+    const T *d_o = (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + sq.q_off * p.do_sn;
     const float *lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, *dt = p.dt + (int64_t)bh * p.Nq_pad;
-    auto step_row0 = [&](int n) { return (list ? list[n / SUB_Q] : n / SUB_Q) * BWD_BLOCK_Q + (n % SUB_Q) * QROWS; };
+    auto step_row0 = [&](int n) {
+        return (list ? list[n / SUB_Q] : i0 + n / SUB_Q) * BWD_BLOCK_Q + (n % SUB_Q) * QROWS;
+    };
     auto issue = [&](int n) { /* one commit group per step, empty past the end */
         if (n < nsteps) {
             const int buf = n & 1, r0 = step_row0(n);
-            load_tile<T, D, QROWS, THREADS>(q_smem(buf), q, p.q_sn, r0, p.Nq, tid);
-            load_tile<T, D, QROWS, THREADS>(do_smem(buf), d_o, p.do_sn, r0, p.Nq, tid);
+            load_tile<T, D, QROWS, THREADS>(q_smem(buf), q, p.q_sn, r0, nq, tid);
+            load_tile<T, D, QROWS, THREADS>(do_smem(buf), d_o, p.do_sn, r0, nq, tid);
             if (tid < QROWS / 4) /* the padded per-token arrays cover every row of a block */
                 cp_async_16(smem_addr(lse_vec(buf)) + 16 * tid, lse2 + r0 + 4 * tid, true);
             else if (tid < QROWS / 2)
@@ -113,8 +120,10 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     };
 
     /* Group 0: K, V and step 0. */
-    load_tile<T, D, KEYS, THREADS>(k_smem, (const T *)p.k + b * p.k_sb + h * p.k_sh, p.k_sn, key0, p.Nk, tid);
-    load_tile<T, D, KEYS, THREADS>(v_smem, (const T *)p.v + b * p.v_sb + h * p.v_sh, p.v_sn, key0, p.Nk, tid);
+    load_tile<T, D, KEYS, THREADS>(k_smem, (const T *)p.k + sq.tb * p.k_sb + h * p.k_sh + sq.k_off * p.k_sn, p.k_sn,
+                                   key0, nk, tid);
+    load_tile<T, D, KEYS, THREADS>(v_smem, (const T *)p.v + sq.tb * p.v_sb + h * p.v_sh + sq.k_off * p.v_sn, p.v_sn,
+                                   key0, nk, tid);
     if (p.dq_done) { /* D_t and LSE·log2e of every row are written once all dQ CTAs have counted themselves */
         if (tid == 0)
             while (load_acquire(p.dq_done) < p.dq_ctas)
@@ -128,9 +137,9 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     const int row0 = warp * 16 + frag_row(lane), c2 = frag_col(lane);
     const uint32_t k_wg = k_smem + wg * W::TILE_BYTES, v_wg = v_smem + wg * W::TILE_BYTES;
     unsigned char *ds_wg = smem + (ds_smem - smem0) + wg * W::DS_BYTES; /* this warpgroup's dSᵀ */
-    /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
+    /* Keys past nk (ragged last block) get P = 0, so they add nothing anywhere. */
     const int wg_key0 = key0 + wg * WG_KEYS;
-    const bool key_ok0 = wg_key0 + row0 < p.Nk, key_ok1 = wg_key0 + row0 + 8 < p.Nk, ragged = wg_key0 + WG_KEYS > p.Nk;
+    const bool key_ok0 = wg_key0 + row0 < nk, key_ok1 = wg_key0 + row0 + 8 < nk, ragged = wg_key0 + WG_KEYS > nk;
 
     float dv[ACC], dk[ACC];
 #pragma unroll
@@ -173,7 +182,7 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             x[2] = exp2f(fmaf(x[2], p.scale_log2, -l.x));
             x[3] = exp2f(fmaf(x[3], p.scale_log2, -l.y));
         }
-        if (ragged) /* the warpgroup's keys run past Nk: theirs get P = 0 */
+        if (ragged) /* the warpgroup's keys run past nk: theirs get P = 0 */
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) {
                 if (!key_ok0)
@@ -181,6 +190,19 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
                 if (!key_ok1)
                     s[nt * 4 + 2] = s[nt * 4 + 3] = 0.0f;
             }
+        /* Causal: P = 0 where a key lies past a query's diagonal (steps that reach the diagonal only). */
+        const int qa = step_row0(n);
+        if (CAUSAL && wg_key0 + WG_KEYS - 1 > qa + diag) {
+            const int ka = wg_key0 + row0 - diag, kb = ka + 8;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                const int qt = qa + nt * 8 + c2;
+                s[nt * 4] = ka > qt ? 0.0f : s[nt * 4];
+                s[nt * 4 + 1] = ka > qt + 1 ? 0.0f : s[nt * 4 + 1];
+                s[nt * 4 + 2] = kb > qt ? 0.0f : s[nt * 4 + 2];
+                s[nt * 4 + 3] = kb > qt + 1 ? 0.0f : s[nt * 4 + 3];
+            }
+        }
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
             const float2 d = *(const float2 *)(dv_t + nt * 8 + c2);
@@ -283,12 +305,13 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             *(uint32_t *)(k_stage + off) = pack2<T>(dk[nt * 4 + 2 * r] * p.scale, dk[nt * 4 + 2 * r + 1] * p.scale);
         }
     __syncthreads();
-    T *dv_out = (T *)p.dv + b * p.dv_sb + h * p.dv_sh, *dk_out = (T *)p.dk + b * p.dk_sb + h * p.dk_sh;
+    T *dv_out = (T *)p.dv + sq.tb * p.dv_sb + h * p.dv_sh + sq.k_off * p.dv_sn,
+      *dk_out = (T *)p.dk + sq.tb * p.dk_sb + h * p.dk_sh + sq.k_off * p.dk_sn;
 #pragma unroll
     for (int c = tid; c < KEYS * (D / 8); c += THREADS) {
         const int r = c / (D / 8), ch = c % (D / 8), key = key0 + r;
         const uint32_t off = tile_offset<D>(r, ch);
-        if (key < p.Nk) {
+        if (key < nk) {
             *(uint4 *)(dv_out + (int64_t)key * p.dv_sn + ch * 8) = *(const uint4 *)(v_stage + off);
             *(uint4 *)(dk_out + (int64_t)key * p.dk_sn + ch * 8) = *(const uint4 *)(k_stage + off);
         }
@@ -307,7 +330,9 @@ sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shif
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma dK/dV kernel (D=%d) needs %d bytes of "
                            "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = wgmma_dkdv_kernel<T, D, WGS>;
+    auto kernel = p.seq_q ? (p.causal ? wgmma_dkdv_kernel<T, D, WGS, true, true> : wgmma_dkdv_kernel<T, D, WGS, false, true>)
+                          : (p.causal ? wgmma_dkdv_kernel<T, D, WGS, true, false>
+                                      : wgmma_dkdv_kernel<T, D, WGS, false, false>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     const int64_t grid = (BH * p.Nkb) << sub_shift;
@@ -338,7 +363,7 @@ int sparge_cuda_wgmma_backward_available(const gpu_ctx *ctx)
     if (ctx->cc_major != 9 || ctx->cc_minor != 0)
         return 0;
     cudaFuncAttributes attr;
-    if (cudaFuncGetAttributes(&attr, wgmma_dkdv_kernel<gpu_bf16, 128, 1>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, wgmma_dkdv_kernel<gpu_bf16, 128, 1, false, false>) != cudaSuccess) {
         (void)cudaGetLastError(); /* no loadable sm_90a image: not sticky, clear it */
         return 0;
     }

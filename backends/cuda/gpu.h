@@ -283,8 +283,7 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a);
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a);
 /* The kernels these options and this device pick for head dim D exist in the build and fit the device. */
 sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D);
-sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic, int causal,
-                                        int varlen); /* bk 0: dense */
+sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic); /* bk 0: dense */
 #endif
 
 #endif
