@@ -206,6 +206,8 @@ static const row rows[] = {
     /* the tensor-core backwards of these (staged copies for grouped heads and padded head dims, the mma.sync
      * kernels' token mask for causal and sequence frames for varlen) */
     LROW("tc-gqa", BWD, 2, 4, 2, 300, 300, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0, NULL, QUICK(BF16, BHND)),
+    LROW("tc-gqa-d72", BWD, 1, 6, 2, 260, 333, 72, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 0, NULL, 0),
+    LROW("tc-mqa-dense", BWD, 1, 4, 1, 390, 300, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 0, NULL, 0),
     LROW("tc-causal", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1, NULL, QUICK(F16, BNHD)),
     LROW("tc-causal-dense", BWD, 2, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL, 0),
     LROW("tc-causal-gqa-d128", BWD, 1, 4, 2, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1, NULL, 0),

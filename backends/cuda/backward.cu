@@ -319,8 +319,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
     };
 
     if (nsteps > 0) {
-        load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + h * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
-        load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + h * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
+        const int hk = gpu_kv_head(h, p.kv_magic);
+        load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
+        load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
         issue(0, 0);
     }
     cp_async_commit();
@@ -488,8 +489,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
     if (CAUSAL && !list) /* dense causal: the 64-key steps up to the block's last diagonal */
         nsteps = min(nsteps, (min(q0 + kBlockQ, nq) - 1 + diag) / KT + 1);
 
-    const T *k = (const T *)p.k + sq.tb * p.k_sb + h * p.k_sh + sq.k_off * p.k_sn,
-            *v = (const T *)p.v + sq.tb * p.v_sb + h * p.v_sh + sq.k_off * p.v_sn;
+    const int hk = gpu_kv_head(h, p.kv_magic);
+    const T *k = (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn,
+            *v = (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn;
     auto step_key0 = [&](int n) { return (list ? list[n / SUB] : n / SUB) * BN + (n % SUB) * KT; };
     auto issue = [&](int n, int buf) {
         int k0 = step_key0(n);
@@ -727,17 +729,17 @@ template <typename T, int D> size_t mma_smem(int bk, const bwd_plan &pl)
 
 /* ------------------------------------------------------------------------------------------ staging */
 
-/* Head dims below a kernel width and grouped K/V heads run the equal-heads kernels of width 64 or 128 on staged
- * copies: Q, K, V, O and dO gathered into contiguous [B, H, N, Dt] tensors (columns past D zero, K/V head h / group
- * read for each query head h), the backward run on them, then dQ copied out and dK, dV summed over each group in
- * head order. The copies move about 8 · B·H·N·Dt·2 bytes, little beside the backward's work. */
+/* Head dims below a kernel width run the kernels of width 64 or 128 on staged copies: Q, K, V, O and dO gathered
+ * into contiguous [B, heads, N, Dt] tensors (columns past D zero), the backward run on them, then dQ, dK and dV
+ * copied out. Grouped K/V heads are read in place by every kernel (query head h reads K/V head h / group); their dK
+ * and dV are written per query head to staged [B, H, Nk, Dt] tensors and summed over each group in head order. */
 constexpr int kStageThreads = 256;
 
-/* dst [B, H, N, dtch chunks] (contiguous) ← src row (b, h / group, n), chunks past dch zero. */
+/* dst [B, H, N, dtch chunks] (contiguous) ← src row (b, h, n), chunks past dch zero. */
 template <typename T>
 __global__ void __launch_bounds__(kStageThreads) bwd_stage_in_kernel(T *dst, const T *src, int64_t sb, int64_t sh,
-                                                                     int64_t sn, int H, int N, int group, int dch,
-                                                                     int dtch, int64_t chunks)
+                                                                     int64_t sn, int H, int N, int dch, int dtch,
+                                                                     int64_t chunks)
 {
     for (int64_t c = blockIdx.x * (int64_t)kStageThreads + threadIdx.x; c < chunks;
          c += (int64_t)gridDim.x * kStageThreads) {
@@ -746,7 +748,7 @@ __global__ void __launch_bounds__(kStageThreads) bwd_stage_in_kernel(T *dst, con
         const int n = (int)(row % N), h = (int)(bh % H), b = (int)(bh / H);
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (ch < dch)
-            v = *(const uint4 *)(src + b * sb + (h / group) * sh + n * sn + ch * 8);
+            v = *(const uint4 *)(src + b * sb + h * sh + n * sn + ch * 8);
         ((uint4 *)dst)[c] = v;
     }
 }
@@ -828,8 +830,10 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     const sparge_mask_view *m = args->mask;
     const int64_t D = args->q.D, H = args->q.H, Nq = args->q.N, Nk = args->k.N;
     const int64_t BHt = args->q.B * H, BH = (m ? m->B : args->q.B) * H; /* the tensors', the sequences' (varlen) */
-    const int64_t Dt = D <= 64 ? 64 : 128, group = H / args->k.H;
-    const bool staged = Dt != D || group > 1, varlen = m && m->seq_q;
+    const int64_t Dt = D <= 64 ? 64 : 128, Hk = args->k.H, group = H / Hk;
+    /* A head dim below the kernels' width runs on staged copies of every tensor; grouped K/V heads are read in
+     * place (kv_magic), with dK and dV written per query head to staged buffers and summed over each group. */
+    const bool pad = Dt != D, staged_kv_out = pad || group > 1, varlen = m && m->seq_q;
     sparge_status s;
     const int bk = m ? args->bk : 128;
     const int causal = m ? m->causal : args->causal;
@@ -839,42 +843,43 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     const int Nqb = varlen ? (int)m->Nqb : (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = m ? (int)m->Nkb : 0;
     const size_t padded = (size_t)BH * Nqb * kBlockQ;
     const size_t accum = atomic_dq ? padded * Dt : 0, nkv = m ? (size_t)BH * Nkb : 0, nq = m ? (size_t)BH * Nqb : 0;
-    /* Staged Q, O, dO, dQ ([B,H,Nq,Dt]) and K, V, dK, dV ([B,H,Nk,Dt]) first: multiples of 128 bytes. */
-    const size_t q_elems = staged ? (size_t)BHt * Nq * Dt : 0, k_elems = staged ? (size_t)BHt * Nk * Dt : 0;
-    const size_t stage_bytes = (4 * q_elems + 4 * k_elems) * 2;
+    /* Staged Q, O, dO, dQ ([B,H,Nq,Dt]), K, V ([B,Hk,Nk,Dt]) and dK, dV ([B,H,Nk,Dt]) first: multiples of 128 bytes. */
+    const int64_t B = args->q.B;
+    const size_t q_elems = pad ? (size_t)BHt * Nq * Dt : 0, kin_elems = pad ? (size_t)B * Hk * Nk * Dt : 0;
+    const size_t kout_elems = staged_kv_out ? (size_t)BHt * Nk * Dt : 0;
+    const size_t stage_bytes = (4 * q_elems + 2 * kin_elems + 2 * kout_elems) * 2;
     void *ws;
     if ((s = gpu_workspace(ctx, stage_bytes + (2 * padded + accum) * sizeof(float) + (nkv + nq + 1) * sizeof(int32_t),
                            &ws)))
         return s;
     sparge_bwd_args st = *args;
-    const sparge_bwd_args *a = args;
-    if (staged) {
-        char *at = (char *)ws;
-        auto take = [&](size_t elems) { void *x = at; at += elems * 2; return x; };
+    const sparge_bwd_args *a = &st;
+    char *at = (char *)ws;
+    auto take = [&](size_t elems) { void *x = at; at += elems * 2; return x; };
+    if (staged_kv_out)
+        st.dk = staged_view(args->dk, take(kout_elems), H, Dt), st.dv = staged_view(args->dv, take(kout_elems), H, Dt);
+    if (pad) {
         st.q = staged_view(args->q, take(q_elems), H, Dt), st.o = staged_view(args->o, take(q_elems), H, Dt);
         st.d_o = staged_view(args->d_o, take(q_elems), H, Dt), st.dq = staged_view(args->dq, take(q_elems), H, Dt);
-        st.k = staged_view(args->k, take(k_elems), H, Dt), st.v = staged_view(args->v, take(k_elems), H, Dt);
-        st.dk = staged_view(args->dk, take(k_elems), H, Dt), st.dv = staged_view(args->dv, take(k_elems), H, Dt);
+        st.k = staged_view(args->k, take(kin_elems), Hk, Dt), st.v = staged_view(args->v, take(kin_elems), Hk, Dt);
         const int dch = (int)(D / 8), dtch = (int)(Dt / 8);
         const sparge_view *in_src[5] = {&args->q, &args->o, &args->d_o, &args->k, &args->v};
         const sparge_view *in_dst[5] = {&st.q, &st.o, &st.d_o, &st.k, &st.v};
         for (int i = 0; i < 5; i++) {
             const sparge_view &x = *in_src[i];
-            const int grp = i < 3 ? 1 : (int)group;
-            const int64_t chunks = BHt * x.N * dtch;
+            const int64_t chunks = x.B * x.H * x.N * dtch;
             s = args->q.dtype == SPARGE_BF16
                     ? launch_stage(ctx, bwd_stage_in_kernel<gpu_bf16>, chunks, "backward staging kernel",
-                                   (gpu_bf16 *)in_dst[i]->data, (const gpu_bf16 *)x.data, x.sb, x.sh, x.sn, (int)H,
-                                   (int)x.N, grp, dch, dtch)
+                                   (gpu_bf16 *)in_dst[i]->data, (const gpu_bf16 *)x.data, x.sb, x.sh, x.sn, (int)x.H,
+                                   (int)x.N, dch, dtch)
                     : launch_stage(ctx, bwd_stage_in_kernel<gpu_half>, chunks, "backward staging kernel",
-                                   (gpu_half *)in_dst[i]->data, (const gpu_half *)x.data, x.sb, x.sh, x.sn, (int)H,
-                                   (int)x.N, grp, dch, dtch);
+                                   (gpu_half *)in_dst[i]->data, (const gpu_half *)x.data, x.sb, x.sh, x.sn, (int)x.H,
+                                   (int)x.N, dch, dtch);
             if (s)
                 return s;
         }
-        a = &st;
-        ws = at;
     }
+    ws = at;
 
     bwd_params p;
     memset(&p, 0, sizeof p);
@@ -886,6 +891,7 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     p.dq_sb = a->dq.sb, p.dq_sh = a->dq.sh, p.dq_sn = a->dq.sn, p.dk_sb = a->dk.sb, p.dk_sh = a->dk.sh,
     p.dk_sn = a->dk.sn, p.dv_sb = a->dv.sb, p.dv_sh = a->dv.sh, p.dv_sn = a->dv.sn;
     p.H = (int)H, p.Nq = (int)Nq, p.Nk = (int)Nk;
+    p.kv_magic = gpu_kv_magic(group);
     p.Nqb = Nqb;
     p.Nq_pad = p.Nqb * kBlockQ;
     p.scale = a->scale, p.scale_log2 = a->scale * BWD_LOG2E;
@@ -910,12 +916,12 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     else
         s = bf ? run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
                : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
-    if (s || !staged)
+    if (s || !staged_kv_out)
         return s;
     const int dch = (int)(D / 8), dtch = (int)(Dt / 8);
     const sparge_view *out_dst[3] = {&args->dq, &args->dk, &args->dv};
     const sparge_view *out_src[3] = {&st.dq, &st.dk, &st.dv};
-    for (int i = 0; i < 3 && !s; i++) {
+    for (int i = pad ? 0 : 1; i < 3 && !s; i++) { /* dQ only when padded: otherwise written in place */
         const sparge_view &x = *out_dst[i];
         const int grp = i == 0 ? 1 : (int)group;
         const int64_t chunks = x.B * x.H * x.N * dch;

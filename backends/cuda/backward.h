@@ -18,6 +18,7 @@ struct bwd_params {
     int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn, do_sb, do_sh, do_sn;
     int64_t dq_sb, dq_sh, dq_sn, dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn;
     int H, Nq, Nk;
+    uint32_t kv_magic; /* K/V head of query head h: gpu_kv_head(h, kv_magic); dK and dV are per query head */
     int Nqb, Nkb;      /* blocks of the kernel's tiling (the mask's when a mask is given) */
     int Nq_pad;        /* Nqb · 128: row stride of the padded per-token arrays */
     float scale, scale_log2;

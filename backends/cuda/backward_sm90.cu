@@ -120,9 +120,10 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
     };
 
     /* Group 0: K, V and step 0. */
-    load_tile<T, D, KEYS, THREADS>(k_smem, (const T *)p.k + sq.tb * p.k_sb + h * p.k_sh + sq.k_off * p.k_sn, p.k_sn,
+    const int hk = gpu_kv_head(h, p.kv_magic); /* dK and dV are per query head h (backward.cu sums a group's) */
+    load_tile<T, D, KEYS, THREADS>(k_smem, (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn, p.k_sn,
                                    key0, nk, tid);
-    load_tile<T, D, KEYS, THREADS>(v_smem, (const T *)p.v + sq.tb * p.v_sb + h * p.v_sh + sq.k_off * p.v_sn, p.v_sn,
+    load_tile<T, D, KEYS, THREADS>(v_smem, (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn, p.v_sn,
                                    key0, nk, tid);
     if (p.dq_done) { /* D_t and LSE·log2e of every row are written once all dQ CTAs have counted themselves */
         if (tid == 0)
