@@ -18,7 +18,7 @@ AC_DEFUN([SPARGE_BLAS], [
               [call LAPACK's Fortran dsyevd_ even where LAPACKE is found (tests that path)])],
               [], [with_lapacke=guess])
   have_blas=no
-  sparge_blas_summary=no
+  AS_IF([test "x$with_blas" = xno], [sparge_blas_summary="no (disabled)"], [sparge_blas_summary=no])
   AS_IF([test "x$with_blas" != xno], [
     PKG_CHECK_MODULES([BLAS], [openblas], [have_blas=yes; sparge_blas_summary="OpenBLAS ($BLAS_LIBS)"], [:])
     AS_IF([test "x$have_blas" = xno], [
@@ -84,9 +84,8 @@ AC_DEFUN([SPARGE_BLAS], [
         [have_trainer=yes
          TRAINER_CPPFLAGS="$CUDA_CPPFLAGS -DSPARGE_TRAINER_CUSOLVER=1"
          TRAINER_LIBS=$CUSOLVER_LIBS
-         AS_IF([test "x$with_blas" = xno], [sparge_blas_summary="no (disabled)"])
          sparge_blas_summary="$sparge_blas_summary; sparge-train for CUDA devices: host GEMMs as loops, cuSOLVER dsyevd"],
-        [test "x$with_blas" = xno], [sparge_blas_summary="no (disabled)"],
+        [test "x$with_blas" != xno],
         [SPARGE_WARN([no CBLAS with LAPACK and no cuSOLVER found: sparge-train and its tests are not built (apt-get install libopenblas-dev liblapacke-dev)])])
   AC_SUBST([TRAINER_CPPFLAGS])
   AC_SUBST([TRAINER_LIBS])

@@ -442,29 +442,32 @@ static void json_escape(const char *s, char *out, size_t cap)
     out[n] = 0;
 }
 
+/* The length of path without its ".safetensors" extension. */
+static size_t stem_length(const char *path)
+{
+    size_t len = strlen(path), ext = strlen(".safetensors");
+    return len > ext && !strcmp(path + len - ext, ".safetensors") ? len - ext : len;
+}
+
 /* The path of shard i (1-based) of n of the save `hash` beside the index file path: "dir/name.safetensors" ->
  * "dir/name-HASH-i-of-n.safetensors". Each save's shards have names of their own, so a save stopped before its index
  * replaced the previous one leaves the previous one whole. */
 static void shard_path(const char *path, const char *hash, int i, int n, char *out, size_t cap)
 {
-    size_t len = strlen(path), ext = strlen(".safetensors");
-    int has_ext = len > ext && !strcmp(path + len - ext, ".safetensors");
-    snprintf(out, cap, "%.*s-%s-%d-of-%d.safetensors", (int)(has_ext ? len - ext : len), path, hash, i, n);
+    snprintf(out, cap, "%.*s-%s-%d-of-%d.safetensors", (int)stem_length(path), path, hash, i, n);
 }
 
-/* After a save to `path` is complete: removes the shards of earlier saves to it (file names shard_path gives, with
- * any hash), except those in `keep` (comma-separated file names). A shard left behind only takes room, so a failed
- * removal is not an error. */
-static void remove_old_shards(const char *path, const char *keep)
+/* After a save to `path` is complete: removes the shards of other saves to it (names shard_path gives, with another
+ * hash or shard count than this save's `hash` and `shards`; shards 0: a single-file save, which keeps none). A shard
+ * left behind only takes room, so a failed removal is not an error. */
+static void remove_old_shards(const char *path, const char *hash, int shards)
 {
     const char *slash = strrchr(path, '/');
-    int dl = slash ? (int)(slash - path) + 1 : 0;
-    char dir[512], stem[512];
+    const int dl = slash ? (int)(slash - path) + 1 : 0;
+    const char *stem = path + dl;
+    const size_t len = stem_length(stem);
+    char dir[512];
     snprintf(dir, sizeof dir, "%.*s", dl, path); /* with its '/', or empty */
-    snprintf(stem, sizeof stem, "%s", path + dl);
-    size_t len = strlen(stem), ext = strlen(".safetensors");
-    if (len > ext && !strcmp(stem + len - ext, ".safetensors"))
-        stem[len -= ext] = 0;
     DIR *d = opendir(dl ? dir : ".");
     if (!d)
         return;
@@ -477,14 +480,11 @@ static void remove_old_shards(const char *path, const char *keep)
             hex &= isxdigit((unsigned char)p[j]) && !isupper((unsigned char)p[j]);
         if (!hex || sscanf(p + 16, "-%d-of-%d.safetensors%n", &i, &n, &end) != 2 || !end || p[16 + end])
             continue;
-        size_t nl = strlen(e->d_name);
-        int kept = 0;
-        for (const char *k = keep; *k && !kept; k = strchr(k, ',') ? strchr(k, ',') + 1 : k + strlen(k))
-            kept = !strncmp(k, e->d_name, nl) && (k[nl] == ',' || !k[nl]);
+        if (shards && !strncmp(p, hash, 16) && n == shards) /* this save's */
+            continue;
         char file[1100];
         snprintf(file, sizeof file, "%s%s", dir, e->d_name);
-        if (!kept)
-            (void)unlink(file);
+        (void)unlink(file);
     }
     closedir(d);
 }
@@ -547,7 +547,7 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
         snprintf(meta, sizeof meta, "{\"format\":\"sparge-train\",\"model\":\"%s\",\"tag\":\"%s\"}", model, tag);
         rc = exp_st_write(path, n, names, data, ndims, (const int64_t(*)[8])shapes, SPARGE_F32, meta, err, err_len);
         if (!rc)
-            remove_old_shards(path, "");
+            remove_old_shards(path, NULL, 0);
         goto out;
     }
     int *first = calloc((size_t)n + 1, sizeof *first), shards = 0, count = 0;
@@ -568,9 +568,9 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
         used += bytes, count++;
     }
     first[shards] = n;
-    /* every file of this save carries its id, a hash of what it saves (so that the same state gives the same bytes):
-     * a save interrupted after some of its shards had replaced those of the previous one leaves an index whose
-     * shards do not all carry the index's id, which loading refuses */
+    /* every file of this save carries its id, a hash of what it saves (so that the same state gives the same bytes),
+     * and its shards are named after it: loading refuses an index whose shards do not all carry its id (a shard
+     * copied over from another save) */
     uint64_t hash = 1469598103934665603ull; /* FNV-1a over the saved values' bytes and the step */
     const unsigned char *bytes = (const unsigned char *)host;
     for (size_t b = 0; b < np * sizeof(float) * (opt ? 3 : 1); b++)
@@ -599,7 +599,7 @@ int tr_checkpoint_save(const char *path, tr_model *m, const tr_adamw *opt, const
              tag, list, id);
     rc = exp_st_write(path, 0, NULL, NULL, NULL, NULL, SPARGE_F32, meta, err, err_len);
     if (!rc)
-        remove_old_shards(path, list);
+        remove_old_shards(path, hex, shards);
 out:
     free(host);
     free(names);
