@@ -803,6 +803,39 @@ static void test_data(void **state)
     free(a), free(b);
 }
 
+/* A batch is the sequential definition: per video its scene, its time, then its noise from one stream. */
+static void test_make_batch(void **state)
+{
+    (void)state;
+    tr_config c = tiny_config();
+    c.batch = 3, c.scene = TR_SCENE_RICH, c.seed = 5;
+    tr_dims d = {.T = 4, .H = 8, .W = 10, .C = 3, .K = 4};
+    size_t per = (size_t)d.T * d.H * d.W * d.C, n = c.batch * per;
+    float *x0 = malloc(n * sizeof(float)), *eps = malloc(n * sizeof(float)), *xt = malloc(n * sizeof(float));
+    float *rx0 = malloc(n * sizeof(float)), *reps = malloc(n * sizeof(float)), *rxt = malloc(n * sizeof(float));
+    float t[3], rt[3];
+    int y[3], ry[3];
+    for (int64_t step = 0; step < 3; step++) {
+        tr_make_batch(&c, &d, step * 1000003, x0, y, t, eps, xt);
+        uint64_t s = tr_mix(c.seed * 0x100000001b3ull ^ tr_mix((uint64_t)(step * 1000003)));
+        for (int b = 0; b < c.batch; b++) {
+            tr_data_sample_scene('A', TR_SCENE_RICH, c.data_seed, (uint64_t)(step * 1000003) * c.batch + b, d.T, d.H,
+                                 d.W, d.C, d.K, rx0 + b * per, &ry[b]);
+            rt[b] = (float)tr_uniform(&s);
+            for (size_t i = 0; i < per; i++) {
+                reps[b * per + i] = (float)tr_normal(&s);
+                rxt[b * per + i] = (1.0f - rt[b]) * rx0[b * per + i] + rt[b] * reps[b * per + i];
+            }
+        }
+        assert_memory_equal(x0, rx0, n * sizeof(float));
+        assert_memory_equal(y, ry, sizeof y);
+        assert_memory_equal(t, rt, sizeof t);
+        assert_memory_equal(eps, reps, n * sizeof(float));
+        assert_memory_equal(xt, rxt, n * sizeof(float));
+    }
+    free(x0), free(eps), free(xt), free(rx0), free(reps), free(rxt);
+}
+
 /* ---------------------------------------------------------------- metrics */
 
 /* Accuracy of the motion recognizer on `count` held-out videos of A (indices no stream reaches). */
@@ -1351,6 +1384,7 @@ int main(void)
         cmocka_unit_test(test_resume_log),
         cmocka_unit_test(test_log_through_link),
         cmocka_unit_test(test_data),
+        cmocka_unit_test(test_make_batch),
         cmocka_unit_test(test_gradient_dense),
         cmocka_unit_test(test_gradient_hybrid_mask),
         cmocka_unit_test(test_gradient_adaln_single),

@@ -324,10 +324,17 @@ uint64_t tr_mix(uint64_t x)
     return x ^ (x >> 31);
 }
 
+static const uint64_t rng_step = 0x9e3779b97f4a7c15ull;
+
 double tr_uniform(uint64_t *state)
 {
-    *state += 0x9e3779b97f4a7c15ull;
+    *state += rng_step;
     return (double)(tr_mix(*state) >> 11) * 0x1.0p-53;
+}
+
+uint64_t tr_rng_skip(uint64_t state, uint64_t draws)
+{
+    return state + draws * rng_step; /* tr_uniform's state is a counter */
 }
 
 double tr_normal(uint64_t *state)
@@ -400,17 +407,25 @@ int tr_clip_grad_norm(tr_model *m, double max_norm, double *norm, char *err, siz
 void tr_make_batch(const tr_config *cfg, const tr_dims *dm, int64_t step, float *x0, int *y, float *t, float *eps,
                    float *xt)
 {
-    size_t per = (size_t)dm->T * dm->H * dm->W * dm->C;
-    uint64_t s = tr_mix(cfg->seed * 0x100000001b3ull ^ tr_mix((uint64_t)step));
-    for (int b = 0; b < cfg->batch; b++) {
+    const size_t per = (size_t)dm->T * dm->H * dm->W * dm->C, n = (size_t)cfg->batch * per;
+    /* Each video is a function of its index alone, so they render in parallel. */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int b = 0; b < cfg->batch; b++)
         tr_data_sample_scene(cfg->data[0], cfg->scene, cfg->data_seed, (uint64_t)step * cfg->batch + b, dm->T, dm->H,
                              dm->W, dm->C, dm->K, x0 + b * per, &y[b]);
-        t[b] = (float)tr_uniform(&s);
-        for (size_t i = 0; i < per; i++) {
-            size_t j = b * per + i;
-            eps[j] = (float)tr_normal(&s);
-            xt[j] = (1.0f - t[b]) * x0[j] + t[b] * eps[j];
-        }
+    /* One stream: per video its time, then two draws per noise value; the stream's state at any draw is known in
+     * closed form (tr_rng_skip), so the noise is drawn in parallel and equals the sequential draw. */
+    const uint64_t s = tr_mix(cfg->seed * 0x100000001b3ull ^ tr_mix((uint64_t)step)), draws = 1 + 2 * (uint64_t)per;
+    for (int b = 0; b < cfg->batch; b++) {
+        uint64_t sb = tr_rng_skip(s, b * draws);
+        t[b] = (float)tr_uniform(&sb);
+    }
+#pragma omp parallel for schedule(static)
+    for (size_t j = 0; j < n; j++) {
+        size_t b = j / per;
+        uint64_t sj = tr_rng_skip(s, b * draws + 1 + 2 * (j - b * per));
+        eps[j] = (float)tr_normal(&sj);
+        xt[j] = (1.0f - t[b]) * x0[j] + t[b] * eps[j];
     }
 }
 
@@ -1109,26 +1124,44 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
         for (int b = 0; b < cfg->batch; b++) {
             add_stats(&res->sample, x + b * per, d, 1.0 / videos);
             add_stats(&res->reference, x0 + b * per, d, 1.0 / videos);
-            int v = i * cfg->batch + b;
-            tr_motion ms, mr;
-            tr_motion_estimate(x + b * per, d->T, d->H, d->W, d->C, d->K, &ms);
-            tr_motion_estimate(x0 + b * per, d->T, d->H, d->W, d->C, d->K, &mr);
-            sample_label[v] = ms.label, real_label[v] = mr.label, classes[v] = y[b];
-            if (tr_video_features(x + b * per, d->T, d->H, d->W, d->C, sample_f + (size_t)v * TR_FEATURES) ||
-                tr_video_features(x0 + b * per, d->T, d->H, d->W, d->C, real_f + (size_t)v * TR_FEATURES)) {
-                exp_fail(err, err_len, "video features: out of memory");
-                goto out;
-            }
+            classes[i * cfg->batch + b] = y[b];
         }
-    }
-    for (int r = 0; r < n_ref; r++) { /* the reference set: real A videos at indices no stream reaches */
-        int label;
-        tr_data_sample_scene('A', cfg->scene, cfg->data_seed, (1ull << 62) + (uint64_t)r, d->T, d->H, d->W, d->C,
-                             d->K, x0, &label);
-        if (tr_video_features(x0, d->T, d->H, d->W, d->C, ref_f + (size_t)r * TR_FEATURES)) {
+        /* A video's recognizer label and features are its own: the batch's samples and real videos in parallel. */
+        int oom = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : oom)
+        for (int j = 0; j < 2 * cfg->batch; j++) {
+            int b = j / 2, v = i * cfg->batch + b, real = j & 1;
+            const float *video = (real ? x0 : x) + b * per;
+            tr_motion m;
+            tr_motion_estimate(video, d->T, d->H, d->W, d->C, d->K, &m);
+            (real ? real_label : sample_label)[v] = m.label;
+            oom |= tr_video_features(video, d->T, d->H, d->W, d->C, (real ? real_f : sample_f) + (size_t)v * TR_FEATURES);
+        }
+        if (oom) {
             exp_fail(err, err_len, "video features: out of memory");
             goto out;
         }
+    }
+    int oom = 0;
+#pragma omp parallel reduction(| : oom)
+    { /* the reference set: real A videos at indices no stream reaches */
+        float *video = malloc(per * sizeof(float));
+#pragma omp for schedule(dynamic, 4)
+        for (int r = 0; r < n_ref; r++) {
+            int label;
+            if (!video) {
+                oom = 1;
+                continue;
+            }
+            tr_data_sample_scene('A', cfg->scene, cfg->data_seed, (1ull << 62) + (uint64_t)r, d->T, d->H, d->W, d->C,
+                                 d->K, video, &label);
+            oom |= tr_video_features(video, d->T, d->H, d->W, d->C, ref_f + (size_t)r * TR_FEATURES);
+        }
+        free(video);
+    }
+    if (oom) {
+        exp_fail(err, err_len, "video features: out of memory");
+        goto out;
     }
     score_videos(res, sample_f, sample_label, real_f, real_label, classes, videos_n, ref_f, n_ref, d->T);
     res->velocity_mse = teacher ? diff2 / (n * (double)cfg->eval_batches) : NAN;

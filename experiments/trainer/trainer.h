@@ -253,6 +253,8 @@ void tr_attention_stats(const float *qkv, int B, int N, int heads, int hd, int m
 uint64_t tr_mix(uint64_t x);
 double tr_uniform(uint64_t *state);
 double tr_normal(uint64_t *state);
+/* The state after `draws` calls of tr_uniform from `state` (tr_normal makes two). */
+uint64_t tr_rng_skip(uint64_t state, uint64_t draws);
 
 typedef struct {
     float *m, *v; /* AdamW moments, the parameters' layout, in the model's ops memory */
