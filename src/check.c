@@ -231,6 +231,8 @@ static const row rows[] = {
     LROW("tc-causal-gqa-d256-bk128", BWD, 1, 4, 2, 260, 330, 256, 128, 128, F16 | BF16, BHND, 0.1, 0.5, 1, NULL, 0),
     LROW("tc-varlen-causal-gqa-d256-bk128", BWD, 0, 4, 2, 0, 0, 256, 128, 128, F16 | BF16, BNHD, 0.2, 0.5, 1,
          "0,200,40,0,129/40,260,64,0,200", 0),
+    LROW("tc-varlen-gqa-d256", BWD, 0, 4, 2, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.2, 0.5, 0, "90,200,40/150,70,200",
+         0),
     LROW_OPTS("tc-varlen-gqa-d256-dq-pass", BWD, 0, 4, 2, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.2, 0.5, 0,
               "90,200,40/150,70,200", "dq=pass"),
     PAIR("bwd-wgmma-d256", BWD, 1, 1, 150, 200, 256, 128, 64, F16 | BF16, BHND, "bwd_kernel=wgmma", 0),

@@ -91,6 +91,17 @@ __device__ __forceinline__ void put2(T *tile, int row, int col, float x, float y
     *(uint32_t *)((char *)tile + swizzle<cols / 8>(row, col >> 3) + (col & 7) * sizeof(T)) = pack2<T>(x, y);
 }
 
+/* swizzle_kstep(kk, lane_xor) (mma.cuh); at D = 256 as one of 4 lane values plus an immediate (lane_xor only
+ * touches bits 4–6, so the bits of kk·32 from 7 up pass through): unrolled over 16 k steps the plain XOR leaves
+ * 16 lane addresses per operand, which the compiler keeps in registers that dK, dV or dQ need. */
+template <int D> __device__ __forceinline__ uint32_t kstep(int kk, uint32_t lane_xor)
+{
+    if constexpr (D == 256)
+        return ((uint32_t)((kk & 3) * 32) ^ lane_xor) + (uint32_t)(kk >> 2) * 128;
+    else
+        return swizzle_kstep(kk, lane_xor);
+}
+
 /* acc[16 × N] = A[16 rows from a_row0] · B[N rows from b_row0]ᵀ, contraction over D: both are swizzled
  * [rows][D] tiles at shared addresses a and b (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, S = Q Kᵀ, dP = dO Vᵀ). */
 template <typename T, int D, int N>
@@ -111,11 +122,11 @@ __device__ __forceinline__ void gemm_nt_16xn(float (&acc)[N / 8][4], uint32_t a,
 #pragma unroll(D == 256 ? 4 : D / 16)
     for (int kk = 0; kk < D / 16; kk++) {
         uint32_t af[4];
-        ldmatrix_x4(af, a_base + swizzle_kstep(kk, a_xor));
+        ldmatrix_x4(af, a_base + kstep<D>(kk, a_xor));
 #pragma unroll
         for (int np = 0; np < N / 16; np++) {
             uint32_t bf[4];
-            ldmatrix_x4(bf, b_base + np * 16 * row_bytes + swizzle_kstep(kk, b_xor));
+            ldmatrix_x4(bf, b_base + np * 16 * row_bytes + kstep<D>(kk, b_xor));
             mma_16816<T>(acc[2 * np], af, bf);
             mma_16816<T>(acc[2 * np + 1], af, bf + 2);
         }
@@ -138,7 +149,7 @@ __device__ __forceinline__ void gemm_rn_16xk(float (&acc)[D / 8][4], const float
 #pragma unroll
         for (int dp = 0; dp < D / 16; dp++) {
             uint32_t bf[4];
-            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + swizzle_kstep(dp, b_xor));
+            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + kstep<D>(dp, b_xor));
             mma_16816<T>(acc[2 * dp], af, bf);
             mma_16816<T>(acc[2 * dp + 1], af, bf + 2);
         }
@@ -160,11 +171,11 @@ __device__ __forceinline__ void gemm_sn_16xc(float (&acc)[C / 8][4], uint32_t a,
 #pragma unroll
     for (int kk = 0; kk < K / 16; kk++) {
         uint32_t af[4];
-        ldmatrix_x4(af, a_base + swizzle_kstep(kk, a_xor));
+        ldmatrix_x4(af, a_base + kstep<D>(kk, a_xor));
 #pragma unroll
         for (int dp = 0; dp < C / 16; dp++) {
             uint32_t bf[4];
-            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + swizzle_kstep(dp, b_xor));
+            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + kstep<D>(dp, b_xor));
             mma_16816<T>(acc[2 * dp], af, bf);
             mma_16816<T>(acc[2 * dp + 1], af, bf + 2);
         }
@@ -297,8 +308,8 @@ __global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(order_job job0
 
 /* dQ[BM × D] += dS K for one step of a dK/dV pass, accumulated with fp32 reductions into dst (row 0 of the step's
  * queries, rows of D): dSᵀ is a swizzled [BN][BM] tile at ds_t, K a swizzled [BN][D] one at k. 8 warps as
- * (BM/32 along queries) × (rest along D), 32 rows × COLS = D/(8·32/BM) columns each, in passes of at most 64
- * columns (at D = 256 a warp's 32 × 128 would not fit the registers beside dK and dV). */
+ * (BM/32 along queries) × (rest along D), 32 rows × COLS = D/(8·32/BM) columns each; at D = 256 in passes of 32
+ * columns (all 64 at once would not fit the registers beside dK and dV). */
 template <typename T, int D, int BM, int BN>
 __device__ __forceinline__ void dq_accum_step(float *dst, uint32_t ds_t, uint32_t k, int warp, int lane)
 {
@@ -380,32 +391,20 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
     const int i0 = CAUSAL && !list ? max(0, key0 - diag) / kBlockQ : 0;
     const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb - i0) * SUB;
 
-    /* What the steps read, kept in shared memory rather than in registers that dK and dV need. */
-    __shared__ struct {
-        const T *q, *d_o;
-        const float *lse2, *dt;
-        const int32_t *list;
-        int nq, i0;
-    } src;
-    if (threadIdx.x == 0) {
-        src.q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
-        src.d_o = (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + sq.q_off * p.do_sn;
-        src.lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, src.dt = p.dt + (int64_t)bh * p.Nq_pad;
-        src.list = list, src.nq = nq, src.i0 = i0;
-    }
-    __syncthreads();
+    const T *q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
+    const T *d_o = (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + sq.q_off * p.do_sn;
+    const float *lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, *dt = p.dt + (int64_t)bh * p.Nq_pad;
 
-    auto step_row0 = [&](int n) {
-        return (src.list ? src.list[n / SUB] : src.i0 + n / SUB) * kBlockQ + (n % SUB) * BM;
-    };
+    auto step_row0 = [&](int n) { return (list ? list[n / SUB] : i0 + n / SUB) * kBlockQ + (n % SUB) * BM; };
     auto issue = [&](int n, int buf) {
-        const int q0 = step_row0(n), t = threadIdx.x;
-        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, src.q, p.q_sn, q0, src.nq);
-        load_rows<T, D, BM>(adO + buf * BM * row_bytes, src.d_o, p.do_sn, q0, src.nq);
+        int q0 = step_row0(n);
+        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, q, p.q_sn, q0, nq);
+        load_rows<T, D, BM>(adO + buf * BM * row_bytes, d_o, p.do_sn, q0, nq);
+        int t = threadIdx.x;
         if (t < BM / 4)
-            cp_async_16(smem_addr(sLse + buf * BM + 4 * t), src.lse2 + q0 + 4 * t, true);
+            cp_async_16(smem_addr(sLse + buf * BM + 4 * t), lse2 + q0 + 4 * t, true);
         else if (t < BM / 2)
-            cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), src.dt + q0 + 4 * (t - BM / 4), true);
+            cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), dt + q0 + 4 * (t - BM / 4), true);
     };
 
     if (nsteps > 0) {
