@@ -118,7 +118,7 @@ __device__ __forceinline__ void gemm_nt_16xn(float (&acc)[N / 8][4], uint32_t a,
 #pragma unroll
         for (int e = 0; e < 4; e++)
             acc[nt][e] = 0.0f;
-    /* At D = 256, 4 k steps at a time: fully unrolled, the hoisted loads take registers that dK and dV need. */
+    /* At D = 256, 4 k steps at a time: fully unrolled, the hoisted loads take registers the accumulators need. */
 #pragma unroll(D == 256 ? 4 : D / 16)
     for (int kk = 0; kk < D / 16; kk++) {
         uint32_t af[4];
