@@ -350,7 +350,7 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor cores take f16 and bf16, not %s", what,
                            sparge_dtype_name(d->dtype));
     const int64_t D = d->head_dim;
-    if (D % 8 || D > 256 || (D > 128 && D != 256))
+    if (D % 8 || (D > 128 && D != 256))
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (the tensor-core kernels take multiples of 8 up to "
                            "128, and 256)", what, (long long)D);
     if (ctx->cc_major < 8)
