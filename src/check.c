@@ -94,8 +94,7 @@ static const row rows[] = {
     PAIR("b3h2", ALL, 3, 2, 129, 65, 64, 128, 64, ALL_DT, BOTH, NULL, 0),
     PAIR("bk128-d64", ALL, 2, 1, 200, 270, 64, 128, 128, ALL_DT, BOTH, NULL, 0),
     ROW("d96-dense", FB, 1, 2, 200, 333, 96, 128, 64, ALL_DT, BOTH, 0.0, 0.0, NULL, 0),
-    /* head dims the tensor-core tier pads to 64 or 128 (zero columns past D), and 256 (its forward only; the
-     * backward goes to the next tier) */
+    /* head dims the tensor-core tier pads to 64 or 128 (zero columns past D), and 256 */
     PAIR("tc-d32", ALL, 1, 2, 300, 270, 32, 128, 64, F16 | BF16, BOTH, NULL, 0),
     PAIR("tc-d72", ALL, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, NULL, QUICK(BF16, BNHD)),
     PAIR("tc-d80", ALL, 1, 2, 200, 190, 80, 128, 128, F16 | BF16, BHND, NULL, 0),
@@ -217,10 +216,26 @@ static const row rows[] = {
          0),
     LROW("tc-varlen-d72", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190",
          QUICK(F16, BNHD)),
-    /* D = 256 (the tensor-core forward only) with grouped heads, causal and packed sequences */
-    LPAIR("tc-causal-gqa-d256", FWD, 1, 4, 2, 260, 333, 256, 128, 64, F16 | BF16, BNHD, 1, 0, 0),
-    LROW("tc-varlen-causal-mqa-d256", FWD, 0, 3, 1, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
+    /* D = 256 with grouped heads, causal and packed sequences */
+    LPAIR("tc-causal-gqa-d256", ALL, 1, 4, 2, 260, 333, 256, 128, 64, F16 | BF16, BNHD, 1, 0, 0),
+    LROW("tc-varlen-causal-mqa-d256", ALL, 0, 3, 1, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
          "200,129,40/260,129,64", 0),
+    /* The D = 256 backward (64 keys per dK/dV CTA, halves of 128-key blocks; the dQ pass in 32-key steps): 128-key
+     * blocks with a ragged last half, Nq > Nk, dQ by the pass and by atomics, causal dense and masked with grouped
+     * heads, packed sequences with one shorter than a block and empty ones, and the wgmma kernels' refusal. */
+    PAIR("tc-d256-bk128", BWD, 1, 2, 330, 200, 256, 128, 128, F16 | BF16, BHND, NULL, 0),
+    PAIR("tc-d256-bk128-dq-pass", BWD, 2, 1, 200, 330, 256, 128, 128, F16 | BF16, BNHD, "dq=pass", 0),
+    PAIR("tc-d256-dq-atomic", BWD, 1, 2, 260, 200, 256, 128, 64, F16 | BF16, BHND, "dq=atomic", 0),
+    LROW_OPTS("tc-causal-d256-dq-pass", BWD, 1, 2, 0, 200, 333, 256, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
+              "dq=pass"),
+    LROW("tc-causal-gqa-d256-bk128", BWD, 1, 4, 2, 260, 330, 256, 128, 128, F16 | BF16, BHND, 0.1, 0.5, 1, NULL, 0),
+    LROW("tc-varlen-causal-gqa-d256-bk128", BWD, 0, 4, 2, 0, 0, 256, 128, 128, F16 | BF16, BNHD, 0.2, 0.5, 1,
+         "0,200,40,0,129/40,260,64,0,200", 0),
+    LROW("tc-varlen-gqa-d256", BWD, 0, 4, 2, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.2, 0.5, 0, "90,200,40/150,70,200",
+         0),
+    LROW_OPTS("tc-varlen-gqa-d256-dq-pass", BWD, 0, 4, 2, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.2, 0.5, 0,
+              "90,200,40/150,70,200", "dq=pass"),
+    PAIR("bwd-wgmma-d256", BWD, 1, 1, 150, 200, 256, 128, 64, F16 | BF16, BHND, "bwd_kernel=wgmma", 0),
     LROW("tc-varlen-empty-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
          "0,200,0,131,0/0,333,64,131,40", QUICK(BF16, BHND)),
     LROW("tc-varlen-empty-last", ALL, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,

@@ -335,7 +335,7 @@ static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_l
 GPU_OP(op_mma_forward, sparge_fwd_args, sparge_cuda_mma_forward)
 GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 
-/* The tensor-core tier's limits: f16/bf16, D a multiple of 8 up to 128 and 256 in the forward, sm_80+, 16-byte rows,
+/* The tensor-core tier's limits: f16/bf16, D a multiple of 8 up to 128 and 256, sm_80+, 16-byte rows,
  * masks of 128-row query blocks and 64- or 128-key blocks, 32-bit token and block counts; then whether the kernels its
  * options pick fit the device. */
 static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
@@ -350,9 +350,9 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor cores take f16 and bf16, not %s", what,
                            sparge_dtype_name(d->dtype));
     const int64_t D = d->head_dim;
-    if (D % 8 || D > 256 || (D > 128 && (D != 256 || d->op != SPARGE_OP_FORWARD)))
+    if (D % 8 || (D > 128 && D != 256))
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (the tensor-core kernels take multiples of 8 up to "
-                           "128, and 256 in the forward)", what, (long long)D);
+                           "128, and 256)", what, (long long)D);
     if (ctx->cc_major < 8)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor-core kernels need sm_80 or newer (device is sm_%d%d)",
                            what, ctx->cc_major, ctx->cc_minor);
