@@ -137,6 +137,25 @@ static const row rows[] = {
     PAIR("fwd-wgmma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma", 0),
     PAIR("fwd-wgmma-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma", 0),
     PAIR("fwd-mma-d256", FWD, 1, 2, 300, 270, 256, 128, 64, F16 | BF16, BHND, "fwd_kernel=mma", 0),
+    /* the warp-specialized wgmma forward: the shapes above, rows long enough to wrap its 4-stage ring many times
+     * (32 tiles) and with more rows than CTAs resident, causal (dense: the tile count cut at the diagonal), packed
+     * sequences (some empty: rows without tiles) and grouped heads */
+    TC_SHAPES("fwd-wgmma-ws", FWD, "fwd_kernel=wgmma-ws"),
+    PAIR("fwd-wgmma-ws-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma-ws", 0),
+    PAIR("fwd-wgmma-ws-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma-ws", 0),
+    PAIR("fwd-wgmma-ws-long", FWD, 1, 2, 300, 2048, 128, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws", 0),
+    ROW("fwd-wgmma-ws-many-rows", FWD, 2, 3, 128 * 60 - 5, 64 * 6 + 9, 64, 128, 64, BF16, BOTH, 0.1, 0.6,
+        "fwd_kernel=wgmma-ws", 0),
+    LROW_OPTS("fwd-wgmma-ws-causal-dense", FWD, 1, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
+              "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-causal-gqa-d128", FWD, 1, 4, 2, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              NULL, "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-varlen-causal-gqa", FWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
+              "200,129,40,300/260,129,64,300", "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-varlen-mqa-d128", FWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BOTH, 0.2, 0.5, 0,
+              "90,300,50/150,260,120", "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-varlen-empty", FWD, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              "0,200,0,131/0,333,64,131", "fwd_kernel=wgmma-ws"),
     /* backward kernels, keys per CTA, dQ by a pass or by atomics, the dK/dV pass's overlap */
     TC_SHAPES("bwd-mma", BWD, "bwd_kernel=mma"),
     TC_SHAPES("bwd-wgmma", BWD, "bwd_kernel=wgmma"),
