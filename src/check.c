@@ -156,6 +156,17 @@ static const row rows[] = {
               "90,300,50/150,260,120", "fwd_kernel=wgmma-ws"),
     LROW_OPTS("fwd-wgmma-ws-varlen-empty", FWD, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 1,
               "0,200,0,131/0,333,64,131", "fwd_kernel=wgmma-ws"),
+    /* ... with its computing warpgroups' MMAs in ping-pong turns (every row takes both the same number of turns,
+     * none when it has no tile) */
+    TC_SHAPES("fwd-wgmma-ws-pp", FWD, "fwd_kernel=wgmma-ws-pp"),
+    PAIR("fwd-wgmma-ws-pp-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma-ws-pp", 0),
+    PAIR("fwd-wgmma-ws-pp-long", FWD, 1, 2, 300, 2048, 128, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws-pp", 0),
+    LROW_OPTS("fwd-wgmma-ws-pp-causal-dense", FWD, 1, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1,
+              NULL, "fwd_kernel=wgmma-ws-pp"),
+    LROW_OPTS("fwd-wgmma-ws-pp-varlen-causal-gqa", FWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
+              "200,129,40,300/260,129,64,300", "fwd_kernel=wgmma-ws-pp"),
+    LROW_OPTS("fwd-wgmma-ws-pp-varlen-empty", FWD, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              "0,200,0,131/0,333,64,131", "fwd_kernel=wgmma-ws-pp"),
     /* backward kernels, keys per CTA, dQ by a pass or by atomics, the dK/dV pass's overlap */
     TC_SHAPES("bwd-mma", BWD, "bwd_kernel=mma"),
     TC_SHAPES("bwd-wgmma", BWD, "bwd_kernel=wgmma"),

@@ -55,9 +55,12 @@ __device__ __forceinline__ int fwd_causal_tiles(const fwd_params &p, const gpu_s
 /* 1 when this build holds the sm_90a wgmma kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx);
-/* Runs the wgmma forward (f16 or bf16, D up to 128 padded to 64 or 128, or 256) over n_items query blocks; ws: the
- * warp-specialized kernel (fwd_kernel=wgmma-ws) where it exists (tile widths 64 and 128; 256 runs the other). */
+/* forward_sm90.cu's kernels: the wgmma kernel (fwd_kernel=wgmma), its warp-specialized variant (wgmma-ws), and that
+ * one with the computing warpgroups' MMAs in turns (wgmma-ws-pp); the variants run tile widths 64 and 128 (D = 256
+ * runs the first). */
+enum fwd_sm90_kernel { FWD_SM90_WGMMA, FWD_SM90_WS, FWD_SM90_WS_PINGPONG };
+/* Runs the wgmma forward (f16 or bf16, D up to 128 padded to 64 or 128, or 256) over n_items query blocks. */
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        bool ws);
+                                        fwd_sm90_kernel kernel);
 
 #endif

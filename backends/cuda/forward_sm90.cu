@@ -28,7 +28,9 @@
  *     barrier, and setmaxnreg moves registers from the loader (40) to the computing warpgroups (232);
  *   intra-warpgroup overlap: a computing warpgroup issues S(t) = Q·K(t)ᵀ and O += P(t-1)·V(t-1) as two wgmma
  *     groups, waits for the first only, and runs tile t's masking and softmax while P·V runs; O is rescaled
- *     once P·V is done. The two warpgroups run unsynchronized, so one's softmax also overlaps the other's MMAs.
+ *     once P·V is done. The two warpgroups run unsynchronized, so one's softmax also overlaps the other's MMAs;
+ *   ping-pong (fwd_kernel=wgmma-ws-pp): named barriers make the two take turns issuing their MMAs, so that
+ *     overlap is scheduled rather than left to chance.
  *
  * The kernel bodies exist only in the sm_90a image (this file is compiled for sm_90a alone when
  * configure's arch list has 90, see m4/sparge_cuda.m4); without it the entry reports the
@@ -358,7 +360,12 @@ __device__ __forceinline__ void set_max_regs_inc()
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
 
-template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD>
+/* PINGPONG (fwd_kernel=wgmma-ws-pp): the two computing warpgroups take turns issuing their MMAs, so one's softmax
+ * runs while the other's MMAs do. Named barrier 3 + i is warpgroup i's turn: it syncs there (its 128 threads and
+ * the other's 128 arrivals) before issuing and arrives on the other's after; warpgroup 1 arrives once first (the
+ * first turn is warpgroup 0's) and warpgroup 0 syncs once last (on that extra arrival), as both take the same
+ * number of turns. */
+template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD, bool PINGPONG>
 __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -385,7 +392,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
     const gpu_seq sq = gpu_seq_of<VARLEN>(p, w.b);
     if (VARLEN && q0 >= sq.nq) /* a row past its sequence: the whole CTA leaves */
         return;
-    const int n_tiles = warp_uniform(CAUSAL && !p.counts ? fwd_causal_tiles(p, sq, q0, w.n_tiles) : w.n_tiles);
+    /* At least 0: with causal and Nq > Nk the first rows' diagonal may lie tiles before key 0, and the producer must
+     * still signal Q. */
+    const int n_tiles =
+        warp_uniform(max(0, CAUSAL && !p.counts ? fwd_causal_tiles(p, sq, q0, w.n_tiles) : w.n_tiles));
     const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
     __syncthreads(); /* the barriers are initialized */
 
@@ -438,13 +448,25 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
         if (lane == 0)
             mbar_arrive(empty(t % WS_STAGES));
     };
+    auto turn_begin = [&] {
+        if constexpr (PINGPONG)
+            asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory");
+    };
+    auto turn_end = [&] {
+        if constexpr (PINGPONG)
+            asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");
+    };
+    if (PINGPONG && cw == 1)
+        turn_end();
 
     mbar_wait(q_full, 0); /* also before the epilogue stages O over Q when no tile runs */
     if (n_tiles > 0) {
         mbar_wait(full(0), 0);
+        turn_begin();
         wgmma_fence();
         wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(0));
         wgmma_commit();
+        turn_end();
         wgmma_wait<0>();
         fence_operands(s);
         mask_scores<CAUSAL>(s, w, 0, nk, diag, row_first, row0, lane);
@@ -456,11 +478,13 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
         mbar_wait(full(t % WS_STAGES), (t / WS_STAGES) & 1);
         fence_operands(o_acc);
         fence_operands(pa);
+        turn_begin();
         wgmma_fence();
         wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(t % WS_STAGES));
         wgmma_commit();
         wgmma_pv<T, D>(o_acc, pa, v_smem((t - 1) % WS_STAGES));
         wgmma_commit();
+        turn_end();
         wgmma_wait<1>(); /* S(t) */
         fence_operands(s);
         mask_scores<CAUSAL>(s, w, t, nk, diag, row_first, row0, lane);
@@ -477,12 +501,16 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
     if (n_tiles > 0) {
         fence_operands(o_acc);
         fence_operands(pa);
+        turn_begin();
         wgmma_fence();
         wgmma_pv<T, D>(o_acc, pa, v_smem((n_tiles - 1) % WS_STAGES));
         wgmma_commit();
+        turn_end();
         wgmma_wait<0>();
         fence_operands(o_acc);
     }
+    if (PINGPONG && cw == 0)
+        turn_begin();
 
     /* Epilogue through this warpgroup's own Q region, which only its own wgmma read; a named barrier (1 + cw) of
      * its 128 threads orders the staging before the stores. */
@@ -494,7 +522,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
 #endif
 }
 
-template <typename T, int D, bool PAD>
+template <typename T, int D, bool PAD, bool PINGPONG>
 sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
     constexpr int SMEM = ws_traits<D>::SMEM_BYTES;
@@ -502,11 +530,26 @@ sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the warp-specialized wgmma forward (D=%d) needs %d bytes of "
                            "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = p.seq_q ? (p.causal ? ws_fwd_kernel<T, D, true, true, PAD> : ws_fwd_kernel<T, D, false, true, PAD>)
-                          : (p.causal ? ws_fwd_kernel<T, D, true, false, PAD> : ws_fwd_kernel<T, D, false, false, PAD>);
+    auto kernel = p.seq_q ? (p.causal ? ws_fwd_kernel<T, D, true, true, PAD, PINGPONG>
+                                      : ws_fwd_kernel<T, D, false, true, PAD, PINGPONG>)
+                          : (p.causal ? ws_fwd_kernel<T, D, true, false, PAD, PINGPONG>
+                                      : ws_fwd_kernel<T, D, false, false, PAD, PINGPONG>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     return gpu_launch_dependent(ctx, kernel, (unsigned)n_items, WS_THREADS, SMEM, "ws_fwd_kernel", p);
+}
+
+/* The kernel of this variant; D = 256 has the first kernel only. */
+template <typename T, int D, bool PAD>
+sparge_status launch_sm90(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, fwd_sm90_kernel kernel)
+{
+    if constexpr (D <= 128) {
+        if (kernel == FWD_SM90_WS_PINGPONG)
+            return launch_ws<T, D, PAD, true>(ctx, p, n_items);
+        if (kernel == FWD_SM90_WS)
+            return launch_ws<T, D, PAD, false>(ctx, p, n_items);
+    }
+    return launch<T, D, PAD>(ctx, p, n_items);
 }
 
 } // namespace
@@ -524,23 +567,22 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        bool ws)
+                                        fwd_sm90_kernel kernel)
 {
     /* A head dim below the tile's width (fwd_tile_dim) runs the PAD kernels. */
     const bool bf = dt == SPARGE_BF16, pad = D != fwd_tile_dim(D);
-    if (ws && fwd_tile_dim(D) == 128)
-        return bf ? (pad ? launch_ws<gpu_bf16, 128, true>(ctx, p, n_items) : launch_ws<gpu_bf16, 128, false>(ctx, p, n_items))
-                  : (pad ? launch_ws<gpu_half, 128, true>(ctx, p, n_items) : launch_ws<gpu_half, 128, false>(ctx, p, n_items));
-    if (ws && fwd_tile_dim(D) == 64)
-        return bf ? (pad ? launch_ws<gpu_bf16, 64, true>(ctx, p, n_items) : launch_ws<gpu_bf16, 64, false>(ctx, p, n_items))
-                  : (pad ? launch_ws<gpu_half, 64, true>(ctx, p, n_items) : launch_ws<gpu_half, 64, false>(ctx, p, n_items));
-    if (fwd_tile_dim(D) == 256) /* also under ws: D = 256 has the one-CTA-per-SM kernel above only */
-        return bf ? launch<gpu_bf16, 256, false>(ctx, p, n_items) : launch<gpu_half, 256, false>(ctx, p, n_items);
+    if (fwd_tile_dim(D) == 256)
+        return bf ? launch_sm90<gpu_bf16, 256, false>(ctx, p, n_items, kernel)
+                  : launch_sm90<gpu_half, 256, false>(ctx, p, n_items, kernel);
     if (fwd_tile_dim(D) == 128)
-        return bf ? (pad ? launch<gpu_bf16, 128, true>(ctx, p, n_items) : launch<gpu_bf16, 128, false>(ctx, p, n_items))
-                  : (pad ? launch<gpu_half, 128, true>(ctx, p, n_items) : launch<gpu_half, 128, false>(ctx, p, n_items));
-    return bf ? (pad ? launch<gpu_bf16, 64, true>(ctx, p, n_items) : launch<gpu_bf16, 64, false>(ctx, p, n_items))
-              : (pad ? launch<gpu_half, 64, true>(ctx, p, n_items) : launch<gpu_half, 64, false>(ctx, p, n_items));
+        return bf ? (pad ? launch_sm90<gpu_bf16, 128, true>(ctx, p, n_items, kernel)
+                         : launch_sm90<gpu_bf16, 128, false>(ctx, p, n_items, kernel))
+                  : (pad ? launch_sm90<gpu_half, 128, true>(ctx, p, n_items, kernel)
+                         : launch_sm90<gpu_half, 128, false>(ctx, p, n_items, kernel));
+    return bf ? (pad ? launch_sm90<gpu_bf16, 64, true>(ctx, p, n_items, kernel)
+                     : launch_sm90<gpu_bf16, 64, false>(ctx, p, n_items, kernel))
+              : (pad ? launch_sm90<gpu_half, 64, true>(ctx, p, n_items, kernel)
+                     : launch_sm90<gpu_half, 64, false>(ctx, p, n_items, kernel));
 }
 
 #else /* no sm_90a image in this build */
@@ -552,9 +594,9 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        bool ws)
+                                        fwd_sm90_kernel kernel)
 {
-    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)ws;
+    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)kernel;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma forward (configure "
                        "--with-cuda-arch with 90)");
 }
