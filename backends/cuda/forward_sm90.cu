@@ -30,7 +30,9 @@
  *     groups, waits for the first only, and runs tile t's masking and softmax while P·V runs; O is rescaled
  *     once P·V is done. The two warpgroups run unsynchronized, so one's softmax also overlaps the other's MMAs;
  *   ping-pong (fwd_kernel=wgmma-ws-pp): named barriers make the two take turns issuing their MMAs, so that
- *     overlap is scheduled rather than left to chance.
+ *     overlap is scheduled rather than left to chance;
+ *   Q in registers (-qreg, also -pp-qreg): S = Q·Kᵀ reads its A operand from registers loaded once, halving
+ *     that MMA's shared-memory reads.
  *
  * The kernel bodies exist only in the sm_90a image (this file is compiled for sm_90a alone when
  * configure's arch list has 90, see m4/sparge_cuda.m4); without it the entry reports the
@@ -49,6 +51,7 @@ using namespace sparge_mma;
 using namespace sparge_wgmma;
 using sparge_sm90::aligned_smem;
 using sparge_sm90::load_tile;
+using sparge_sm90::panel_offset;
 using sparge_sm90::store_wg_rows;
 using sparge_sm90::warp_uniform;
 using sparge_sm90::wgmma_a_bt;
@@ -360,12 +363,24 @@ __device__ __forceinline__ void set_max_regs_inc()
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
 
+/* S = Q·Kᵀ with Q from registers (A fragments qa, loaded once) and the K tile from shared memory: only K is read
+ * from shared memory per k step (m64n64k16 with both operands there reads 4 KB, at the tensor cores' peak about
+ * all the bandwidth shared memory has while it runs). One group, like wgmma_a_bt. */
+template <typename T, int D>
+__device__ __forceinline__ void wgmma_qreg_kt(float acc[32], const uint32_t (&qa)[D / 16][4], uint32_t k_tile)
+{
+    const uint64_t b0 = sw128_desc(k_tile, 16, CORE_GROUP_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        wgmma_rs_n64<T>(acc, qa[kk], desc_advance(b0, (kk >> 2) * wg_traits<D>::PANEL_BYTES + (kk & 3) * 32), kk > 0);
+}
+
 /* PINGPONG (fwd_kernel=wgmma-ws-pp): the two computing warpgroups take turns issuing their MMAs, so one's softmax
  * runs while the other's MMAs do. Named barrier 3 + i is warpgroup i's turn: it syncs there (its 128 threads and
  * the other's 128 arrivals) before issuing and arrives on the other's after; warpgroup 1 arrives once first (the
  * first turn is warpgroup 0's) and warpgroup 0 syncs once last (on that extra arrival), as both take the same
- * number of turns. */
-template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD, bool PINGPONG>
+ * number of turns. QREG (fwd_kernel=wgmma-ws-qreg, -pp-qreg): S = Q·Kᵀ takes Q from registers (wgmma_qreg_kt). */
+template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD, bool PINGPONG, bool QREG>
 __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -443,6 +458,13 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
     float s[N_TILES][4];
     uint32_t pa[TILE_K / 16][4];
+    uint32_t qa[QREG ? D / 16 : 1][4]; /* QREG: Q's A fragments, k step kk: rows r0, r0 + 8, columns 16·kk.. */
+    auto scores = [&](int t) { /* S(t), issued, not committed */
+        if constexpr (QREG)
+            wgmma_qreg_kt<T, D>(&s[0][0], qa, k_smem(t % WS_STAGES));
+        else
+            wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(t % WS_STAGES));
+    };
     auto free_stage = [&](int t) { /* this warp's wgmma reads of tile t are done (after a wait) */
         __syncwarp();
         if (lane == 0)
@@ -460,11 +482,21 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
         turn_end();
 
     mbar_wait(q_full, 0); /* also before the epilogue stages O over Q when no tile runs */
+    if constexpr (QREG) {
+        /* The fragment layout of P (c_pair_to_a): register j of k step kk holds row r0 + 8·(j & 1), columns
+         * 16·kk + 8·(j >> 1) + frag_col(lane) and the next: 16-byte chunk 2·kk + (j >> 1), bytes 4·(lane & 3).. */
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                qa[kk][j] = *reinterpret_cast<const uint32_t *>(
+                    smem + cw * W::REGION_BYTES + panel_offset(row0 + 8 * (j & 1), 2 * kk + (j >> 1)) + 4 * (lane & 3));
+    }
     if (n_tiles > 0) {
         mbar_wait(full(0), 0);
         turn_begin();
         wgmma_fence();
-        wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(0));
+        scores(0);
         wgmma_commit();
         turn_end();
         wgmma_wait<0>();
@@ -480,7 +512,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
         fence_operands(pa);
         turn_begin();
         wgmma_fence();
-        wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(t % WS_STAGES));
+        scores(t);
         wgmma_commit();
         wgmma_pv<T, D>(o_acc, pa, v_smem((t - 1) % WS_STAGES));
         wgmma_commit();
@@ -512,7 +544,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
     if (PINGPONG && cw == 0)
         turn_begin();
 
-    /* Epilogue through this warpgroup's own Q region, which only its own wgmma read; a named barrier (1 + cw) of
+    /* Epilogue through this warpgroup's own Q region, which only this warpgroup read; a named barrier (1 + cw) of
      * its 128 threads orders the staging before the stores. */
     unsigned char *o_stage = smem + cw * W::REGION_BYTES;
     finish_rows<T, D, VARLEN>(p, w, sq, row_first, row0, lane, o_acc, row_max, row_sum, o_stage);
@@ -522,7 +554,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
 #endif
 }
 
-template <typename T, int D, bool PAD, bool PINGPONG>
+template <typename T, int D, bool PAD, bool PINGPONG, bool QREG>
 sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
     constexpr int SMEM = ws_traits<D>::SMEM_BYTES;
@@ -530,10 +562,10 @@ sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the warp-specialized wgmma forward (D=%d) needs %d bytes of "
                            "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = p.seq_q ? (p.causal ? ws_fwd_kernel<T, D, true, true, PAD, PINGPONG>
-                                      : ws_fwd_kernel<T, D, false, true, PAD, PINGPONG>)
-                          : (p.causal ? ws_fwd_kernel<T, D, true, false, PAD, PINGPONG>
-                                      : ws_fwd_kernel<T, D, false, false, PAD, PINGPONG>);
+    auto kernel = p.seq_q ? (p.causal ? ws_fwd_kernel<T, D, true, true, PAD, PINGPONG, QREG>
+                                      : ws_fwd_kernel<T, D, false, true, PAD, PINGPONG, QREG>)
+                          : (p.causal ? ws_fwd_kernel<T, D, true, false, PAD, PINGPONG, QREG>
+                                      : ws_fwd_kernel<T, D, false, false, PAD, PINGPONG, QREG>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     return gpu_launch_dependent(ctx, kernel, (unsigned)n_items, WS_THREADS, SMEM, "ws_fwd_kernel", p);
@@ -541,13 +573,15 @@ sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 
 /* The kernel of this variant; D = 256 has the first kernel only. */
 template <typename T, int D, bool PAD>
-sparge_status launch_sm90(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, fwd_sm90_kernel kernel)
+sparge_status launch_sm90(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, int kernel)
 {
     if constexpr (D <= 128) {
-        if (kernel == FWD_SM90_WS_PINGPONG)
-            return launch_ws<T, D, PAD, true>(ctx, p, n_items);
-        if (kernel == FWD_SM90_WS)
-            return launch_ws<T, D, PAD, false>(ctx, p, n_items);
+        const bool pp = kernel & FWD_SM90_PINGPONG, qreg = kernel & FWD_SM90_QREG;
+        if (kernel & FWD_SM90_WS)
+            return pp ? (qreg ? launch_ws<T, D, PAD, true, true>(ctx, p, n_items)
+                              : launch_ws<T, D, PAD, true, false>(ctx, p, n_items))
+                      : (qreg ? launch_ws<T, D, PAD, false, true>(ctx, p, n_items)
+                              : launch_ws<T, D, PAD, false, false>(ctx, p, n_items));
     }
     return launch<T, D, PAD>(ctx, p, n_items);
 }
@@ -567,7 +601,7 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        fwd_sm90_kernel kernel)
+                                        int kernel)
 {
     /* A head dim below the tile's width (fwd_tile_dim) runs the PAD kernels. */
     const bool bf = dt == SPARGE_BF16, pad = D != fwd_tile_dim(D);
@@ -594,7 +628,7 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        fwd_sm90_kernel kernel)
+                                        int kernel)
 {
     (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)kernel;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma forward (configure "
