@@ -102,6 +102,49 @@ template <int D> __device__ __forceinline__ uint32_t kstep(int kk, uint32_t lane
         return swizzle_kstep(kk, lane_xor);
 }
 
+/* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) for a warp's 16 keys (rows g, g + 8) × NT·8 queries from column c0 of
+ * lse2; keys past Nk (ok0, ok1 false) get P = 0, so they add nothing anywhere. */
+template <int NT>
+__device__ __forceinline__ void probs_t(float (&s)[NT][4], const float *lse2, int c0, bool ok0, bool ok1, float scale_log2)
+{
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        float2 l = *(const float2 *)(lse2 + c0 + nt * 8);
+        s[nt][0] = ok0 ? exp2f(fmaf(s[nt][0], scale_log2, -l.x)) : 0.0f;
+        s[nt][1] = ok0 ? exp2f(fmaf(s[nt][1], scale_log2, -l.y)) : 0.0f;
+        s[nt][2] = ok1 ? exp2f(fmaf(s[nt][2], scale_log2, -l.x)) : 0.0f;
+        s[nt][3] = ok1 ? exp2f(fmaf(s[nt][3], scale_log2, -l.y)) : 0.0f;
+    }
+}
+
+/* Causal: P = 0 where key ka (row g; ka + 8 for row g + 8), shifted by the diagonal, lies past query q0 + nt·8. */
+template <int NT> __device__ __forceinline__ void zero_past_diagonal(float (&s)[NT][4], int ka, int q0)
+{
+    const int kb = ka + 8;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const int qt = q0 + nt * 8;
+        s[nt][0] = ka > qt ? 0.0f : s[nt][0];
+        s[nt][1] = ka > qt + 1 ? 0.0f : s[nt][1];
+        s[nt][2] = kb > qt ? 0.0f : s[nt][2];
+        s[nt][3] = kb > qt + 1 ? 0.0f : s[nt][3];
+    }
+}
+
+/* dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of dPᵀ, D read from column c0 of dt. */
+template <int NT>
+__device__ __forceinline__ void ds_t(float (&ds)[NT][4], const float (&s)[NT][4], const float *dt, int c0)
+{
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        float2 d = *(const float2 *)(dt + c0 + nt * 8);
+        ds[nt][0] = s[nt][0] * (ds[nt][0] - d.x);
+        ds[nt][1] = s[nt][1] * (ds[nt][1] - d.y);
+        ds[nt][2] = s[nt][2] * (ds[nt][2] - d.x);
+        ds[nt][3] = s[nt][3] * (ds[nt][3] - d.y);
+    }
+}
+
 /* acc[16 × N] = A[16 rows from a_row0] · B[N rows from b_row0]ᵀ, contraction over D: both are swizzled
  * [rows][D] tiles at shared addresses a and b (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, S = Q Kᵀ, dP = dO Vᵀ). */
 template <typename T, int D, int N>
@@ -428,40 +471,16 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
         /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e), keys as rows, queries as columns. */
         float s[8][4];
         gemm_nt_16xn<T, D, 64>(s, aK, kr0, tq, qc0, lane);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            float2 l = *(const float2 *)(tl + qc0 + nt * 8 + c2);
-            s[nt][0] = key_ok0 ? exp2f(fmaf(s[nt][0], p.scale_log2, -l.x)) : 0.0f;
-            s[nt][1] = key_ok0 ? exp2f(fmaf(s[nt][1], p.scale_log2, -l.y)) : 0.0f;
-            s[nt][2] = key_ok1 ? exp2f(fmaf(s[nt][2], p.scale_log2, -l.x)) : 0.0f;
-            s[nt][3] = key_ok1 ? exp2f(fmaf(s[nt][3], p.scale_log2, -l.y)) : 0.0f;
-        }
-        /* Causal: P = 0 where the warp's keys lie past a query's diagonal (near the diagonal only). */
-        const int qa = step_row0(n) + qc0;
-        if (CAUSAL && key0 + kr0 + 15 > qa + diag) {
-            const int ka = key0 + kr0 + g - diag, kb = ka + 8;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                const int qt = qa + nt * 8 + c2;
-                s[nt][0] = ka > qt ? 0.0f : s[nt][0];
-                s[nt][1] = ka > qt + 1 ? 0.0f : s[nt][1];
-                s[nt][2] = kb > qt ? 0.0f : s[nt][2];
-                s[nt][3] = kb > qt + 1 ? 0.0f : s[nt][3];
-            }
-        }
+        probs_t(s, tl, qc0 + c2, key_ok0, key_ok1, p.scale_log2);
+        const int qa = step_row0(n) + qc0; /* causal: only near the diagonal */
+        if (CAUSAL && key0 + kr0 + 15 > qa + diag)
+            zero_past_diagonal(s, key0 + kr0 + g - diag, qa + c2);
         gemm_rn_16xk<T, D, 64>(dv, s, tdo, qc0, lane);
 
         /* dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ. */
         float ds[8][4];
         gemm_nt_16xn<T, D, 64>(ds, aV, kr0, tdo, qc0, lane);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            float2 d = *(const float2 *)(td + qc0 + nt * 8 + c2);
-            ds[nt][0] = s[nt][0] * (ds[nt][0] - d.x);
-            ds[nt][1] = s[nt][1] * (ds[nt][1] - d.y);
-            ds[nt][2] = s[nt][2] * (ds[nt][2] - d.x);
-            ds[nt][3] = s[nt][3] * (ds[nt][3] - d.y);
-        }
+        ds_t(ds, s, td, qc0 + c2);
         gemm_rn_16xk<T, D, 64>(dk, ds, tq, qc0, lane);
 
         if (p.dq_accum) {
@@ -603,38 +622,17 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv256_kernel(bwd_params p, 
         /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e), keys as rows, queries as columns. */
         float s[4][4];
         gemm_nt_16xn<T, D, 32>(s, aK, kr0, tq, qc0, lane);
-#pragma unroll
-        for (int nt = 0; nt < 4; nt++) {
-            float2 l = *(const float2 *)(tl + qc0 + nt * 8 + c2);
-            s[nt][0] = key_ok0 ? exp2f(fmaf(s[nt][0], p.scale_log2, -l.x)) : 0.0f;
-            s[nt][1] = key_ok0 ? exp2f(fmaf(s[nt][1], p.scale_log2, -l.y)) : 0.0f;
-            s[nt][2] = key_ok1 ? exp2f(fmaf(s[nt][2], p.scale_log2, -l.x)) : 0.0f;
-            s[nt][3] = key_ok1 ? exp2f(fmaf(s[nt][3], p.scale_log2, -l.y)) : 0.0f;
-        }
-        /* Causal: P = 0 where the warp's keys lie past a query's diagonal (near the diagonal only). */
-        const int qa = step_row0(n) + qc0;
-        if (CAUSAL && key0 + kr0 + 15 > qa + diag) {
-            const int ka = key0 + kr0 + g - diag, kb = ka + 8;
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                const int qt = qa + nt * 8 + c2;
-                s[nt][0] = ka > qt ? 0.0f : s[nt][0];
-                s[nt][1] = ka > qt + 1 ? 0.0f : s[nt][1];
-                s[nt][2] = kb > qt ? 0.0f : s[nt][2];
-                s[nt][3] = kb > qt + 1 ? 0.0f : s[nt][3];
-            }
-        }
+        probs_t(s, tl, qc0 + c2, key_ok0, key_ok1, p.scale_log2);
+        const int qa = step_row0(n) + qc0; /* causal: only near the diagonal */
+        if (CAUSAL && key0 + kr0 + 15 > qa + diag)
+            zero_past_diagonal(s, key0 + kr0 + g - diag, qa + c2);
 
         /* dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ; Pᵀ and dSᵀ go to shared memory for the other half's warps. */
         float ds[4][4];
         gemm_nt_16xn<T, D, 32>(ds, aV, kr0, tdo, qc0, lane);
+        ds_t(ds, s, td, qc0 + c2);
 #pragma unroll
         for (int nt = 0; nt < 4; nt++) {
-            float2 d = *(const float2 *)(td + qc0 + nt * 8 + c2);
-            ds[nt][0] = s[nt][0] * (ds[nt][0] - d.x);
-            ds[nt][1] = s[nt][1] * (ds[nt][1] - d.y);
-            ds[nt][2] = s[nt][2] * (ds[nt][2] - d.x);
-            ds[nt][3] = s[nt][3] * (ds[nt][3] - d.y);
             const int col = qc0 + nt * 8 + c2;
             put2<T, BM>(sP, kr0 + g, col, s[nt][0], s[nt][1]);
             put2<T, BM>(sP, kr0 + g + 8, col, s[nt][2], s[nt][3]);
