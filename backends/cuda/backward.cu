@@ -102,6 +102,31 @@ template <int D> __device__ __forceinline__ uint32_t kstep(int kk, uint32_t lane
         return swizzle_kstep(kk, lane_xor);
 }
 
+/* A dK/dV step's query rows q0.. (of nq) of Q and dO into buffer buf of their tiles, with their LSE and D values. */
+template <typename T, int D, int BM>
+__device__ __forceinline__ void load_step(uint32_t aQ, uint32_t adO, float *sLse, float *sDt, int buf, const T *q,
+                                          const T *d_o, const float *lse2, const float *dt, const bwd_params &p, int q0,
+                                          int nq)
+{
+    const int t = threadIdx.x;
+    load_rows<T, D, BM>(aQ + buf * BM * D * 2, q, p.q_sn, q0, nq);
+    load_rows<T, D, BM>(adO + buf * BM * D * 2, d_o, p.do_sn, q0, nq);
+    if (t < BM / 4)
+        cp_async_16(smem_addr(sLse + buf * BM + 4 * t), lse2 + q0 + 4 * t, true);
+    else if (t < BM / 2)
+        cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), dt + q0 + 4 * (t - BM / 4), true);
+}
+
+/* A key tile's rows key0.. (of nk) of K and V, read at the query head's K/V head. */
+template <typename T, int D, int BN>
+__device__ __forceinline__ void load_kv(uint32_t aK, uint32_t aV, const bwd_params &p, const gpu_seq &sq, int h,
+                                        int key0, int nk)
+{
+    const int hk = gpu_kv_head(h, p.kv_magic);
+    load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
+    load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
+}
+
 /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) for a warp's 16 keys (rows g, g + 8) × NT·8 queries from column c0 of
  * lse2; keys past Nk (ok0, ok1 false) get P = 0, so they add nothing anywhere. */
 template <int NT>
@@ -440,20 +465,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 
     auto step_row0 = [&](int n) { return (list ? list[n / SUB] : i0 + n / SUB) * kBlockQ + (n % SUB) * BM; };
     auto issue = [&](int n, int buf) {
-        int q0 = step_row0(n);
-        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, q, p.q_sn, q0, nq);
-        load_rows<T, D, BM>(adO + buf * BM * row_bytes, d_o, p.do_sn, q0, nq);
-        int t = threadIdx.x;
-        if (t < BM / 4)
-            cp_async_16(smem_addr(sLse + buf * BM + 4 * t), lse2 + q0 + 4 * t, true);
-        else if (t < BM / 2)
-            cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), dt + q0 + 4 * (t - BM / 4), true);
+        load_step<T, D, BM>(aQ, adO, sLse, sDt, buf, q, d_o, lse2, dt, p, step_row0(n), nq);
     };
 
     if (nsteps > 0) {
-        const int hk = gpu_kv_head(h, p.kv_magic);
-        load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
-        load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
+        load_kv<T, D, BN>(aK, aV, p, sq, h, key0, nk);
         issue(0, 0);
     }
     cp_async_commit();
@@ -592,19 +608,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv256_kernel(bwd_params p, 
         return (src.list ? src.list[n / SUB] : src.i0 + n / SUB) * kBlockQ + (n % SUB) * BM;
     };
     auto issue = [&](int n, int buf) {
-        const int q0 = step_row0(n), t = threadIdx.x;
-        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, src.q, p.q_sn, q0, src.nq);
-        load_rows<T, D, BM>(adO + buf * BM * row_bytes, src.d_o, p.do_sn, q0, src.nq);
-        if (t < BM / 4)
-            cp_async_16(smem_addr(sLse + buf * BM + 4 * t), src.lse2 + q0 + 4 * t, true);
-        else if (t < BM / 2)
-            cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), src.dt + q0 + 4 * (t - BM / 4), true);
+        load_step<T, D, BM>(aQ, adO, sLse, sDt, buf, src.q, src.d_o, src.lse2, src.dt, p, step_row0(n), src.nq);
     };
 
     if (nsteps > 0) {
-        const int hk = gpu_kv_head(h, p.kv_magic);
-        load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
-        load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
+        load_kv<T, D, BN>(aK, aV, p, sq, h, key0, nk);
         issue(0, 0);
     }
     cp_async_commit();
