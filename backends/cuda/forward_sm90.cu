@@ -314,15 +314,17 @@ sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 
 /* Three warpgroups: the producer (warpgroup 0) only loads, the two consumers (1, 2) only compute, through a ring of
  * WS_STAGES K/V stages. The producer's copies are cp.async (16 bytes a thread, the same swizzled tiles and
- * zero-fill as above); a thread learns its own copies landed only by waiting for their group, so it runs WS_LAG
- * groups behind its issue: after committing tile t it waits for tile t - WS_LAG, fences it into the async proxy
- * and arrives on its full barrier. A consumer frees tile t's stage only after P·V(t), which it issues with
- * S(t + 1), so the producer's wait for a free stage needs full(t + 1) of a tile WS_STAGES - 1 back: WS_LAG ≤
- * WS_STAGES - 2 keeps that arrival issued before the wait. */
-constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_LAG = WS_STAGES - 2, WS_CONSUMER_WARPS = 8;
-/* setmaxnreg: the producer gives back what the consumers take (40 + 2 · 232 ≤ 512 registers a thread-triple, the
- * register file of 384 threads at the 168 of __launch_bounds__(384, 1)). */
+ * zero-fill as above); a thread learns its own copies landed only by waiting for their group. Before it blocks on
+ * a free stage for tile t it waits for tile t - 2, fences it into the async proxy and arrives on its full barrier,
+ * so the consumers never wait on the producer's stage wait; tiles t - 1 and t stay in flight. A consumer frees tile
+ * t's stage only after P·V(t), which it issues with S(t + 1): the stage for tile t needs full(t - WS_STAGES + 1),
+ * which the producer signals at its step t - WS_STAGES + 3, before its wait at step t when WS_STAGES ≥ 3. */
+constexpr int WS_THREADS = 384, WS_STAGES = 4, WS_CONSUMER_WARPS = 8;
+static_assert(WS_STAGES >= 3, "the producer's stage wait needs a tile it has already signalled");
+/* setmaxnreg: the producer gives back what the consumers take, within the 168 registers a thread of
+ * __launch_bounds__(384, 1) (65536 / 384, rounded down to 8): more and setmaxnreg.inc would wait forever. */
 constexpr int WS_PRODUCER_REGS = 40, WS_CONSUMER_REGS = 232;
+static_assert(WS_PRODUCER_REGS + 2 * WS_CONSUMER_REGS <= 3 * 168, "the register file of 384 threads");
 
 template <int D>
 struct ws_traits {
@@ -407,8 +409,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
     const gpu_seq sq = gpu_seq_of<VARLEN>(p, w.b);
     if (VARLEN && q0 >= sq.nq) /* a row past its sequence: the whole CTA leaves */
         return;
-    /* At least 0: with causal and Nq > Nk the first rows' diagonal may lie tiles before key 0, and the producer must
-     * still signal Q. */
+    /* At least 0 (defensive: masks refuse causal with Nq > Nk): the producer must signal Q whatever the count. */
     const int n_tiles =
         warp_uniform(max(0, CAUSAL && !p.counts ? fwd_causal_tiles(p, sq, q0, w.n_tiles) : w.n_tiles));
     const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
@@ -428,21 +429,21 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
         load_tile<T, D, BLOCK_Q, 128, PAD>(q_smem, q, p.q_sn, q0, nq, wg_tid, p.d_chunks);
         cp_async_commit();
         for (int t = 0; t < n_tiles; t++) {
-            const int stage = t % WS_STAGES;
+            const int stage = t % WS_STAGES, key0 = w.key0(t);
+            if (t >= 1) { /* group t - 1 (Q, or tile t - 2) landed: signalled before blocking on a stage */
+                cp_async_wait<1>();
+                fence_proxy_async();
+                landed(t - 1);
+            }
             if (t >= WS_STAGES) /* the consumers freed tile t - WS_STAGES */
                 mbar_wait(empty(stage), (t / WS_STAGES + 1) & 1);
-            const int key0 = w.key0(t);
             load_tile<T, D, TILE_K, 128, PAD>(k_smem(stage), k, p.k_sn, key0, nk, wg_tid, p.d_chunks);
             load_tile<T, D, TILE_K, 128, PAD>(v_smem(stage), v, p.v_sn, key0, nk, wg_tid, p.d_chunks);
             cp_async_commit();
-            cp_async_wait<WS_LAG>(); /* groups up to t + 1 - WS_LAG landed */
-            fence_proxy_async();
-            if (t + 1 - WS_LAG >= 0)
-                landed(t + 1 - WS_LAG);
         }
         cp_async_wait<0>();
         fence_proxy_async();
-        for (int g = max(0, n_tiles + 1 - WS_LAG); g <= n_tiles; g++)
+        for (int g = max(0, n_tiles - 1); g <= n_tiles; g++)
             landed(g);
         return;
     }
