@@ -264,10 +264,12 @@ static const row rows[] = {
     LROW("tc-varlen-causal-mqa-d256", ALL, 0, 3, 1, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
          "200,129,40/260,129,64", 0),
     /* The D = 256 backward (64 keys per dK/dV CTA, halves of 128-key blocks; the dQ pass in 32-key steps): 128-key
-     * blocks with a ragged last half, Nq > Nk, dQ by the pass and by atomics, causal dense and masked with grouped
-     * heads, packed sequences with one shorter than a block and empty ones, and the wgmma kernels' refusal. */
+     * blocks with a ragged last half and with a last half wholly past Nk, Nq > Nk, dQ by the pass and by atomics,
+     * causal dense and masked with grouped heads, packed sequences with one shorter than a block and empty ones, and
+     * the wgmma kernels' refusal. */
     PAIR("tc-d256-bk128", BWD, 1, 2, 330, 200, 256, 128, 128, F16 | BF16, BHND, NULL, 0),
     PAIR("tc-d256-bk128-dq-pass", BWD, 2, 1, 200, 330, 256, 128, 128, F16 | BF16, BNHD, "dq=pass", 0),
+    PAIR("tc-d256-bk128-half-past", BWD, 1, 2, 257, 150, 256, 128, 128, F16 | BF16, BHND, NULL, 0),
     PAIR("tc-d256-dq-atomic", BWD, 1, 2, 260, 200, 256, 128, 64, F16 | BF16, BHND, "dq=atomic", 0),
     LROW_OPTS("tc-causal-d256-dq-pass", BWD, 1, 2, 0, 200, 333, 256, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
               "dq=pass"),

@@ -558,6 +558,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 template <typename T> struct dkdv256_tile {
     static constexpr int D = 256, BN = 64, BM = 64, SUB = kBlockQ / BM;
     static constexpr size_t smem = sizeof(T) * (2 * BN * D + 4 * BM * D + 2 * BN * BM) + sizeof(float) * 4 * BM;
+    static constexpr size_t smem_static = 128; /* the kernel's `src` block, which the device's limit counts too */
 };
 
 template <typename T, bool CAUSAL, bool VARLEN>
@@ -950,7 +951,7 @@ template <typename T, int D> size_t mma_smem(int bk, const bwd_plan &pl)
 {
     size_t kv;
     if constexpr (D == 256)
-        kv = dkdv256_tile<T>::smem;
+        kv = dkdv256_tile<T>::smem + dkdv256_tile<T>::smem_static;
     else
         kv = bk == 64 ? dkdv_tile<T, D, 64>::smem : dkdv_tile<T, D, 128>::smem;
     const size_t q = pl.atomic_dq ? 0 : dq_tile<T, D>::smem;
