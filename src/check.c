@@ -143,6 +143,9 @@ static const row rows[] = {
     PAIR("fwd-wgmma-ws-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma-ws", 0),
     PAIR("fwd-wgmma-ws-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma-ws", 0),
     PAIR("fwd-wgmma-ws-long", FWD, 1, 2, 300, 2048, 128, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws", 0),
+    /* rows of one and two key tiles: the producer's signals after its loop alone */
+    PAIR("fwd-wgmma-ws-1tile", FWD, 1, 2, 150, 50, 128, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws-pp", 0),
+    PAIR("fwd-wgmma-ws-2tiles", FWD, 1, 2, 150, 120, 64, 128, 64, F16 | BF16, BNHD, "fwd_kernel=wgmma-ws", 0),
     ROW("fwd-wgmma-ws-many-rows", FWD, 2, 3, 128 * 60 - 5, 64 * 6 + 9, 64, 128, 64, BF16, BOTH, 0.1, 0.6,
         "fwd_kernel=wgmma-ws", 0),
     LROW_OPTS("fwd-wgmma-ws-causal-dense", FWD, 1, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
