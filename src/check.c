@@ -201,6 +201,29 @@ static const row rows[] = {
               "bwd_kernel=wgmma bwd_keys=128"),
     LROW_OPTS("bwd-wgmma-varlen-d128-bk128", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,
               "90,300,50/150,260,120", "bwd_kernel=wgmma bwd_keys=128"),
+    /* the wgmma dQ pass on causal masks and packed sequences: masked causal with Nq < Nk, bk 64 and 128 (grouped
+     * heads); dense causal with Nq < Nk (rows cut at their last diagonal) on both dK/dV widths; packed sequences
+     * with empty ones (first, between, last: query blocks past their sequence still write their padded rows and
+     * count themselves) and one shorter than a block, causal with grouped heads, bk 64 and 128, without the
+     * overlap */
+    LROW_OPTS("bwd-wgmma-dq-pass-causal", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1, NULL,
+              "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-causal-gqa-bk128", BWD, 1, 4, 2, 260, 330, 128, 128, 128, F16 | BF16, BNHD, 0.1,
+              0.5, 1, NULL, "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-causal-dense", BWD, 2, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1,
+              NULL, "bwd_kernel=wgmma bwd_keys=64 dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-causal-dense-wide", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BNHD, 0.0, 0.0,
+              1, NULL, "bwd_kernel=wgmma bwd_keys=128 dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-empty", BWD, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0,
+              "0,200,0,131,40/0,333,64,131,50", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-empty-last-mqa", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BNHD, 0.2, 0.5,
+              0, "131,0,260,0/190,50,260,70", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              "200,129,40,300/260,129,64,300", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-causal-gqa-bk128", BWD, 0, 4, 2, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2,
+              0.5, 1, "0,200,40,0,129/40,260,64,0,200", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-causal-no-overlap", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BHND, 0.1,
+              0.5, 1, "0,200,0,131,40/0,333,64,131,50", "bwd_kernel=wgmma dq=pass bwd_overlap=off"),
     /* The pooled map's logits kernels: fp32 tiles of 128x64 and 64x64, f16x3 on tensor cores (the "cuda" tier
      * only: elsewhere a clean refusal), D a multiple of 16 and not. */
     ROW("map-128x64", MASK, 1, 3, 1000, 1000, 128, 128, 64, F32 | BF16, BOTH, 0.03, 0.2, "map_tile=128x64", 0),

@@ -873,9 +873,8 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         q_job = {p.counts, (int)(BH * p.Nqb), p.Nkb, order_q};
         pq.order = order_q;
     }
-    /* The wgmma dQ pass does the prep's work and runs first; it takes neither causal masks nor packed sequences, so
-     * there the wgmma dK/dV pass runs between the prep and the mma.sync dQ pass. */
-    const int wgmma_pass = wgmma_keys && !atomic_dq && !p.causal && !p.seq_q;
+    /* The wgmma dQ pass (causal masks and packed sequences included) does the prep's work and runs first. */
+    const int wgmma_pass = wgmma_keys && !atomic_dq;
     if (wgmma_pass) {
         pq.dq_done = pk.dq_done = dq_done;
         pq.dq_ctas = pk.dq_ctas = (uint32_t)(BH * pq.Nqb);
