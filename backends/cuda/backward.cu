@@ -885,17 +885,19 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
 
     if (wgmma_pass) {
         /* Overlap safety. The dependent dK/dV grid launches only once every dQ CTA has counted itself and
-         * triggered, so its wait for the count ends at once and cannot deadlock: every dQ CTA is resident before
-         * any dK/dV CTA, however many waves the dQ grid takes; where the launch is serialized (overlap off, a tool
-         * serializing kernels) the count is complete before it starts. Its other inputs (Q, K, V, dO, the mask,
-         * order_kv) were complete before the dQ pass, a plain launch that started after the orders kernel (which
-         * zeroed the count) had completed. It writes only dk and dv, which the dQ pass does not read, and reads of
-         * the dQ pass's output only the padded arrays, after the count. */
+         * triggered (a query block past its packed sequence too, before it leaves), so its wait for the count
+         * ends at once and cannot deadlock: every dQ CTA is resident before any dK/dV CTA, however many waves the
+         * dQ grid takes; where the launch is serialized (overlap off, a tool serializing kernels) the count is
+         * complete before it starts. Its other inputs (Q, K, V, dO, the mask, order_kv) were complete before the
+         * dQ pass, a plain launch that started after the orders kernel (which zeroed the count) had completed. It
+         * writes only dk and dv, which the dQ pass does not read, and reads of the dQ pass's output only the padded
+         * arrays, after the count. */
         if ((s = sparge_cuda_wgmma_dq(ctx, pq, BH, bkq == 128 ? 1 : 0, dtype, D)))
             return s;
         return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, overlap);
     }
 
+    /* The mma.sync kernels, or dQ by atomics: the prep, the dK/dV pass, then the conversion or the dQ pass. */
     if ((s = launch_rows(ctx, p.seq_q ? bwd_prep_kernel<T, D, true> : bwd_prep_kernel<T, D, false>, rows, D, p,
                          "backward prep kernel")))
         return s;
