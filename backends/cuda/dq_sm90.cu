@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, sub_shift);
     const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BWD_BLOCK_Q, n_tiles = warp_uniform(w.n_tiles);
 
-    const T *k = (const T *)p.k + b * p.k_sb + gpu_kv_head(h, p.kv_magic) * p.k_sh;
-    const T *v = (const T *)p.v + b * p.v_sb + gpu_kv_head(h, p.kv_magic) * p.v_sh;
+    const int hk = gpu_kv_head(h, p.kv_magic);
+    const T *k = (const T *)p.k + b * p.k_sb + hk * p.k_sh, *v = (const T *)p.v + b * p.v_sb + hk * p.v_sh;
     auto issue_tile = [&](int t) { /* one commit group per tile, empty past the last */
         if (t < n_tiles) {
             const int key0 = w.key0(t), stage = t % STAGES;
