@@ -331,7 +331,8 @@ sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shif
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma dK/dV kernel (D=%d) needs %d bytes of "
                            "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = p.seq_q ? (p.causal ? wgmma_dkdv_kernel<T, D, WGS, true, true> : wgmma_dkdv_kernel<T, D, WGS, false, true>)
+    auto kernel = p.seq_q ? (p.causal ? wgmma_dkdv_kernel<T, D, WGS, true, true>
+                                      : wgmma_dkdv_kernel<T, D, WGS, false, true>)
                           : (p.causal ? wgmma_dkdv_kernel<T, D, WGS, true, false>
                                       : wgmma_dkdv_kernel<T, D, WGS, false, false>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))

@@ -97,8 +97,9 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
     const int causal_tiles = last_diag < 0 ? 0 : min(w.n_tiles, last_diag / TILE_K + 1);
     const int n_tiles = warp_uniform(!rows_here ? 0 : CAUSAL && !p.counts ? causal_tiles : w.n_tiles);
 
-    const T *k = (const T *)p.k + sq.tb * p.k_sb + gpu_kv_head(h, p.kv_magic) * p.k_sh + sq.k_off * p.k_sn;
-    const T *v = (const T *)p.v + sq.tb * p.v_sb + gpu_kv_head(h, p.kv_magic) * p.v_sh + sq.k_off * p.v_sn;
+    const int hk = gpu_kv_head(h, p.kv_magic);
+    const T *k = (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn;
+    const T *v = (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn;
     auto issue_tile = [&](int t) { /* one commit group per tile, empty past the last */
         if (t < n_tiles) {
             const int key0 = w.key0(t), stage = t % STAGES;

@@ -1098,6 +1098,7 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
     memset(res, 0, sizeof *res);
     double diff2 = 0, ref2 = 0, videos = (double)cfg->eval_batches * cfg->batch;
     attention_stats stats = {d, 0, 0, 0};
+    int oom = 0; /* a video's features could not be computed */
     for (int i = 0; i < cfg->eval_batches; i++) {
         tr_make_batch(&held_out, d, 1000000000 + i, x0, y, t, eps, xt);
         tr_model_set_qkv_hook(model, attention_stats_hook, &stats); /* not during the sampler's forwards */
@@ -1127,7 +1128,6 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
             classes[i * cfg->batch + b] = y[b];
         }
         /* A video's recognizer label and features are its own: the batch's samples and real videos in parallel. */
-        int oom = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : oom)
         for (int j = 0; j < 2 * cfg->batch; j++) {
             int b = j / 2, v = i * cfg->batch + b, real = j & 1;
@@ -1135,14 +1135,10 @@ int tr_evaluate(const tr_config *cfg, tr_eval_result *res, char *err, size_t err
             tr_motion m;
             tr_motion_estimate(video, d->T, d->H, d->W, d->C, d->K, &m);
             (real ? real_label : sample_label)[v] = m.label;
-            oom |= tr_video_features(video, d->T, d->H, d->W, d->C, (real ? real_f : sample_f) + (size_t)v * TR_FEATURES);
-        }
-        if (oom) {
-            exp_fail(err, err_len, "video features: out of memory");
-            goto out;
+            oom |= tr_video_features(video, d->T, d->H, d->W, d->C,
+                                     (real ? real_f : sample_f) + (size_t)v * TR_FEATURES);
         }
     }
-    int oom = 0;
 #pragma omp parallel reduction(| : oom)
     { /* the reference set: real A videos at indices no stream reaches */
         float *video = malloc(per * sizeof(float));
