@@ -175,10 +175,9 @@ static sparge_status dev_timer_stop(void *impl, double *ms)
 static const sparge_option_def gpu_option_defs[] = {
     {"map_tile", "SPARGE_CUDA_MAP_TILE", "auto|128x64|64x64|f16x3",
      "pooled-map logits: fp32 FMA tiles (128x64, 64x64: same bits) or tensor cores on fp16 hi/lo splits (f16x3)"},
-    {"fwd_kernel", "SPARGE_CUDA_FWD_KERNEL", "auto|mma|wgmma|wgmma-ws|wgmma-ws-pp|wgmma-ws-qreg|wgmma-ws-pp-qreg",
+    {"fwd_kernel", "SPARGE_CUDA_FWD_KERNEL", "auto|mma|wgmma|wgmma-ws",
      "tensor-core forward: mma.sync, sm_90a wgmma, or sm_90a wgmma warp-specialized (a loading warpgroup, two "
-     "computing ones overlapping each tile's softmax with the MMAs; -pp: their MMAs in ping-pong turns; -qreg: Q "
-     "in registers for Q·K^T; D = 256 runs wgmma)"},
+     "computing ones with Q in registers, overlapping each tile's softmax with the MMAs; D = 256 runs wgmma)"},
     {"fwd_tile", "SPARGE_CUDA_FWD_TILE", "auto|WARPS,STAGES[,SPLIT]", "mma.sync forward tile (tiles.h)"},
     {"fwd_order", "SPARGE_CUDA_FWD_ORDER", "auto|head|natural",
      "masked forward launch order: each head's rows heaviest first (head), or as stored"},

@@ -20,8 +20,7 @@
  *
  * Device options (backend.cu) for benchmarks: fwd_tile="warps,stages[,split]" picks another compiled tile than
  * tiles.h's; fwd_order=natural turns the heavy-first order off; fwd_kernel=mma|wgmma forces either kernel,
- * fwd_kernel=wgmma-ws[-pp][-qreg] forward_sm90.cu's warp-specialized one (-pp: its MMAs in ping-pong turns, -qreg:
- * Q in registers). */
+ * fwd_kernel=wgmma-ws forward_sm90.cu's warp-specialized one. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -412,23 +411,6 @@ fwd_tile tile_for(const gpu_ctx *ctx, int D)
     return fwd_tile_for(ctx->cc_major, ctx->cc_minor, Dt);
 }
 
-/* fwd_kernel's sm_90 kernel (forward.h: FWD_SM90_*, 0 the wgmma kernel) and its name. */
-int sm90_kernel(int opt)
-{
-    switch (opt) {
-    case GPU_KERNEL_WGMMA_WS: return FWD_SM90_WS;
-    case GPU_KERNEL_WGMMA_WS_PP: return FWD_SM90_WS | FWD_SM90_PINGPONG;
-    case GPU_KERNEL_WGMMA_WS_QREG: return FWD_SM90_WS | FWD_SM90_QREG;
-    case GPU_KERNEL_WGMMA_WS_PP_QREG: return FWD_SM90_WS | FWD_SM90_PINGPONG | FWD_SM90_QREG;
-    default: return 0;
-    }
-}
-const char *sm90_kernel_name(int opt)
-{
-    static const char *const ws[] = {"wgmma-ws", "wgmma-ws-pp", "wgmma-ws-qreg", "wgmma-ws-pp-qreg"};
-    return opt >= GPU_KERNEL_WGMMA_WS && opt <= GPU_KERNEL_WGMMA_WS_PP_QREG ? ws[opt - GPU_KERNEL_WGMMA_WS] : "wgmma";
-}
-
 /* The wgmma kernel runs where the build has it for this device, unless fwd_kernel says otherwise. */
 bool use_wgmma(const gpu_ctx *ctx, int D)
 {
@@ -445,7 +427,7 @@ sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D)
         if (!sparge_cuda_wgmma_forward_available(ctx))
             return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: fwd_kernel=%s needs an sm_90 device and a build with "
                                "90 in --with-cuda-arch (device is sm_%d%d)",
-                               sm90_kernel_name(ctx->opt.fwd_kernel), ctx->cc_major, ctx->cc_minor);
+                               ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA_WS ? "wgmma-ws" : "wgmma", ctx->cc_major, ctx->cc_minor);
         return SPARGE_OK;
     }
     const fwd_tile t = tile_for(ctx, D);
@@ -505,7 +487,7 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
     }
     if (use_wgmma(ctx, (int)D))
-        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, sm90_kernel(ctx->opt.fwd_kernel));
+        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA_WS);
     const fwd_tile tile = tile_for(ctx, (int)D);
     return dt == SPARGE_BF16 ? dispatch_tile<gpu_bf16>(ctx, p, n_items, (int)D, tile)
                              : dispatch_tile<gpu_half>(ctx, p, n_items, (int)D, tile);

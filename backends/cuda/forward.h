@@ -55,13 +55,9 @@ __device__ __forceinline__ int fwd_causal_tiles(const fwd_params &p, const gpu_s
 /* 1 when this build holds the sm_90a wgmma kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx);
-/* forward_sm90.cu's kernels, `kernel` below: 0, the wgmma kernel (fwd_kernel=wgmma); FWD_SM90_WS, its
- * warp-specialized variant (wgmma-ws), with FWD_SM90_PINGPONG the computing warpgroups' MMAs in turns (-pp), with
- * FWD_SM90_QREG Q in registers for S = Q·Kᵀ (-qreg). The variants run tile widths 64 and 128 (D = 256 runs the
- * first). */
-enum { FWD_SM90_WS = 1, FWD_SM90_PINGPONG = 2, FWD_SM90_QREG = 4 };
-/* Runs the wgmma forward (f16 or bf16, D up to 128 padded to 64 or 128, or 256) over n_items query blocks. */
+/* Runs the wgmma forward (f16 or bf16, D up to 128 padded to 64 or 128, or 256) over n_items query blocks; with ws
+ * its warp-specialized kernel (fwd_kernel=wgmma-ws; tile widths 64 and 128, D = 256 runs the first). */
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        int kernel);
+                                        bool ws);
 
 #endif

@@ -29,10 +29,8 @@
  *   intra-warpgroup overlap: a computing warpgroup issues S(t) = Q·K(t)ᵀ and O += P(t-1)·V(t-1) as two wgmma
  *     groups, waits for the first only, and runs tile t's masking and softmax while P·V runs; O is rescaled
  *     once P·V is done. The two warpgroups run unsynchronized, so one's softmax also overlaps the other's MMAs;
- *   ping-pong (fwd_kernel=wgmma-ws-pp): named barriers make the two take turns issuing their MMAs, so that
- *     overlap is scheduled rather than left to chance;
- *   Q in registers (-qreg, also -pp-qreg): S = Q·Kᵀ reads its A operand from registers loaded once, halving
- *     that MMA's shared-memory reads.
+ *   Q in registers: S = Q·Kᵀ reads its A operand from registers loaded once, halving that MMA's shared-memory
+ *     reads.
  *
  * The kernel bodies exist only in the sm_90a image (this file is compiled for sm_90a alone when
  * configure's arch list has 90, see m4/sparge_cuda.m4); without it the entry reports the
@@ -377,12 +375,7 @@ __device__ __forceinline__ void wgmma_qreg_kt(float acc[32], const uint32_t (&qa
         wgmma_rs_n64<T>(acc, qa[kk], desc_advance(b0, (kk >> 2) * wg_traits<D>::PANEL_BYTES + (kk & 3) * 32), kk > 0);
 }
 
-/* PINGPONG (fwd_kernel=wgmma-ws-pp): the two computing warpgroups take turns issuing their MMAs, so one's softmax
- * runs while the other's MMAs do. Named barrier 3 + i is warpgroup i's turn: it syncs there (its 128 threads and
- * the other's 128 arrivals) before issuing and arrives on the other's after; warpgroup 1 arrives once first (the
- * first turn is warpgroup 0's) and warpgroup 0 syncs once last (on that extra arrival), as both take the same
- * number of turns. QREG (fwd_kernel=wgmma-ws-qreg, -pp-qreg): S = Q·Kᵀ takes Q from registers (wgmma_qreg_kt). */
-template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD, bool PINGPONG, bool QREG>
+template <typename T, int D, bool CAUSAL, bool VARLEN, bool PAD>
 __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -453,53 +446,34 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
     const int cw = wg - 1;
     const int row0 = (wg_tid >> 5) * 16 + frag_row(lane); /* this thread's rows r0, r0 + 8 among the 64 */
     const int row_first = q0 + cw * WG_ROWS;
-    const uint32_t q_wg = q_smem + cw * W::REGION_BYTES;
 
     float o_acc[D / 8][4] = {};
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
     float s[N_TILES][4];
     uint32_t pa[TILE_K / 16][4];
-    uint32_t qa[QREG ? D / 16 : 1][4]; /* QREG: Q's A fragments, k step kk: rows r0, r0 + 8, columns 16·kk.. */
+    uint32_t qa[D / 16][4]; /* Q's A fragments, k step kk: rows r0, r0 + 8, columns 16·kk.. */
     auto scores = [&](int t) { /* S(t), issued, not committed */
-        if constexpr (QREG)
-            wgmma_qreg_kt<T, D>(&s[0][0], qa, k_smem(t % WS_STAGES));
-        else
-            wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(t % WS_STAGES));
+        wgmma_qreg_kt<T, D>(&s[0][0], qa, k_smem(t % WS_STAGES));
     };
     auto free_stage = [&](int t) { /* this warp's wgmma reads of tile t are done (after a wait) */
         __syncwarp();
         if (lane == 0)
             mbar_arrive(empty(t % WS_STAGES));
     };
-    auto turn_begin = [&] {
-        if constexpr (PINGPONG)
-            asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory");
-    };
-    auto turn_end = [&] {
-        if constexpr (PINGPONG)
-            asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory");
-    };
-    if (PINGPONG && cw == 1)
-        turn_end();
-
-    mbar_wait(q_full, 0); /* also before the epilogue stages O over Q when no tile runs */
-    if constexpr (QREG) {
-        /* The fragment layout of P (c_pair_to_a): register j of k step kk holds row r0 + 8·(j & 1), columns
-         * 16·kk + 8·(j >> 1) + frag_col(lane) and the next: 16-byte chunk 2·kk + (j >> 1), bytes 4·(lane & 3).. */
+    mbar_wait(q_full, 0);
+    /* The fragment layout of P (c_pair_to_a): register j of k step kk holds row r0 + 8·(j & 1), columns
+     * 16·kk + 8·(j >> 1) + frag_col(lane) and the next: 16-byte chunk 2·kk + (j >> 1), bytes 4·(lane & 3).. */
 #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++)
+    for (int kk = 0; kk < D / 16; kk++)
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-                qa[kk][j] = *reinterpret_cast<const uint32_t *>(
-                    smem + cw * W::REGION_BYTES + panel_offset(row0 + 8 * (j & 1), 2 * kk + (j >> 1)) + 4 * (lane & 3));
-    }
+        for (int j = 0; j < 4; j++)
+            qa[kk][j] = *reinterpret_cast<const uint32_t *>(
+                smem + cw * W::REGION_BYTES + panel_offset(row0 + 8 * (j & 1), 2 * kk + (j >> 1)) + 4 * (lane & 3));
     if (n_tiles > 0) {
         mbar_wait(full(0), 0);
-        turn_begin();
         wgmma_fence();
         scores(0);
         wgmma_commit();
-        turn_end();
         wgmma_wait<0>();
         fence_operands(s);
         mask_scores<CAUSAL>(s, w, 0, nk, diag, row_first, row0, lane);
@@ -511,13 +485,11 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
         mbar_wait(full(t % WS_STAGES), (t / WS_STAGES) & 1);
         fence_operands(o_acc);
         fence_operands(pa);
-        turn_begin();
         wgmma_fence();
         scores(t);
         wgmma_commit();
         wgmma_pv<T, D>(o_acc, pa, v_smem((t - 1) % WS_STAGES));
         wgmma_commit();
-        turn_end();
         wgmma_wait<1>(); /* S(t) */
         fence_operands(s);
         mask_scores<CAUSAL>(s, w, t, nk, diag, row_first, row0, lane);
@@ -534,20 +506,18 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
     if (n_tiles > 0) {
         fence_operands(o_acc);
         fence_operands(pa);
-        turn_begin();
         wgmma_fence();
         wgmma_pv<T, D>(o_acc, pa, v_smem((n_tiles - 1) % WS_STAGES));
         wgmma_commit();
-        turn_end();
         wgmma_wait<0>();
         fence_operands(o_acc);
     }
-    if (PINGPONG && cw == 0)
-        turn_begin();
 
-    /* Epilogue through this warpgroup's own Q region, which only this warpgroup read; a named barrier (1 + cw) of
-     * its 128 threads orders the staging before the stores. */
+    /* Epilogue through this warpgroup's own Q region, which only this warpgroup read: its named barrier (1 + cw, 128
+     * threads) orders every warp's Q loads above before the staging (a row without tiles has no wgmma between them),
+     * and the staging before the stores. */
     unsigned char *o_stage = smem + cw * W::REGION_BYTES;
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
     finish_rows<T, D, VARLEN>(p, w, sq, row_first, row0, lane, o_acc, row_max, row_sum, o_stage);
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
     store_wg_rows<T, D, PAD>((T *)p.o + sq.tb * p.o_sb + h * p.o_sh + sq.q_off * p.o_sn, p.o_sn, row_first, nq,
@@ -555,7 +525,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
 #endif
 }
 
-template <typename T, int D, bool PAD, bool PINGPONG, bool QREG>
+template <typename T, int D, bool PAD>
 sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
     constexpr int SMEM = ws_traits<D>::SMEM_BYTES;
@@ -563,27 +533,20 @@ sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the warp-specialized wgmma forward (D=%d) needs %d bytes of "
                            "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = p.seq_q ? (p.causal ? ws_fwd_kernel<T, D, true, true, PAD, PINGPONG, QREG>
-                                      : ws_fwd_kernel<T, D, false, true, PAD, PINGPONG, QREG>)
-                          : (p.causal ? ws_fwd_kernel<T, D, true, false, PAD, PINGPONG, QREG>
-                                      : ws_fwd_kernel<T, D, false, false, PAD, PINGPONG, QREG>);
+    auto kernel = p.seq_q ? (p.causal ? ws_fwd_kernel<T, D, true, true, PAD> : ws_fwd_kernel<T, D, false, true, PAD>)
+                          : (p.causal ? ws_fwd_kernel<T, D, true, false, PAD> : ws_fwd_kernel<T, D, false, false, PAD>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     return gpu_launch_dependent(ctx, kernel, (unsigned)n_items, WS_THREADS, SMEM, "ws_fwd_kernel", p);
 }
 
-/* The kernel of this variant; D = 256 has the first kernel only. */
+/* The warp-specialized kernel where ws is set and D ≤ 128, else the first. */
 template <typename T, int D, bool PAD>
-sparge_status launch_sm90(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, int kernel)
+sparge_status launch_sm90(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, bool ws)
 {
-    if constexpr (D <= 128) {
-        const bool pp = kernel & FWD_SM90_PINGPONG, qreg = kernel & FWD_SM90_QREG;
-        if (kernel & FWD_SM90_WS)
-            return pp ? (qreg ? launch_ws<T, D, PAD, true, true>(ctx, p, n_items)
-                              : launch_ws<T, D, PAD, true, false>(ctx, p, n_items))
-                      : (qreg ? launch_ws<T, D, PAD, false, true>(ctx, p, n_items)
-                              : launch_ws<T, D, PAD, false, false>(ctx, p, n_items));
-    }
+    if constexpr (D <= 128)
+        if (ws)
+            return launch_ws<T, D, PAD>(ctx, p, n_items);
     return launch<T, D, PAD>(ctx, p, n_items);
 }
 
@@ -602,22 +565,22 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        int kernel)
+                                        bool ws)
 {
     /* A head dim below the tile's width (fwd_tile_dim) runs the PAD kernels. */
     const bool bf = dt == SPARGE_BF16, pad = D != fwd_tile_dim(D);
     if (fwd_tile_dim(D) == 256)
-        return bf ? launch_sm90<gpu_bf16, 256, false>(ctx, p, n_items, kernel)
-                  : launch_sm90<gpu_half, 256, false>(ctx, p, n_items, kernel);
+        return bf ? launch_sm90<gpu_bf16, 256, false>(ctx, p, n_items, ws)
+                  : launch_sm90<gpu_half, 256, false>(ctx, p, n_items, ws);
     if (fwd_tile_dim(D) == 128)
-        return bf ? (pad ? launch_sm90<gpu_bf16, 128, true>(ctx, p, n_items, kernel)
-                         : launch_sm90<gpu_bf16, 128, false>(ctx, p, n_items, kernel))
-                  : (pad ? launch_sm90<gpu_half, 128, true>(ctx, p, n_items, kernel)
-                         : launch_sm90<gpu_half, 128, false>(ctx, p, n_items, kernel));
-    return bf ? (pad ? launch_sm90<gpu_bf16, 64, true>(ctx, p, n_items, kernel)
-                     : launch_sm90<gpu_bf16, 64, false>(ctx, p, n_items, kernel))
-              : (pad ? launch_sm90<gpu_half, 64, true>(ctx, p, n_items, kernel)
-                     : launch_sm90<gpu_half, 64, false>(ctx, p, n_items, kernel));
+        return bf ? (pad ? launch_sm90<gpu_bf16, 128, true>(ctx, p, n_items, ws)
+                         : launch_sm90<gpu_bf16, 128, false>(ctx, p, n_items, ws))
+                  : (pad ? launch_sm90<gpu_half, 128, true>(ctx, p, n_items, ws)
+                         : launch_sm90<gpu_half, 128, false>(ctx, p, n_items, ws));
+    return bf ? (pad ? launch_sm90<gpu_bf16, 64, true>(ctx, p, n_items, ws)
+                     : launch_sm90<gpu_bf16, 64, false>(ctx, p, n_items, ws))
+              : (pad ? launch_sm90<gpu_half, 64, true>(ctx, p, n_items, ws)
+                     : launch_sm90<gpu_half, 64, false>(ctx, p, n_items, ws));
 }
 
 #else /* no sm_90a image in this build */
@@ -629,9 +592,9 @@ int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx)
 }
 
 sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
-                                        int kernel)
+                                        bool ws)
 {
-    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)kernel;
+    (void)ctx, (void)p, (void)n_items, (void)dt, (void)D, (void)ws;
     return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: this build has no sm_90a wgmma forward (configure "
                        "--with-cuda-arch with 90)");
 }
