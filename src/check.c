@@ -94,8 +94,7 @@ static const row rows[] = {
     PAIR("b3h2", ALL, 3, 2, 129, 65, 64, 128, 64, ALL_DT, BOTH, NULL, 0),
     PAIR("bk128-d64", ALL, 2, 1, 200, 270, 64, 128, 128, ALL_DT, BOTH, NULL, 0),
     ROW("d96-dense", FB, 1, 2, 200, 333, 96, 128, 64, ALL_DT, BOTH, 0.0, 0.0, NULL, 0),
-    /* head dims the tensor-core tier pads to 64 or 128 (zero columns past D), and 256 (its forward only; the
-     * backward goes to the next tier) */
+    /* head dims the tensor-core tier pads to 64 or 128 (zero columns past D), and 256 */
     PAIR("tc-d32", ALL, 1, 2, 300, 270, 32, 128, 64, F16 | BF16, BOTH, NULL, 0),
     PAIR("tc-d72", ALL, 2, 1, 260, 333, 72, 128, 64, F16 | BF16, BNHD, NULL, QUICK(BF16, BNHD)),
     PAIR("tc-d80", ALL, 1, 2, 200, 190, 80, 128, 128, F16 | BF16, BHND, NULL, 0),
@@ -137,6 +136,32 @@ static const row rows[] = {
     PAIR("fwd-wgmma-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma", 0),
     PAIR("fwd-wgmma-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma", 0),
     PAIR("fwd-mma-d256", FWD, 1, 2, 300, 270, 256, 128, 64, F16 | BF16, BHND, "fwd_kernel=mma", 0),
+    /* the warp-specialized wgmma forward: the shapes above, rows long enough to wrap its 4-stage ring many times
+     * (32 tiles) and with more rows than CTAs resident, causal (dense: the tile count cut at the diagonal), packed
+     * sequences (some empty: rows without tiles) and grouped heads */
+    TC_SHAPES("fwd-wgmma-ws", FWD, "fwd_kernel=wgmma-ws"),
+    PAIR("fwd-wgmma-ws-d96", FWD, 1, 2, 300, 333, 96, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma-ws", 0),
+    PAIR("fwd-wgmma-ws-d40", FWD, 2, 1, 200, 270, 40, 128, 128, F16 | BF16, BNHD, "fwd_kernel=wgmma-ws", 0),
+    PAIR("fwd-wgmma-ws-long", FWD, 1, 2, 300, 2048, 128, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws", 0),
+    /* rows of one and two key tiles: the producer's signals after its loop alone */
+    PAIR("fwd-wgmma-ws-1tile", FWD, 1, 2, 150, 50, 128, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws", 0),
+    PAIR("fwd-wgmma-ws-2tiles", FWD, 1, 2, 150, 120, 64, 128, 64, F16 | BF16, BNHD, "fwd_kernel=wgmma-ws", 0),
+    ROW("fwd-wgmma-ws-many-rows", FWD, 2, 3, 128 * 60 - 5, 64 * 6 + 9, 64, 128, 64, BF16, BOTH, 0.1, 0.6,
+        "fwd_kernel=wgmma-ws", 0),
+    LROW_OPTS("fwd-wgmma-ws-causal-dense", FWD, 1, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
+              "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-causal-gqa-d128", FWD, 1, 4, 2, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              NULL, "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-varlen-causal-gqa", FWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
+              "200,129,40,300/260,129,64,300", "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-varlen-mqa-d128", FWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BOTH, 0.2, 0.5, 0,
+              "90,300,50/150,260,120", "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-varlen-empty", FWD, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              "0,200,0,131/0,333,64,131", "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-causal-mqa", FWD, 1, 4, 1, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1, NULL,
+              "fwd_kernel=wgmma-ws"),
+    LROW_OPTS("fwd-wgmma-ws-varlen-empty-d128", FWD, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              "0,200,0,131/0,333,64,131", "fwd_kernel=wgmma-ws"),
     /* backward kernels, keys per CTA, dQ by a pass or by atomics, the dK/dV pass's overlap */
     TC_SHAPES("bwd-mma", BWD, "bwd_kernel=mma"),
     TC_SHAPES("bwd-wgmma", BWD, "bwd_kernel=wgmma"),
@@ -156,6 +181,29 @@ static const row rows[] = {
               "bwd_kernel=wgmma bwd_keys=128"),
     LROW_OPTS("bwd-wgmma-varlen-d128-bk128", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,
               "90,300,50/150,260,120", "bwd_kernel=wgmma bwd_keys=128"),
+    /* the wgmma dQ pass on causal masks and packed sequences: masked causal with Nq < Nk, bk 64 and 128 (grouped
+     * heads); dense causal with Nq < Nk (rows cut at their last diagonal) on both dK/dV widths; packed sequences
+     * with empty ones (first, between, last: query blocks past their sequence still write their padded rows and
+     * count themselves) and one shorter than a block, causal with grouped heads, bk 64 and 128, without the
+     * overlap */
+    LROW_OPTS("bwd-wgmma-dq-pass-causal", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1, NULL,
+              "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-causal-gqa-bk128", BWD, 1, 4, 2, 260, 330, 128, 128, 128, F16 | BF16, BNHD, 0.1,
+              0.5, 1, NULL, "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-causal-dense", BWD, 2, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1,
+              NULL, "bwd_kernel=wgmma bwd_keys=64 dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-causal-dense-wide", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BNHD, 0.0, 0.0,
+              1, NULL, "bwd_kernel=wgmma bwd_keys=128 dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-empty", BWD, 0, 2, 0, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 0,
+              "0,200,0,131,40/0,333,64,131,50", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-empty-last-mqa", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BNHD, 0.2, 0.5,
+              0, "131,0,260,0/190,50,260,70", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              "200,129,40,300/260,129,64,300", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-causal-gqa-bk128", BWD, 0, 4, 2, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2,
+              0.5, 1, "0,200,40,0,129/40,260,64,0,200", "bwd_kernel=wgmma dq=pass"),
+    LROW_OPTS("bwd-wgmma-dq-pass-varlen-causal-no-overlap", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BHND, 0.1,
+              0.5, 1, "0,200,0,131,40/0,333,64,131,50", "bwd_kernel=wgmma dq=pass bwd_overlap=off"),
     /* The pooled map's logits kernels: fp32 tiles of 128x64 and 64x64, f16x3 on tensor cores (the "cuda" tier
      * only: elsewhere a clean refusal), D a multiple of 16 and not. */
     ROW("map-128x64", MASK, 1, 3, 1000, 1000, 128, 128, 64, F32 | BF16, BOTH, 0.03, 0.2, "map_tile=128x64", 0),
@@ -217,10 +265,28 @@ static const row rows[] = {
          0),
     LROW("tc-varlen-d72", ALL, 0, 2, 0, 0, 0, 72, 128, 64, F16 | BF16, BNHD, 0.1, 0.5, 0, "100,257,40,190",
          QUICK(F16, BNHD)),
-    /* D = 256 (the tensor-core forward only) with grouped heads, causal and packed sequences */
-    LPAIR("tc-causal-gqa-d256", FWD, 1, 4, 2, 260, 333, 256, 128, 64, F16 | BF16, BNHD, 1, 0, 0),
-    LROW("tc-varlen-causal-mqa-d256", FWD, 0, 3, 1, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
+    /* D = 256 with grouped heads, causal and packed sequences */
+    LPAIR("tc-causal-gqa-d256", ALL, 1, 4, 2, 260, 333, 256, 128, 64, F16 | BF16, BNHD, 1, 0, 0),
+    LROW("tc-varlen-causal-mqa-d256", ALL, 0, 3, 1, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
          "200,129,40/260,129,64", 0),
+    /* The D = 256 backward (64 keys per dK/dV CTA, halves of 128-key blocks; the dQ pass in 32-key steps): 128-key
+     * blocks with a ragged last half and with a last half wholly past Nk, Nq > Nk, dQ by the pass and by atomics,
+     * causal dense and masked with grouped heads, packed sequences with one shorter than a block and empty ones, and
+     * the wgmma kernels' refusal. */
+    PAIR("tc-d256-bk128", BWD, 1, 2, 330, 200, 256, 128, 128, F16 | BF16, BHND, NULL, 0),
+    PAIR("tc-d256-bk128-dq-pass", BWD, 2, 1, 200, 330, 256, 128, 128, F16 | BF16, BNHD, "dq=pass", 0),
+    PAIR("tc-d256-bk128-half-past", BWD, 1, 2, 257, 150, 256, 128, 128, F16 | BF16, BHND, NULL, 0),
+    PAIR("tc-d256-dq-atomic", BWD, 1, 2, 260, 200, 256, 128, 64, F16 | BF16, BHND, "dq=atomic", 0),
+    LROW_OPTS("tc-causal-d256-dq-pass", BWD, 1, 2, 0, 200, 333, 256, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
+              "dq=pass"),
+    LROW("tc-causal-gqa-d256-bk128", BWD, 1, 4, 2, 260, 330, 256, 128, 128, F16 | BF16, BHND, 0.1, 0.5, 1, NULL, 0),
+    LROW("tc-varlen-causal-gqa-d256-bk128", BWD, 0, 4, 2, 0, 0, 256, 128, 128, F16 | BF16, BNHD, 0.2, 0.5, 1,
+         "0,200,40,0,129/40,260,64,0,200", 0),
+    LROW("tc-varlen-gqa-d256", BWD, 0, 4, 2, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.2, 0.5, 0, "90,200,40/150,70,200",
+         0),
+    LROW_OPTS("tc-varlen-gqa-d256-dq-pass", BWD, 0, 4, 2, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.2, 0.5, 0,
+              "90,200,40/150,70,200", "dq=pass"),
+    PAIR("bwd-wgmma-d256", BWD, 1, 1, 150, 200, 256, 128, 64, F16 | BF16, BHND, "bwd_kernel=wgmma", 0),
     LROW("tc-varlen-empty-causal-gqa", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BOTH, 0.1, 0.5, 1,
          "0,200,0,131,0/0,333,64,131,40", QUICK(BF16, BHND)),
     LROW("tc-varlen-empty-last", ALL, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,

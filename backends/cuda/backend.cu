@@ -175,7 +175,9 @@ static sparge_status dev_timer_stop(void *impl, double *ms)
 static const sparge_option_def gpu_option_defs[] = {
     {"map_tile", "SPARGE_CUDA_MAP_TILE", "auto|128x64|64x64|f16x3",
      "pooled-map logits: fp32 FMA tiles (128x64, 64x64: same bits) or tensor cores on fp16 hi/lo splits (f16x3)"},
-    {"fwd_kernel", "SPARGE_CUDA_FWD_KERNEL", "auto|mma|wgmma", "tensor-core forward: mma.sync or sm_90a wgmma"},
+    {"fwd_kernel", "SPARGE_CUDA_FWD_KERNEL", "auto|mma|wgmma|wgmma-ws",
+     "tensor-core forward: mma.sync, sm_90a wgmma, or sm_90a wgmma warp-specialized (a loading warpgroup, two "
+     "computing ones with Q in registers, overlapping each tile's softmax with the MMAs; D = 256 runs wgmma)"},
     {"fwd_tile", "SPARGE_CUDA_FWD_TILE", "auto|WARPS,STAGES[,SPLIT]", "mma.sync forward tile (tiles.h)"},
     {"fwd_order", "SPARGE_CUDA_FWD_ORDER", "auto|head|natural",
      "masked forward launch order: each head's rows heaviest first (head), or as stored"},
@@ -335,7 +337,7 @@ static sparge_status open_fast(int index, void **impl, char *desc, size_t desc_l
 GPU_OP(op_mma_forward, sparge_fwd_args, sparge_cuda_mma_forward)
 GPU_OP(op_mma_backward, sparge_bwd_args, sparge_cuda_mma_backward)
 
-/* The tensor-core tier's limits: f16/bf16, D a multiple of 8 up to 128 and 256 in the forward, sm_80+, 16-byte rows,
+/* The tensor-core tier's limits: f16/bf16, D a multiple of 8 up to 128 and 256, sm_80+, 16-byte rows,
  * masks of 128-row query blocks and 64- or 128-key blocks, 32-bit token and block counts; then whether the kernels its
  * options pick fit the device. */
 static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
@@ -350,9 +352,9 @@ static sparge_status cuda_supports(void *impl, const sparge_op_desc *d)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor cores take f16 and bf16, not %s", what,
                            sparge_dtype_name(d->dtype));
     const int64_t D = d->head_dim;
-    if (D % 8 || D > 256 || (D > 128 && (D != 256 || d->op != SPARGE_OP_FORWARD)))
+    if (D % 8 || (D > 128 && D != 256))
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: head dim %lld (the tensor-core kernels take multiples of 8 up to "
-                           "128, and 256 in the forward)", what, (long long)D);
+                           "128, and 256)", what, (long long)D);
     if (ctx->cc_major < 8)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "%s: the tensor-core kernels need sm_80 or newer (device is sm_%d%d)",
                            what, ctx->cc_major, ctx->cc_minor);

@@ -30,9 +30,13 @@
  *          bk = 64). Per warp: Sᵀ and dPᵀ 16×64 (32 fp32 registers each), dK and dV 16×D (D/2 each).
  *   dQ pass: 8 warps × 16 query rows = one query block of 128; keys in steps of 64 (S, dP 16×64, dQ 16×D)
  *            (the wgmma pass: two warpgroups × 64 rows, same steps).
+ *   D = 256 (mma.sync only, the wgmma kernels take D ≤ 128): dK/dV 64 keys per CTA (a bk = 128 block is two CTAs)
+ *            and 64 query rows per step, 8 warps as 4 along keys × 2, each with Sᵀ and dPᵀ 16×32 and dK, dV
+ *            16×128 (bwd_dkdv256_kernel); the dQ pass as above in steps of 32 keys (dQ 16×256: 128 registers).
  * Shared memory at D = 128: dK/dV 145 KiB (bk = 128) or 178 KiB (bk = 64), dQ pass 128 KiB (the wgmma one
- * 193 KiB); at D = 64 about half. That fits sm_90 (227 KiB); sm_80 (163 KiB) refuses D = 128 with bk = 64, and sm_120
- * (99 KiB) refuses D = 128 altogether, with SPARGE_ERR_UNSUPPORTED naming the limit (neither was run here).
+ * 193 KiB); at D = 64 about half; at D = 256 dK/dV 209 KiB, dQ pass 192 KiB. That fits sm_90 (227 KiB); sm_80
+ * (163 KiB) refuses D = 128 with bk = 64 and D = 256, and sm_120 (99 KiB) refuses D ≥ 128 altogether, with
+ * SPARGE_ERR_UNSUPPORTED naming the limit (neither was run here).
  * Shared-memory tiles are rows of 16-byte chunks with chunk' = chunk ^ (row mod 8), so the 8 row
  * addresses of every ldmatrix and cp.async phase fall into distinct banks. */
 #include <math.h>
@@ -87,11 +91,90 @@ __device__ __forceinline__ void put2(T *tile, int row, int col, float x, float y
     *(uint32_t *)((char *)tile + swizzle<cols / 8>(row, col >> 3) + (col & 7) * sizeof(T)) = pack2<T>(x, y);
 }
 
-/* acc[16 × 64] = A[16 rows from a_row0] · B[64 rows from b_row0]ᵀ, contraction over D: both are swizzled
+/* swizzle_kstep(kk, lane_xor) (mma.cuh); at D = 256 as one of 4 lane values plus an immediate (lane_xor only
+ * touches bits 4–6, so the bits of kk·32 from 7 up pass through): unrolled over 16 k steps the plain XOR leaves
+ * 16 lane addresses per operand, which the compiler keeps in registers that dK, dV or dQ need. */
+template <int D> __device__ __forceinline__ uint32_t kstep(int kk, uint32_t lane_xor)
+{
+    if constexpr (D == 256)
+        return ((uint32_t)((kk & 3) * 32) ^ lane_xor) + (uint32_t)(kk >> 2) * 128;
+    else
+        return swizzle_kstep(kk, lane_xor);
+}
+
+/* A dK/dV step's query rows q0.. (of nq) of Q and dO into buffer buf of their tiles, with their LSE and D values. */
+template <typename T, int D, int BM>
+__device__ __forceinline__ void load_step(uint32_t aQ, uint32_t adO, float *sLse, float *sDt, int buf, const T *q,
+                                          const T *d_o, const float *lse2, const float *dt, const bwd_params &p, int q0,
+                                          int nq)
+{
+    const int t = threadIdx.x;
+    load_rows<T, D, BM>(aQ + buf * BM * D * 2, q, p.q_sn, q0, nq);
+    load_rows<T, D, BM>(adO + buf * BM * D * 2, d_o, p.do_sn, q0, nq);
+    if (t < BM / 4)
+        cp_async_16(smem_addr(sLse + buf * BM + 4 * t), lse2 + q0 + 4 * t, true);
+    else if (t < BM / 2)
+        cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), dt + q0 + 4 * (t - BM / 4), true);
+}
+
+/* A key tile's rows key0.. (of nk) of K and V, read at the query head's K/V head. */
+template <typename T, int D, int BN>
+__device__ __forceinline__ void load_kv(uint32_t aK, uint32_t aV, const bwd_params &p, const gpu_seq &sq, int h,
+                                        int key0, int nk)
+{
+    const int hk = gpu_kv_head(h, p.kv_magic);
+    load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
+    load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
+}
+
+/* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) for a warp's 16 keys (rows g, g + 8) × NT·8 queries from column c0 of
+ * lse2; keys past Nk (ok0, ok1 false) get P = 0, so they add nothing anywhere. */
+template <int NT>
+__device__ __forceinline__ void probs_t(float (&s)[NT][4], const float *lse2, int c0, bool ok0, bool ok1, float scale_log2)
+{
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        float2 l = *(const float2 *)(lse2 + c0 + nt * 8);
+        s[nt][0] = ok0 ? exp2f(fmaf(s[nt][0], scale_log2, -l.x)) : 0.0f;
+        s[nt][1] = ok0 ? exp2f(fmaf(s[nt][1], scale_log2, -l.y)) : 0.0f;
+        s[nt][2] = ok1 ? exp2f(fmaf(s[nt][2], scale_log2, -l.x)) : 0.0f;
+        s[nt][3] = ok1 ? exp2f(fmaf(s[nt][3], scale_log2, -l.y)) : 0.0f;
+    }
+}
+
+/* Causal: P = 0 where key ka (row g; ka + 8 for row g + 8), shifted by the diagonal, lies past query q0 + nt·8. */
+template <int NT> __device__ __forceinline__ void zero_past_diagonal(float (&s)[NT][4], int ka, int q0)
+{
+    const int kb = ka + 8;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const int qt = q0 + nt * 8;
+        s[nt][0] = ka > qt ? 0.0f : s[nt][0];
+        s[nt][1] = ka > qt + 1 ? 0.0f : s[nt][1];
+        s[nt][2] = kb > qt ? 0.0f : s[nt][2];
+        s[nt][3] = kb > qt + 1 ? 0.0f : s[nt][3];
+    }
+}
+
+/* dSᵀ = Pᵀ ∘ (dPᵀ − D) in place of dPᵀ, D read from column c0 of dt. */
+template <int NT>
+__device__ __forceinline__ void ds_t(float (&ds)[NT][4], const float (&s)[NT][4], const float *dt, int c0)
+{
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        float2 d = *(const float2 *)(dt + c0 + nt * 8);
+        ds[nt][0] = s[nt][0] * (ds[nt][0] - d.x);
+        ds[nt][1] = s[nt][1] * (ds[nt][1] - d.y);
+        ds[nt][2] = s[nt][2] * (ds[nt][2] - d.x);
+        ds[nt][3] = s[nt][3] * (ds[nt][3] - d.y);
+    }
+}
+
+/* acc[16 × N] = A[16 rows from a_row0] · B[N rows from b_row0]ᵀ, contraction over D: both are swizzled
  * [rows][D] tiles at shared addresses a and b (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, S = Q Kᵀ, dP = dO Vᵀ). */
-template <typename T, int D>
-__device__ __forceinline__ void gemm_nt_16x64(float (&acc)[8][4], uint32_t a, int a_row0, uint32_t b, int b_row0,
-                                              int lane)
+template <typename T, int D, int N>
+__device__ __forceinline__ void gemm_nt_16xn(float (&acc)[N / 8][4], uint32_t a, int a_row0, uint32_t b, int b_row0,
+                                             int lane)
 {
     constexpr int row_bytes = D * 2;
     const uint32_t a_base = a + (a_row0 + lane_a_row(lane)) * row_bytes,
@@ -99,41 +182,68 @@ __device__ __forceinline__ void gemm_nt_16x64(float (&acc)[8][4], uint32_t a, in
     const uint32_t b_base = b + (b_row0 + lane_bt_row(lane)) * row_bytes,
                    b_xor = swizzle_lane_xor(lane_bt_row(lane), lane_bt_chunk(lane));
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++)
+    for (int nt = 0; nt < N / 8; nt++)
 #pragma unroll
         for (int e = 0; e < 4; e++)
             acc[nt][e] = 0.0f;
-#pragma unroll
+    /* At D = 256, 4 k steps at a time: fully unrolled, the hoisted loads take registers the accumulators need. */
+#pragma unroll(D == 256 ? 4 : D / 16)
     for (int kk = 0; kk < D / 16; kk++) {
         uint32_t af[4];
-        ldmatrix_x4(af, a_base + swizzle_kstep(kk, a_xor));
+        ldmatrix_x4(af, a_base + kstep<D>(kk, a_xor));
 #pragma unroll
-        for (int np = 0; np < 4; np++) {
+        for (int np = 0; np < N / 16; np++) {
             uint32_t bf[4];
-            ldmatrix_x4(bf, b_base + np * 16 * row_bytes + swizzle_kstep(kk, b_xor));
+            ldmatrix_x4(bf, b_base + np * 16 * row_bytes + kstep<D>(kk, b_xor));
             mma_16816<T>(acc[2 * np], af, bf);
             mma_16816<T>(acc[2 * np + 1], af, bf + 2);
         }
     }
 }
 
-/* acc[16 × D] += X[16 × 64] · B[64 rows from b_row0][D]: X comes from 16×64 accumulator registers (rounded
+/* acc[16 × D] += X[16 × K] · B[K rows from b_row0][D]: X comes from 16×K accumulator registers (rounded
  * to T), B is a swizzled [rows][D] tile read transposed (dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K). */
-template <typename T, int D>
-__device__ __forceinline__ void gemm_rn_16x64(float (&acc)[D / 8][4], const float (&x)[8][4], uint32_t b, int b_row0,
-                                              int lane)
+template <typename T, int D, int K>
+__device__ __forceinline__ void gemm_rn_16xk(float (&acc)[D / 8][4], const float (&x)[K / 8][4], uint32_t b, int b_row0,
+                                             int lane)
 {
     constexpr int row_bytes = D * 2;
     const uint32_t b_base = b + (b_row0 + lane_a_row(lane)) * row_bytes,
                    b_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
+    for (int kk = 0; kk < K / 16; kk++) {
         uint32_t af[4];
         c_pair_to_a<T>(af, x[2 * kk], x[2 * kk + 1]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; dp++) {
             uint32_t bf[4];
-            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + swizzle_kstep(dp, b_xor));
+            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + kstep<D>(dp, b_xor));
+            mma_16816<T>(acc[2 * dp], af, bf);
+            mma_16816<T>(acc[2 * dp + 1], af, bf + 2);
+        }
+    }
+}
+
+/* acc[16 × C] += A[16 rows from a_row0][K] · B[K rows][columns c0 .. c0 + C − 1]: A a swizzled [rows][K] tile
+ * (Pᵀ or dSᵀ written by the CTA's warps), B a swizzled [rows][D] tile read transposed (the D = 256 dK/dV pass).
+ * c0 is a multiple of 64 columns (128 bytes), which the swizzle leaves in place: one base address per lane. */
+template <typename T, int D, int K, int C>
+__device__ __forceinline__ void gemm_sn_16xc(float (&acc)[C / 8][4], uint32_t a, int a_row0, uint32_t b, int c0,
+                                             int lane)
+{
+    constexpr int row_bytes = D * 2;
+    const uint32_t a_base = a + (a_row0 + lane_a_row(lane)) * K * 2,
+                   a_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
+    const uint32_t b_base = b + lane_a_row(lane) * row_bytes + c0 * 2,
+                   b_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
+#pragma unroll
+    for (int kk = 0; kk < K / 16; kk++) {
+        uint32_t af[4];
+        ldmatrix_x4(af, a_base + kstep<D>(kk, a_xor));
+#pragma unroll
+        for (int dp = 0; dp < C / 16; dp++) {
+            uint32_t bf[4];
+            ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + kstep<D>(dp, b_xor));
             mma_16816<T>(acc[2 * dp], af, bf);
             mma_16816<T>(acc[2 * dp + 1], af, bf + 2);
         }
@@ -264,15 +374,62 @@ __global__ void __launch_bounds__(kOrderThreads) bwd_order_kernel(order_job job0
 
 /* ------------------------------------------------------------------------------------------ dK/dV */
 
+/* dQ[BM × D] += dS K for one step of a dK/dV pass, accumulated with fp32 reductions into dst (row 0 of the step's
+ * queries, rows of D): dSᵀ is a swizzled [BN][BM] tile at ds_t, K a swizzled [BN][D] one at k. 8 warps as
+ * (BM/32 along queries) × (rest along D), 32 rows × COLS = D/(8·32/BM) columns each; at D = 256 in passes of 32
+ * columns (all 64 at once would not fit the registers beside dK and dV). */
+template <typename T, int D, int BM, int BN>
+__device__ __forceinline__ void dq_accum_step(float *dst, uint32_t ds_t, uint32_t k, int warp, int lane)
+{
+    constexpr int WM = BM / 32, WN = kWarps / WM, COLS = D / WN, PASS = D == 256 ? 32 : COLS, NT = PASS / 8;
+    constexpr int row_bytes = D * 2;
+    static_assert(COLS % PASS == 0 && PASS % 16 == 0, "dQ warp tile");
+    const int m0 = (warp / WN) * 32, g = frag_row(lane), c2 = frag_col(lane);
+    /* A = dS [query][key] is dSᵀ [key][query] read transposed: the Bᵀ lane addressing of mma.cuh. */
+    const uint32_t a_base = ds_t + lane_bt_row(lane) * BM * 2,
+                   a_xor = swizzle_lane_xor(lane_bt_row(lane), lane_bt_chunk(lane));
+    const uint32_t b_base = k + lane_a_row(lane) * row_bytes,
+                   b_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
+#pragma unroll 1
+    for (int pass = 0; pass < COLS / PASS; pass++) {
+        const int d0 = (warp % WN) * COLS + pass * PASS;
+        float acc[2][NT][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t af[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+                ldmatrix_x4_trans(af[mt], a_base + kk * 16 * BM * 2 + swizzle_kstep(m0 / 16 + mt, a_xor));
+#pragma unroll
+            for (int np = 0; np < NT / 2; np++) {
+                uint32_t bf[4];
+                ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + swizzle_kstep(d0 / 16 + np, b_xor));
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_16816<T>(acc[mt][2 * np], af[mt], bf);
+                    mma_16816<T>(acc[mt][2 * np + 1], af[mt], bf + 2);
+                }
+            }
+        }
+        float *out = dst + m0 * D + d0;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                float *e = out + (mt * 16 + g) * D + nt * 8 + c2;
+                red_add2(e, acc[mt][nt][0], acc[mt][nt][1]);
+                red_add2(e + 8 * D, acc[mt][nt][2], acc[mt][nt][3]);
+            }
+    }
+}
+
 template <typename T, int D, int BN> struct dkdv_tile {
     static constexpr int WN = BN / 16;       /* warps along keys */
     static constexpr int WM = kWarps / WN;   /* warps along queries */
     static constexpr int BM = 64 * WM;       /* query rows per step */
     static constexpr int SUB = kBlockQ / BM; /* steps per query block */
-    static constexpr int DQ_WM = BM / 32, DQ_WN = kWarps / DQ_WM, DQ_COLS = D / DQ_WN; /* dQ = dS K tiling */
     static constexpr size_t smem = sizeof(T) * (2 * BN * D + 4 * BM * D + BN * BM) + sizeof(float) * 4 * BM;
     static_assert(BN == 64 || BN == 128, "key block");
-    static_assert(DQ_COLS % 16 == 0, "dQ warp tile");
     static_assert(WM == 1 || (size_t)WN * (D / 2) * 32 * 2 * sizeof(float) <= 4 * BM * D * sizeof(T),
                   "the cross-warp dK/dV reduction reuses the Q/dO buffers");
 };
@@ -308,20 +465,11 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 
     auto step_row0 = [&](int n) { return (list ? list[n / SUB] : i0 + n / SUB) * kBlockQ + (n % SUB) * BM; };
     auto issue = [&](int n, int buf) {
-        int q0 = step_row0(n);
-        load_rows<T, D, BM>(aQ + buf * BM * row_bytes, q, p.q_sn, q0, nq);
-        load_rows<T, D, BM>(adO + buf * BM * row_bytes, d_o, p.do_sn, q0, nq);
-        int t = threadIdx.x;
-        if (t < BM / 4)
-            cp_async_16(smem_addr(sLse + buf * BM + 4 * t), lse2 + q0 + 4 * t, true);
-        else if (t < BM / 2)
-            cp_async_16(smem_addr(sDt + buf * BM + 4 * (t - BM / 4)), dt + q0 + 4 * (t - BM / 4), true);
+        load_step<T, D, BM>(aQ, adO, sLse, sDt, buf, q, d_o, lse2, dt, p, step_row0(n), nq);
     };
 
     if (nsteps > 0) {
-        const int hk = gpu_kv_head(h, p.kv_magic);
-        load_rows<T, D, BN>(aK, (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn, p.k_sn, key0, nk);
-        load_rows<T, D, BN>(aV, (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn, p.v_sn, key0, nk);
+        load_kv<T, D, BN>(aK, aV, p, sq, h, key0, nk);
         issue(0, 0);
     }
     cp_async_commit();
@@ -338,42 +486,18 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
 
         /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e), keys as rows, queries as columns. */
         float s[8][4];
-        gemm_nt_16x64<T, D>(s, aK, kr0, tq, qc0, lane);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            float2 l = *(const float2 *)(tl + qc0 + nt * 8 + c2);
-            s[nt][0] = key_ok0 ? exp2f(fmaf(s[nt][0], p.scale_log2, -l.x)) : 0.0f;
-            s[nt][1] = key_ok0 ? exp2f(fmaf(s[nt][1], p.scale_log2, -l.y)) : 0.0f;
-            s[nt][2] = key_ok1 ? exp2f(fmaf(s[nt][2], p.scale_log2, -l.x)) : 0.0f;
-            s[nt][3] = key_ok1 ? exp2f(fmaf(s[nt][3], p.scale_log2, -l.y)) : 0.0f;
-        }
-        /* Causal: P = 0 where the warp's keys lie past a query's diagonal (near the diagonal only). */
-        const int qa = step_row0(n) + qc0;
-        if (CAUSAL && key0 + kr0 + 15 > qa + diag) {
-            const int ka = key0 + kr0 + g - diag, kb = ka + 8;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                const int qt = qa + nt * 8 + c2;
-                s[nt][0] = ka > qt ? 0.0f : s[nt][0];
-                s[nt][1] = ka > qt + 1 ? 0.0f : s[nt][1];
-                s[nt][2] = kb > qt ? 0.0f : s[nt][2];
-                s[nt][3] = kb > qt + 1 ? 0.0f : s[nt][3];
-            }
-        }
-        gemm_rn_16x64<T, D>(dv, s, tdo, qc0, lane);
+        gemm_nt_16xn<T, D, 64>(s, aK, kr0, tq, qc0, lane);
+        probs_t(s, tl, qc0 + c2, key_ok0, key_ok1, p.scale_log2);
+        const int qa = step_row0(n) + qc0; /* causal: only near the diagonal */
+        if (CAUSAL && key0 + kr0 + 15 > qa + diag)
+            zero_past_diagonal(s, key0 + kr0 + g - diag, qa + c2);
+        gemm_rn_16xk<T, D, 64>(dv, s, tdo, qc0, lane);
 
         /* dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ. */
         float ds[8][4];
-        gemm_nt_16x64<T, D>(ds, aV, kr0, tdo, qc0, lane);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            float2 d = *(const float2 *)(td + qc0 + nt * 8 + c2);
-            ds[nt][0] = s[nt][0] * (ds[nt][0] - d.x);
-            ds[nt][1] = s[nt][1] * (ds[nt][1] - d.y);
-            ds[nt][2] = s[nt][2] * (ds[nt][2] - d.x);
-            ds[nt][3] = s[nt][3] * (ds[nt][3] - d.y);
-        }
-        gemm_rn_16x64<T, D>(dk, ds, tq, qc0, lane);
+        gemm_nt_16xn<T, D, 64>(ds, aV, kr0, tdo, qc0, lane);
+        ds_t(ds, s, td, qc0 + c2);
+        gemm_rn_16xk<T, D, 64>(dk, ds, tq, qc0, lane);
 
         if (p.dq_accum) {
             /* dQ[BM × D] += dS K, through dSᵀ in shared memory, accumulated with fp32 reductions. */
@@ -383,40 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
                 put2<T, BM>(sdS, kr0 + g + 8, qc0 + nt * 8 + c2, ds[nt][2], ds[nt][3]);
             }
             __syncthreads();
-            constexpr int NT = tile::DQ_COLS / 8;
-            const int m0 = (warp / tile::DQ_WN) * 32, d0 = (warp % tile::DQ_WN) * tile::DQ_COLS;
-            /* A = dS [query][key] is dSᵀ [key][query] read transposed: the Bᵀ lane addressing of mma.cuh. */
-            const uint32_t a_base = adS + lane_bt_row(lane) * BM * 2,
-                           a_xor = swizzle_lane_xor(lane_bt_row(lane), lane_bt_chunk(lane));
-            const uint32_t b_base = aK + lane_a_row(lane) * row_bytes,
-                           b_xor = swizzle_lane_xor(lane_a_row(lane), lane_a_chunk(lane));
-            float acc[2][NT][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-                uint32_t af[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; mt++)
-                    ldmatrix_x4_trans(af[mt], a_base + kk * 16 * BM * 2 + swizzle_kstep(m0 / 16 + mt, a_xor));
-#pragma unroll
-                for (int np = 0; np < NT / 2; np++) {
-                    uint32_t bf[4];
-                    ldmatrix_x4_trans(bf, b_base + kk * 16 * row_bytes + swizzle_kstep(d0 / 16 + np, b_xor));
-#pragma unroll
-                    for (int mt = 0; mt < 2; mt++) {
-                        mma_16816<T>(acc[mt][2 * np], af[mt], bf);
-                        mma_16816<T>(acc[mt][2 * np + 1], af[mt], bf + 2);
-                    }
-                }
-            }
-            float *dst = p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n) + m0) * D + d0;
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    float *e = dst + (mt * 16 + g) * D + nt * 8 + c2;
-                    red_add2(e, acc[mt][nt][0], acc[mt][nt][1]);
-                    red_add2(e + 8 * D, acc[mt][nt][2], acc[mt][nt][3]);
-                }
+            dq_accum_step<T, D, BM, BN>(p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n)) * D, adS, aK, warp, lane);
         }
         __syncthreads(); /* the next step's loads overwrite this step's buffers */
     }
@@ -459,10 +550,131 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dkdv_kernel(bwd_params p)
     store_rows<T, D, BN>((T *)p.dk + sq.tb * p.dk_sb + h * p.dk_sh + sq.k_off * p.dk_sn, p.dk_sn, key0, nk, sK);
 }
 
+/* D = 256: the per-warp 16 × D dK and dV of the kernel above would take 256 registers a thread, and its Q/dO
+ * buffers 256 KiB. This one takes 64 keys per CTA (a 128-key mask block is two CTAs, sub_shift = 1) and 64 query
+ * rows per step (two steps per query block). 8 warps as 4 along keys × 2: for Sᵀ and dPᵀ each warp computes 16 keys
+ * × 32 queries and writes Pᵀ and dSᵀ to shared memory; for dV += Pᵀ dO and dK += dSᵀ Q each owns 16 keys × 128
+ * columns (64 + 64 accumulator registers), so no cross-warp reduction is left for the epilogue. */
+template <typename T> struct dkdv256_tile {
+    static constexpr int D = 256, BN = 64, BM = 64, SUB = kBlockQ / BM;
+    static constexpr size_t smem = sizeof(T) * (2 * BN * D + 4 * BM * D + 2 * BN * BM) + sizeof(float) * 4 * BM;
+    static constexpr size_t smem_static = 128; /* the kernel's `src` block, which the device's limit counts too */
+};
+
+template <typename T, bool CAUSAL, bool VARLEN>
+__global__ void __launch_bounds__(kThreads, 1) bwd_dkdv256_kernel(bwd_params p, int sub_shift)
+{
+    using tile = dkdv256_tile<T>;
+    constexpr int D = tile::D, BN = tile::BN, BM = tile::BM, SUB = tile::SUB, row_bytes = D * 2, DC = D / 2;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    T *sK = (T *)smem_raw, *sV = sK + BN * D, *sQ = sV + BN * D, *sdO = sQ + 2 * BM * D, *sP = sdO + 2 * BM * D,
+      *sdS = sP + BN * BM;
+    float *sLse = (float *)(sdS + BN * BM), *sDt = sLse + 2 * BM;
+    const uint32_t aK = smem_addr(sK), aV = smem_addr(sV), aQ = smem_addr(sQ), adO = smem_addr(sdO),
+                   aP = smem_addr(sP), adS = smem_addr(sdS);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    /* The warp's keys, its queries in Sᵀ and dPᵀ, its columns of dK and dV. */
+    const int kr0 = 16 * (warp % 4), qc0 = 32 * (warp / 4), d0 = DC * (warp / 4);
+    const int g = frag_row(lane), c2 = frag_col(lane);
+
+    const int work = (int)(blockIdx.x >> sub_shift), part = (int)(blockIdx.x & ((1u << sub_shift) - 1));
+    const int tile_id = p.order ? p.order[work] : work;
+    const int bh = tile_id / p.Nkb, j = tile_id % p.Nkb, b = bh / p.H, h = bh % p.H;
+    const gpu_seq sq = gpu_seq_of<VARLEN>(p, b);
+    const int nq = sq.nq, nk = sq.nk, key0 = ((j << sub_shift) + part) * BN, diag = nk - nq;
+    if (key0 >= nk) /* the second half of a ragged last block, or a block past its sequence */
+        return;
+    const int32_t *list = p.t_counts ? p.t_indices + (int64_t)tile_id * p.Nqb : nullptr;
+    /* Dense causal: the query blocks before the first whose last query may attend key0 add nothing. */
+    const int i0 = CAUSAL && !list ? max(0, key0 - diag) / kBlockQ : 0;
+    const int nsteps = (list ? p.t_counts[tile_id] : p.Nqb - i0) * SUB;
+
+    /* What the steps read, kept in shared memory rather than in registers that dK and dV need. */
+    __shared__ struct {
+        const T *q, *d_o;
+        const float *lse2, *dt;
+        const int32_t *list;
+        int nq, i0;
+    } src;
+    if (threadIdx.x == 0) {
+        src.q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
+        src.d_o = (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + sq.q_off * p.do_sn;
+        src.lse2 = p.lse2 + (int64_t)bh * p.Nq_pad, src.dt = p.dt + (int64_t)bh * p.Nq_pad;
+        src.list = list, src.nq = nq, src.i0 = i0;
+    }
+    __syncthreads();
+
+    auto step_row0 = [&](int n) {
+        return (src.list ? src.list[n / SUB] : src.i0 + n / SUB) * kBlockQ + (n % SUB) * BM;
+    };
+    auto issue = [&](int n, int buf) {
+        load_step<T, D, BM>(aQ, adO, sLse, sDt, buf, src.q, src.d_o, src.lse2, src.dt, p, step_row0(n), src.nq);
+    };
+
+    if (nsteps > 0) {
+        load_kv<T, D, BN>(aK, aV, p, sq, h, key0, nk);
+        issue(0, 0);
+    }
+    cp_async_commit();
+
+    /* Keys past Nk (ragged last block) get P = 0, so they add nothing anywhere. */
+    const bool key_ok0 = key0 + kr0 + g < nk, key_ok1 = key0 + kr0 + g + 8 < nk;
+    float dv[DC / 8][4] = {}, dk[DC / 8][4] = {};
+
+    for (int n = 0; n < nsteps; n++) {
+        const int buf = n & 1;
+        cp_async_double_buffer_step(n, nsteps, issue);
+        const uint32_t tq = aQ + buf * BM * row_bytes, tdo = adO + buf * BM * row_bytes;
+        const float *tl = sLse + buf * BM, *td = sDt + buf * BM;
+
+        /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e), keys as rows, queries as columns. */
+        float s[4][4];
+        gemm_nt_16xn<T, D, 32>(s, aK, kr0, tq, qc0, lane);
+        probs_t(s, tl, qc0 + c2, key_ok0, key_ok1, p.scale_log2);
+        const int qa = step_row0(n) + qc0; /* causal: only near the diagonal */
+        if (CAUSAL && key0 + kr0 + 15 > qa + diag)
+            zero_past_diagonal(s, key0 + kr0 + g - diag, qa + c2);
+
+        /* dSᵀ = Pᵀ ∘ (dPᵀ − D), dPᵀ = V dOᵀ; Pᵀ and dSᵀ go to shared memory for the other half's warps. */
+        float ds[4][4];
+        gemm_nt_16xn<T, D, 32>(ds, aV, kr0, tdo, qc0, lane);
+        ds_t(ds, s, td, qc0 + c2);
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            const int col = qc0 + nt * 8 + c2;
+            put2<T, BM>(sP, kr0 + g, col, s[nt][0], s[nt][1]);
+            put2<T, BM>(sP, kr0 + g + 8, col, s[nt][2], s[nt][3]);
+            put2<T, BM>(sdS, kr0 + g, col, ds[nt][0], ds[nt][1]);
+            put2<T, BM>(sdS, kr0 + g + 8, col, ds[nt][2], ds[nt][3]);
+        }
+        __syncthreads();
+        gemm_sn_16xc<T, D, BM, DC>(dv, aP, kr0, tdo, d0, lane);
+        gemm_sn_16xc<T, D, BM, DC>(dk, adS, kr0, tq, d0, lane);
+        if (p.dq_accum)
+            dq_accum_step<T, D, BM, BN>(p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n)) * D, adS, aK, warp, lane);
+        __syncthreads(); /* the next step's loads overwrite this step's buffers, its Pᵀ and dSᵀ these */
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+#pragma unroll
+    for (int nt = 0; nt < DC / 8; nt++) {
+        int col = d0 + nt * 8 + c2;
+        put2<T, D>(sV, kr0 + g, col, dv[nt][0], dv[nt][1]);
+        put2<T, D>(sV, kr0 + g + 8, col, dv[nt][2], dv[nt][3]);
+        put2<T, D>(sK, kr0 + g, col, dk[nt][0] * p.scale, dk[nt][1] * p.scale);
+        put2<T, D>(sK, kr0 + g + 8, col, dk[nt][2] * p.scale, dk[nt][3] * p.scale);
+    }
+    __syncthreads();
+    store_rows<T, D, BN>((T *)p.dv + sq.tb * p.dv_sb + h * p.dv_sh + sq.k_off * p.dv_sn, p.dv_sn, key0, nk, sV);
+    store_rows<T, D, BN>((T *)p.dk + sq.tb * p.dk_sb + h * p.dk_sh + sq.k_off * p.dk_sn, p.dk_sn, key0, nk, sK);
+}
+
 /* ------------------------------------------------------------------------------------------ dQ pass */
 
 template <typename T, int D> struct dq_tile {
-    static constexpr int KT = 64; /* keys per step */
+    static constexpr int KT = D == 256 ? 32 : 64; /* keys per step: at D = 256 two buffers of 64 keys would not fit */
     static constexpr size_t smem = sizeof(T) * (2 * kBlockQ * D + 4 * KT * D);
 };
 
@@ -486,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
         return;
     const int32_t *list = p.counts ? p.indices + (int64_t)tile_id * p.Nkb : nullptr;
     int nsteps = (list ? p.counts[tile_id] : p.Nkb) * SUB;
-    if (CAUSAL && !list) /* dense causal: the 64-key steps up to the block's last diagonal */
+    if (CAUSAL && !list) /* dense causal: the KT-key steps up to the block's last diagonal */
         nsteps = min(nsteps, (min(q0 + kBlockQ, nq) - 1 + diag) / KT + 1);
 
     const int hk = gpu_kv_head(h, p.kv_magic);
@@ -516,10 +728,10 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
         const uint32_t tk = aK + buf * KT * row_bytes, tv = aV + buf * KT * row_bytes;
         const int k0 = step_key0(n);
 
-        float s[8][4];
-        gemm_nt_16x64<T, D>(s, aQ, r0, tk, 0, lane);
+        float s[KT / 8][4];
+        gemm_nt_16xn<T, D, KT>(s, aQ, r0, tk, 0, lane);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < KT / 8; nt++) {
             /* Keys past Nk (ragged last block) get P = 0. */
             bool ok0 = k0 + nt * 8 + c2 < nk, ok1 = k0 + nt * 8 + c2 + 1 < nk;
             s[nt][0] = ok0 ? exp2f(fmaf(s[nt][0], p.scale_log2, -lse_0)) : 0.0f;
@@ -531,7 +743,7 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
         if (CAUSAL && k0 + KT - 1 > q0 + r0 + diag) {
             const int ra = q0 + r0 + g + diag, rb = ra + 8;
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
+            for (int nt = 0; nt < KT / 8; nt++) {
                 const int kt = k0 + nt * 8 + c2;
                 s[nt][0] = kt > ra ? 0.0f : s[nt][0];
                 s[nt][1] = kt + 1 > ra ? 0.0f : s[nt][1];
@@ -539,16 +751,16 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
                 s[nt][3] = kt + 1 > rb ? 0.0f : s[nt][3];
             }
         }
-        float ds[8][4];
-        gemm_nt_16x64<T, D>(ds, adO, r0, tv, 0, lane);
+        float ds[KT / 8][4];
+        gemm_nt_16xn<T, D, KT>(ds, adO, r0, tv, 0, lane);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < KT / 8; nt++) {
             ds[nt][0] = s[nt][0] * (ds[nt][0] - dt_0);
             ds[nt][1] = s[nt][1] * (ds[nt][1] - dt_0);
             ds[nt][2] = s[nt][2] * (ds[nt][2] - dt_1);
             ds[nt][3] = s[nt][3] * (ds[nt][3] - dt_1);
         }
-        gemm_rn_16x64<T, D>(dq, ds, tk, 0, lane);
+        gemm_rn_16xk<T, D, KT>(dq, ds, tk, 0, lane);
         __syncthreads();
     }
     cp_async_wait<0>();
@@ -564,8 +776,9 @@ __global__ void __launch_bounds__(kThreads, 1) bwd_dq_kernel(bwd_params p)
 
 /* ------------------------------------------------------------------------------------------ host */
 
-template <typename K>
-sparge_status launch(gpu_ctx *ctx, K kernel, unsigned grid, size_t smem, const bwd_params &p, const char *what)
+template <typename K, typename... Args>
+sparge_status launch(gpu_ctx *ctx, K kernel, unsigned grid, size_t smem, const bwd_params &p, const char *what,
+                     Args... args)
 {
     if (smem > ctx->smem_optin)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED,
@@ -578,7 +791,7 @@ sparge_status launch(gpu_ctx *ctx, K kernel, unsigned grid, size_t smem, const b
         return s;
     if (grid == 0)
         return SPARGE_OK;
-    kernel<<<grid, kThreads, smem, ctx->stream>>>(p);
+    kernel<<<grid, kThreads, smem, ctx->stream>>>(p, args...);
     return GPU_CHECK_LAUNCH(what);
 }
 
@@ -613,6 +826,12 @@ template <typename T, int D, int BN> void (*dkdv_kernel_for(const bwd_params &p)
         return p.causal ? bwd_dkdv_kernel<T, D, BN, true, true> : bwd_dkdv_kernel<T, D, BN, false, true>;
     return p.causal ? bwd_dkdv_kernel<T, D, BN, true, false> : bwd_dkdv_kernel<T, D, BN, false, false>;
 }
+template <typename T> void (*dkdv256_kernel_for(const bwd_params &p))(bwd_params, int)
+{
+    if (p.seq_q)
+        return p.causal ? bwd_dkdv256_kernel<T, true, true> : bwd_dkdv256_kernel<T, false, true>;
+    return p.causal ? bwd_dkdv256_kernel<T, true, false> : bwd_dkdv256_kernel<T, false, false>;
+}
 template <typename T, int D, int BN> void (*dq_kernel_for(const bwd_params &p))(bwd_params)
 {
     if (p.seq_q)
@@ -636,7 +855,7 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
     if (!p.t_counts)
         pk.Nkb = (p.Nk + bk - 1) / bk;
     const int wide = wgmma_keys == 128 && (!p.t_counts || bk == 128);
-    if (wgmma_keys && !p.t_counts) /* the wgmma kernel's dense tiles are its CTAs */
+    if ((wgmma_keys || D == 256) && !p.t_counts) /* the wgmma and D = 256 kernels' dense tiles are their CTAs */
         pk.Nkb = (p.Nk + (wide ? 127 : 63)) / (wide ? 128 : 64);
     if (!atomic_dq)
         pk.dq_accum = nullptr;
@@ -654,9 +873,8 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
         q_job = {p.counts, (int)(BH * p.Nqb), p.Nkb, order_q};
         pq.order = order_q;
     }
-    /* The wgmma dQ pass does the prep's work and runs first; it takes neither causal masks nor packed sequences, so
-     * there the wgmma dK/dV pass runs between the prep and the mma.sync dQ pass. */
-    const int wgmma_pass = wgmma_keys && !atomic_dq && !p.causal && !p.seq_q;
+    /* The wgmma dQ pass (causal masks and packed sequences included) does the prep's work and runs first. */
+    const int wgmma_pass = wgmma_keys && !atomic_dq;
     if (wgmma_pass) {
         pq.dq_done = pk.dq_done = dq_done;
         pq.dq_ctas = pk.dq_ctas = (uint32_t)(BH * pq.Nqb);
@@ -667,26 +885,34 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
 
     if (wgmma_pass) {
         /* Overlap safety. The dependent dK/dV grid launches only once every dQ CTA has counted itself and
-         * triggered, so its wait for the count ends at once and cannot deadlock: every dQ CTA is resident before
-         * any dK/dV CTA, however many waves the dQ grid takes; where the launch is serialized (overlap off, a tool
-         * serializing kernels) the count is complete before it starts. Its other inputs (Q, K, V, dO, the mask,
-         * order_kv) were complete before the dQ pass, a plain launch that started after the orders kernel (which
-         * zeroed the count) had completed. It writes only dk and dv, which the dQ pass does not read, and reads of
-         * the dQ pass's output only the padded arrays, after the count. */
+         * triggered (a query block past its packed sequence too, before it leaves), so its wait for the count
+         * ends at once and cannot deadlock: every dQ CTA is resident before any dK/dV CTA, however many waves the
+         * dQ grid takes; where the launch is serialized (overlap off, a tool serializing kernels) the count is
+         * complete before it starts. Its other inputs (Q, K, V, dO, the mask, order_kv) were complete before the
+         * dQ pass, a plain launch that started after the orders kernel (which zeroed the count) had completed. It
+         * writes only dk and dv, which the dQ pass does not read, and reads of the dQ pass's output only the padded
+         * arrays, after the count. */
         if ((s = sparge_cuda_wgmma_dq(ctx, pq, BH, bkq == 128 ? 1 : 0, dtype, D)))
             return s;
         return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, overlap);
     }
 
+    /* The mma.sync kernels, or dQ by atomics: the prep, the dK/dV pass, then the conversion or the dQ pass. */
     if ((s = launch_rows(ctx, p.seq_q ? bwd_prep_kernel<T, D, true> : bwd_prep_kernel<T, D, false>, rows, D, p,
                          "backward prep kernel")))
         return s;
-    unsigned grid_kv = (unsigned)(BH * pk.Nkb);
-    s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, 0)
-        : bk == 64
-            ? launch(ctx, dkdv_kernel_for<T, D, 64>(p), grid_kv, dkdv_tile<T, D, 64>::smem, pk, "backward dK/dV kernel")
-            : launch(ctx, dkdv_kernel_for<T, D, 128>(p), grid_kv, dkdv_tile<T, D, 128>::smem, pk,
-                     "backward dK/dV kernel");
+    if constexpr (D == 256) {
+        /* 64 keys per CTA: halves of 128-key mask blocks (kv_sub_shift = 1). */
+        s = launch(ctx, dkdv256_kernel_for<T>(p), (unsigned)((BH * pk.Nkb) << kv_sub_shift), dkdv256_tile<T>::smem,
+                   pk, "backward dK/dV kernel", kv_sub_shift);
+    } else {
+        const unsigned grid_kv = (unsigned)(BH * pk.Nkb);
+        s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, 0)
+            : bk == 64 ? launch(ctx, dkdv_kernel_for<T, D, 64>(p), grid_kv, dkdv_tile<T, D, 64>::smem, pk,
+                                "backward dK/dV kernel")
+                       : launch(ctx, dkdv_kernel_for<T, D, 128>(p), grid_kv, dkdv_tile<T, D, 128>::smem, pk,
+                                "backward dK/dV kernel");
+    }
     if (s)
         return s;
     if (atomic_dq)
@@ -706,12 +932,14 @@ struct bwd_plan {
 /* bk: the mask's key block, 0 for dense. Variant of dQ: the separate pass is deterministic. Otherwise atomics,
  * except where the wgmma dK/dV kernel takes 64 keys per CTA (bk = 64 masks): there its 64 × D reductions per step
  * cost more than the wgmma pass (H200, 1.3B shape, 95 %: 3.241 against 2.771 ms; dense, 128 keys per CTA: 46.98
- * against 48.66 ms). The dq option overrides the choice where deterministic is 0. */
-bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic)
+ * against 48.66 ms). The dq option overrides the choice where deterministic is 0. The wgmma kernels take D up to
+ * 128: D = 256 runs the mma.sync ones (sparge_cuda_backward_fits refuses bwd_kernel=wgmma there). */
+bwd_plan plan_for(const gpu_ctx *ctx, int D, int bk, int deterministic)
 {
     const gpu_options &o = ctx->opt;
-    const int wgmma = o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel == GPU_KERNEL_WGMMA
-                                                      : sparge_cuda_wgmma_backward_available(ctx);
+    const int wgmma = D > 128                           ? 0
+                      : o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel == GPU_KERNEL_WGMMA
+                                                        : sparge_cuda_wgmma_backward_available(ctx);
     /* 128 keys per CTA where the mask allows it (dense, bk = 128): 47.2 against 59.7 ms dense on the H200. */
     const int keys = !wgmma ? 0 : o.bwd_keys ? o.bwd_keys : 128;
     const int narrow = keys == 64 || (keys && bk && bk != 128);
@@ -722,7 +950,11 @@ bwd_plan plan_for(const gpu_ctx *ctx, int bk, int deterministic)
 /* Shared memory of the mma.sync kernels of a plan. */
 template <typename T, int D> size_t mma_smem(int bk, const bwd_plan &pl)
 {
-    const size_t kv = bk == 64 ? dkdv_tile<T, D, 64>::smem : dkdv_tile<T, D, 128>::smem;
+    size_t kv;
+    if constexpr (D == 256)
+        kv = dkdv256_tile<T>::smem + dkdv256_tile<T>::smem_static;
+    else
+        kv = bk == 64 ? dkdv_tile<T, D, 64>::smem : dkdv_tile<T, D, 128>::smem;
     const size_t q = pl.atomic_dq ? 0 : dq_tile<T, D>::smem;
     return kv > q ? kv : q;
 }
@@ -806,7 +1038,10 @@ sparge_view staged_view(const sparge_view &v, void *data, int64_t H, int64_t Dt)
 
 sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic)
 {
-    const bwd_plan pl = plan_for(ctx, bk, deterministic);
+    if (D > 128 && ctx->opt.bwd_kernel == GPU_KERNEL_WGMMA)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma takes head dims up to 128 (D=%d "
+                           "runs the mma.sync kernels)", D);
+    const bwd_plan pl = plan_for(ctx, D, bk, deterministic);
     if (pl.wgmma_keys) {
         if (!sparge_cuda_wgmma_backward_available(ctx))
             return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma needs an sm_90 device and a "
@@ -814,7 +1049,9 @@ sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int d
         return SPARGE_OK;
     }
     /* f16 and bf16 tiles have the same size; head dims below 64 or 128 run those widths on staged copies. */
-    const size_t smem = D <= 64 ? mma_smem<gpu_half, 64>(bk, pl) : mma_smem<gpu_half, 128>(bk, pl);
+    const size_t smem = D <= 64    ? mma_smem<gpu_half, 64>(bk, pl)
+                        : D <= 128 ? mma_smem<gpu_half, 128>(bk, pl)
+                                   : mma_smem<gpu_half, 256>(bk, pl);
     if (smem > ctx->smem_optin)
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the mma.sync kernels for D=%d and %d-key blocks need "
                            "%zu bytes of shared memory, the device allows %zu", D, bk ? bk : 128, smem,
@@ -822,7 +1059,7 @@ sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int d
     return SPARGE_OK;
 }
 
-/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D a multiple of 8 up to 128, K/V heads
+/* A call the "cuda" tier's supports() accepted (backend.cu): f16/bf16, D a multiple of 8 up to 128 or 256, K/V heads
  * dividing H, causal or not, fixed lengths or packed sequences, 16-byte rows, masks of 128-row query blocks and
  * 64- or 128-key blocks. */
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args)
@@ -830,14 +1067,14 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     const sparge_mask_view *m = args->mask;
     const int64_t D = args->q.D, H = args->q.H, Nq = args->q.N, Nk = args->k.N;
     const int64_t BHt = args->q.B * H, BH = (m ? m->B : args->q.B) * H; /* the tensors', the sequences' (varlen) */
-    const int64_t Dt = D <= 64 ? 64 : 128, Hk = args->k.H, group = H / Hk;
+    const int64_t Dt = D <= 64 ? 64 : D <= 128 ? 128 : 256, Hk = args->k.H, group = H / Hk;
     /* A head dim below the kernels' width runs on staged copies of every tensor; grouped K/V heads are read in
      * place (kv_magic), with dK and dV written per query head to staged buffers and summed over each group. */
     const bool pad = Dt != D, staged_kv_out = pad || group > 1, varlen = m && m->seq_q;
     sparge_status s;
     const int bk = m ? args->bk : 128;
     const int causal = m ? m->causal : args->causal;
-    const bwd_plan pl = plan_for(ctx, m ? args->bk : 0, args->deterministic);
+    const bwd_plan pl = plan_for(ctx, (int)D, m ? args->bk : 0, args->deterministic);
     const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, overlap = pl.overlap;
 
     const int Nqb = varlen ? (int)m->Nqb : (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = m ? (int)m->Nkb : 0;
@@ -913,9 +1150,12 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     if (Dt == 64)
         s = bf ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
                : run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
-    else
+    else if (Dt == 128)
         s = bf ? run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
                : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+    else
+        s = bf ? run<gpu_bf16, 256>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
+               : run<gpu_half, 256>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
     if (s || !staged_kv_out)
         return s;
     const int dch = (int)(D / 8), dtch = (int)(Dt / 8);

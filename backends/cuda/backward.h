@@ -34,8 +34,8 @@ struct bwd_params {
      * (acquire). NULL: the arrays were written by an earlier, completed kernel. */
     uint32_t *dq_done;
     uint32_t dq_ctas;
-    int causal; /* keys past a query's diagonal (u > t + nk − nq of its sequence) are masked (mma.sync kernels) */
-    const int32_t *seq_q, *seq_k; /* varlen (mma.sync kernels): token offsets of the B sequences in the packed
+    int causal; /* keys past a query's diagonal (u > t + nk − nq of its sequence) are masked */
+    const int32_t *seq_q, *seq_k; /* varlen: token offsets of the B sequences in the packed
                                    * [1, H, T, D] tensors; Nq, Nk are then the totals, Nqb the longest's blocks */
 };
 
@@ -112,8 +112,9 @@ int sparge_cuda_wgmma_backward_available(const gpu_ctx *ctx);
 sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
                                      sparge_dtype dt, int D, int dependent);
 /* The separate dQ pass with wgmma (dq_sm90.cu; available with the dK/dV kernel above), f16 or bf16,
- * D = 64 or 128: one CTA per query block, p.Nkb counts key blocks of 64 keys << sub_shift (the mask's
- * bk, or 64 when dense), p.order (if set) orders the query blocks. No atomics. It computes D_t and
+ * D = 64 or 128, causal or not, fixed lengths or packed sequences: one CTA per query block (of a sequence
+ * with varlen), p.Nkb counts key blocks of 64 keys << sub_shift (the mask's bk, or 64 when dense),
+ * p.order (if set) orders the query blocks. No atomics. It computes D_t and
  * LSE·log2e from p.o, p.d_o and p.lse (the prep's work: it reads neither padded array) and writes
  * p.dt and p.lse2, every padded row, for a dK/dV pass after it, then counts itself in p.dq_done (required)
  * and lets that pass launch. */

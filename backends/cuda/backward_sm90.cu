@@ -4,9 +4,9 @@
  * Same contract and arithmetic as backward.cu's mma.sync dK/dV kernel, which it replaces on
  * sm_90, causal masks (P = 0 past a query's diagonal, on the steps that reach it) and packed
  * sequences (a CTA's key block and query steps inside its sequence's frame) included; backward.cu
- * still runs the prep (D_t, LSE·log2e, zeroed dQ accumulator), the heavy-first launch order and
- * the dQ conversion; the separate (deterministic) dQ pass is dq_sm90.cu's, or with causal masks or
- * packed sequences the mma.sync one.
+ * runs the heavy-first launch order and, with atomic dQ, the prep (D_t, LSE·log2e, zeroed dQ
+ * accumulator) and the dQ conversion; the separate (deterministic) dQ pass is dq_sm90.cu's, which
+ * does the prep's work and runs first, causal masks and packed sequences included.
  *
  * Design choices:
  * - Each warpgroup (128 threads) owns 64 keys: every product is an m64 wgmma with the keys as M,

@@ -16,6 +16,14 @@
  * (deterministic). Two warpgroups of 128 threads each own 64 query rows (their Q, dO, LSE, D_t and
  * the 64 × D fp32 dQ accumulator stay put for the whole row); the K/V tiles are shared.
  *
+ * Causal masks and packed sequences, as in the mma.sync kernel: causal (bottom-right, key u past
+ * query t's diagonal when u > t + nk − nq of its sequence) gives P = 0 past the diagonal, tested per
+ * token only on the tiles that reach past the diagonal of the warpgroup's first row, and a dense row
+ * stops at the tile of its last query's diagonal. With packed sequences a CTA's query block and key
+ * tiles lie in its sequence's frame (gpu_seq_of); a query block past its sequence computes nothing
+ * but still writes its padded rows (D_t = 0, LSE·log2e = +inf) and counts itself, as the dK/dV pass
+ * reads every padded row once every CTA has counted.
+ *
  * Pipeline: K/V tiles are cp.async-prefetched AHEAD = 2 tiles ahead into STAGES = 4 buffers, the
  * copies issued while S and dP run. Per tile, each warpgroup commits S and dP as two wgmma groups
  * and computes P while dP runs; the dQ += dS·K product is left in flight across the next tile's
@@ -23,9 +31,9 @@
  * kept: the prefetch at tile t reuses the buffers of tile t − 2, whose dQ product every warpgroup
  * waited for during tile t − 1.
  * One CTA per SM: the two warpgroups' MMAs overlap each other's exponentials. At D = 128 the dQ
- * accumulator alone is 64 registers per thread, S and dP 32 each (190 registers in all, 193 KiB of
- * shared memory); D = 64 needs 158 registers, so two CTAs per SM (≤ 128) would make ptxas serialize
- * the wgmma pipeline.
+ * accumulator alone is 64 registers per thread, S and dP 32 each (182 to 191 registers by dtype,
+ * causal and varlen, 193 KiB of shared memory); D = 64 needs 150 to 159 registers, so two CTAs per SM
+ * (≤ 128) would make ptxas serialize the wgmma pipeline.
  *
  * Shared-memory layout: sm90_tile.cuh's 64-row regions of 128-byte swizzled panels, 1024-byte
  * aligned: Q (two regions, one per warpgroup), dO (two), then STAGES × (K, V).
@@ -61,7 +69,7 @@ struct dq90_traits {
     static_assert(BWD_BLOCK_Q == 2 * WG_ROWS && TILE_K == REGION_ROWS, "two warpgroups, 64-key tiles");
 };
 
-template <typename T, int D>
+template <typename T, int D, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p, int sub_shift)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -76,35 +84,51 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
 
     const int tid = threadIdx.x, lane = tid & 31, wg = warp_uniform(tid >> 7), wg_tid = tid & 127;
     const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, sub_shift);
-    const int bh = w.bh, b = w.b, h = w.h, q0 = w.qblock * BWD_BLOCK_Q, n_tiles = warp_uniform(w.n_tiles);
+    const int bh = w.bh, h = w.h, q0 = w.qblock * BWD_BLOCK_Q;
+    const gpu_seq sq = gpu_seq_of<VARLEN>(p, w.b); /* with varlen, w.b is the sequence */
+    const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
+    /* A query block past its sequence (varlen) has no row to compute: it only writes its rows of the padded arrays
+     * and counts itself (the dK/dV pass reads those rows and waits for every CTA). It loads nothing: after an empty
+     * last sequence even zero-filled loads would address past the end of Q. */
+    const bool rows_here = !VARLEN || q0 < nq;
+    /* Dense causal: the tiles up to the block's last diagonal, none when every key lies past it (the mask's rows
+     * hold no block wholly past it). */
+    const int last_diag = min(q0 + BWD_BLOCK_Q, nq) - 1 + diag;
+    const int causal_tiles = last_diag < 0 ? 0 : min(w.n_tiles, last_diag / TILE_K + 1);
+    const int n_tiles = warp_uniform(!rows_here ? 0 : CAUSAL && !p.counts ? causal_tiles : w.n_tiles);
 
     const int hk = gpu_kv_head(h, p.kv_magic);
-    const T *k = (const T *)p.k + b * p.k_sb + hk * p.k_sh, *v = (const T *)p.v + b * p.v_sb + hk * p.v_sh;
+    const T *k = (const T *)p.k + sq.tb * p.k_sb + hk * p.k_sh + sq.k_off * p.k_sn;
+    const T *v = (const T *)p.v + sq.tb * p.v_sb + hk * p.v_sh + sq.k_off * p.v_sn;
     auto issue_tile = [&](int t) { /* one commit group per tile, empty past the last */
         if (t < n_tiles) {
             const int key0 = w.key0(t), stage = t % STAGES;
-            load_tile<T, D, TILE_K, THREADS>(k_smem(stage), k, p.k_sn, key0, p.Nk, tid);
-            load_tile<T, D, TILE_K, THREADS>(v_smem(stage), v, p.v_sn, key0, p.Nk, tid);
+            load_tile<T, D, TILE_K, THREADS>(k_smem(stage), k, p.k_sn, key0, nk, tid);
+            load_tile<T, D, TILE_K, THREADS>(v_smem(stage), v, p.v_sn, key0, nk, tid);
         }
         cp_async_commit();
     };
 
     /* Groups in commit order: Q, dO and tile 0; tile 1; ... */
-    load_tile<T, D, BWD_BLOCK_Q, THREADS>(q_smem, (const T *)p.q + b * p.q_sb + h * p.q_sh, p.q_sn, q0, p.Nq, tid);
-    load_tile<T, D, BWD_BLOCK_Q, THREADS>(do_smem, (const T *)p.d_o + b * p.do_sb + h * p.do_sh, p.do_sn, q0, p.Nq,
-                                          tid);
+    if (rows_here) {
+        load_tile<T, D, BWD_BLOCK_Q, THREADS>(q_smem, (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn,
+                                              p.q_sn, q0, nq, tid);
+        load_tile<T, D, BWD_BLOCK_Q, THREADS>(
+            do_smem, (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + sq.q_off * p.do_sn, p.do_sn, q0, nq, tid);
 #pragma unroll
-    for (int t = 0; t < AHEAD; t++)
-        issue_tile(t);
+        for (int t = 0; t < AHEAD; t++)
+            issue_tile(t);
+    }
 
     /* This thread's accumulator rows inside the warpgroup's 64: row0 (e = 0, 1) and row0 + 8 (e = 2, 3),
      * columns nt·8 + c2 (+1). */
     const int row0 = (wg_tid >> 5) * 16 + frag_row(lane), c2 = frag_col(lane);
-    const int tok0 = q0 + wg * WG_ROWS + row0;
+    const int row_first = q0 + wg * WG_ROWS, tok0 = row_first + row0; /* the warpgroup's first row, this thread's */
     /* The prep's work for these rows (the pass runs before the dK/dV pass, which reads what it writes): D_t
      * from 16-byte parts q, q + 4, ... of O and dO (q = lane % 4, the quad of the row's four threads) and the
-     * prep's xor tree, its levels ≥ 4 in registers, 2 and 1 across the quad; LSE·log2e. Rows past Nq get
-     * D_t = 0 and LSE·log2e = +inf (P = 0), as in the prep. */
+     * prep's xor tree, its levels ≥ 4 in registers, 2 and 1 across the quad; LSE·log2e. Rows past the sequence's
+     * nq (past Nq, or with varlen past the sequence, up to the padded end) get D_t = 0 and LSE·log2e = +inf (P = 0),
+     * as in the prep. */
     float dt_r[2], lse_r[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -114,9 +138,10 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
 #pragma unroll
         for (int j = 0; j < PARTS; j++)
             part[j] = 0.0f;
-        if (tok < p.Nq) {
-            const T *o = (const T *)p.o + b * p.o_sb + h * p.o_sh + (int64_t)tok * p.o_sn;
-            const T *d_o = (const T *)p.d_o + b * p.do_sb + h * p.do_sh + (int64_t)tok * p.do_sn;
+        if (tok < nq) {
+            const int64_t tt = sq.q_off + tok;
+            const T *o = (const T *)p.o + sq.tb * p.o_sb + h * p.o_sh + tt * p.o_sn;
+            const T *d_o = (const T *)p.d_o + sq.tb * p.do_sb + h * p.do_sh + tt * p.do_sn;
 #pragma unroll
             for (int j = 0; j < PARTS; j++)
                 part[j] = dt_part(o + ((lane & 3) + 4 * j) * 8, d_o + ((lane & 3) + 4 * j) * 8);
@@ -129,7 +154,9 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         part[0] += __shfl_xor_sync(0xffffffffu, part[0], 2);
         part[0] += __shfl_xor_sync(0xffffffffu, part[0], 1);
         dt_r[r] = part[0];
-        lse_r[r] = tok < p.Nq ? p.lse[(int64_t)bh * p.Nq + tok] * BWD_LOG2E : INFINITY;
+        /* The LSE is [B, H, Nq], or [H, T] for packed sequences. */
+        const int64_t at = VARLEN ? (int64_t)h * p.Nq + sq.q_off + tok : (int64_t)bh * p.Nq + tok;
+        lse_r[r] = tok < nq ? p.lse[at] * BWD_LOG2E : INFINITY;
     }
     { /* the quad's four values to the padded arrays, one each */
         const int r = (lane >> 1) & 1;
@@ -147,6 +174,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         add_release(p.dq_done);
     __syncthreads();
     gpu_allow_next_kernel();
+    if (!rows_here)
+        return;
     const float lse_0 = lse_r[0], lse_1 = lse_r[1], dt_0 = dt_r[0], dt_1 = dt_r[1];
     const uint32_t q_wg = q_smem + wg * W::TILE_BYTES, do_wg = do_smem + wg * W::TILE_BYTES;
 
@@ -172,6 +201,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         __syncthreads();
         const uint32_t k_tile = k_smem(stage), v_tile = v_smem(stage);
 
+        /* Causal: the tile's first key for the diagonal test, its list entry loaded under the MMAs. */
+        const int causal_key0 = CAUSAL ? w.key0(t) : 0;
         float s[N_TILES][4], dp[N_TILES][4];
         wgmma_fence();
         wgmma_a_bt<T, D>(&s[0][0], q_wg, k_tile);
@@ -183,21 +214,24 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
         fence_dq_operands();
         fence_operands(s);
 
-        /* P; keys past Nk (ragged last block, zero-filled K and V) get P = 0, in a branch of their own so that
-         * full tiles pay no per-element test. */
+        /* P; keys past nk (ragged last block, zero-filled K and V) and with causal keys past a query's diagonal
+         * (key > row + nk − nq) get P = 0, in a branch of their own so that tiles away from both pay no per-element
+         * test. The mask selects (a row that attends no key has LSE = −inf, so its P is +inf before it). */
 #pragma unroll
         for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
                 s[nt][e] = exp2f(fmaf(s[nt][e], p.scale_log2, -(e < 2 ? lse_0 : lse_1)));
-        if (w.ragged(t, p.Nk)) {
-            const int key0 = w.key0(t);
+        if (w.ragged(t, nk) || (CAUSAL && causal_key0 + TILE_K - 1 > row_first + diag)) {
+            const int key0 = CAUSAL ? causal_key0 : w.key0(t);
 #pragma unroll
             for (int nt = 0; nt < N_TILES; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (key0 + nt * 8 + c2 + (e & 1) >= p.Nk)
+                for (int e = 0; e < 4; e++) {
+                    const int key = key0 + nt * 8 + c2 + (e & 1);
+                    if (key >= nk || (CAUSAL && key > tok0 + 8 * (e >> 1) + diag))
                         s[nt][e] = 0.0f;
+                }
         }
 
         wgmma_wait<0>();
@@ -236,7 +270,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_dq_kernel(const bwd_params p
             *reinterpret_cast<uint32_t *>(dq_stage + swizzle<D / 8>(row0 + 8 * r, dt) + (lane & 3) * 4) =
                 pack2<T>(dq[dt * 4 + 2 * r] * p.scale, dq[dt * 4 + 2 * r + 1] * p.scale);
     __syncthreads();
-    store_wg_rows<T, D>((T *)p.dq + b * p.dq_sb + h * p.dq_sh, p.dq_sn, q0 + wg * WG_ROWS, p.Nq, dq_stage, wg_tid);
+    store_wg_rows<T, D>((T *)p.dq + sq.tb * p.dq_sb + h * p.dq_sh + sq.q_off * p.dq_sn, p.dq_sn, row_first, nq,
+                        dq_stage, wg_tid);
 #endif
 }
 
@@ -248,7 +283,8 @@ sparge_status launch(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shif
         return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: the wgmma dQ kernel (D=%d) needs %d bytes of "
                            "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
     sparge_status s;
-    auto kernel = wgmma_dq_kernel<T, D>;
+    auto kernel = p.seq_q ? (p.causal ? wgmma_dq_kernel<T, D, true, true> : wgmma_dq_kernel<T, D, false, true>)
+                          : (p.causal ? wgmma_dq_kernel<T, D, true, false> : wgmma_dq_kernel<T, D, false, false>);
     if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
         return s;
     const int64_t grid = BH * p.Nqb;

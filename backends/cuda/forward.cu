@@ -19,7 +19,8 @@
  * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
  *
  * Device options (backend.cu) for benchmarks: fwd_tile="warps,stages[,split]" picks another compiled tile than
- * tiles.h's; fwd_order=natural turns the heavy-first order off; fwd_kernel=mma|wgmma forces either kernel. */
+ * tiles.h's; fwd_order=natural turns the heavy-first order off; fwd_kernel=mma|wgmma forces either kernel,
+ * fwd_kernel=wgmma-ws forward_sm90.cu's warp-specialized one. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -414,7 +415,7 @@ fwd_tile tile_for(const gpu_ctx *ctx, int D)
 bool use_wgmma(const gpu_ctx *ctx, int D)
 {
     if (ctx->opt.fwd_kernel != GPU_KERNEL_AUTO)
-        return ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA;
+        return ctx->opt.fwd_kernel != GPU_KERNEL_MMA;
     return fwd_use_wgmma(ctx->cc_major, ctx->cc_minor, fwd_tile_dim(D)) && sparge_cuda_wgmma_forward_available(ctx);
 }
 
@@ -424,8 +425,9 @@ sparge_status sparge_cuda_forward_fits(const gpu_ctx *ctx, int D)
 {
     if (use_wgmma(ctx, D)) {
         if (!sparge_cuda_wgmma_forward_available(ctx))
-            return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: fwd_kernel=wgmma needs an sm_90 device and a build with "
-                               "90 in --with-cuda-arch (device is sm_%d%d)", ctx->cc_major, ctx->cc_minor);
+            return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: fwd_kernel=%s needs an sm_90 device and a build with "
+                               "90 in --with-cuda-arch (device is sm_%d%d)",
+                               ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA_WS ? "wgmma-ws" : "wgmma", ctx->cc_major, ctx->cc_minor);
         return SPARGE_OK;
     }
     const fwd_tile t = tile_for(ctx, D);
@@ -485,7 +487,7 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
         p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
     }
     if (use_wgmma(ctx, (int)D))
-        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D);
+        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA_WS);
     const fwd_tile tile = tile_for(ctx, (int)D);
     return dt == SPARGE_BF16 ? dispatch_tile<gpu_bf16>(ctx, p, n_items, (int)D, tile)
                              : dispatch_tile<gpu_half>(ctx, p, n_items, (int)D, tile);

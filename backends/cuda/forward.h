@@ -55,7 +55,9 @@ __device__ __forceinline__ int fwd_causal_tiles(const fwd_params &p, const gpu_s
 /* 1 when this build holds the sm_90a wgmma kernel (configure with 90 in --with-cuda-arch)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_forward_available(const gpu_ctx *ctx);
-/* Runs the wgmma forward (f16 or bf16, D up to 128, padded to 64 or 128) over n_items query blocks. */
-sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D);
+/* Runs the wgmma forward (f16 or bf16, D up to 128 padded to 64 or 128, or 256) over n_items query blocks; with ws
+ * its warp-specialized kernel (fwd_kernel=wgmma-ws; tile widths 64 and 128, D = 256 runs the first). */
+sparge_status sparge_cuda_wgmma_forward(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, sparge_dtype dt, int D,
+                                        bool ws);
 
 #endif

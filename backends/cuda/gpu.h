@@ -9,7 +9,13 @@
 #include "../../src/backend.h"
 
 /* The device's tuning options (backend.cu parses them; 0 is each one's "auto"). */
-enum { GPU_KERNEL_AUTO = 0, GPU_KERNEL_MMA, GPU_KERNEL_WGMMA };
+/* _WS: fwd_kernel only (forward_sm90.cu's warp-specialized kernel) */
+enum {
+    GPU_KERNEL_AUTO = 0,
+    GPU_KERNEL_MMA,
+    GPU_KERNEL_WGMMA,
+    GPU_KERNEL_WGMMA_WS
+};
 enum { GPU_DQ_AUTO = 0, GPU_DQ_PASS, GPU_DQ_ATOMIC };
 enum { GPU_MAP_AUTO = 0, GPU_MAP_128X64, GPU_MAP_64X64, GPU_MAP_F16X3 };
 struct gpu_options {

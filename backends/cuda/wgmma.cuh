@@ -56,6 +56,9 @@ __device__ __forceinline__ void wgmma_ss_n64(float d[32], uint64_t desc_a, uint6
  * B MN-major in shared memory. */
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_rs_t(float d[N / 2], const uint32_t a[4], uint64_t desc_b);
+/* d (64×64 f32) = (accumulate ? d : 0) + A·B, A in registers as above, B K-major in shared memory. */
+template <typename T>
+__device__ __forceinline__ void wgmma_rs_n64(float d[32], const uint32_t a[4], uint64_t desc_b, int accumulate);
 
 /* The asm operand lists of a 64×64 and a 64×128 f32 accumulator: %0..%31 / %0..%63 bound to d[0..]. */
 #define SPARGE_WGMMA_ACC32                                                                                             \
@@ -105,12 +108,27 @@ SPARGE_WGMMA_SS_N64(gpu_bf16, "bf16", 0, 0)
 SPARGE_WGMMA_SS_N64(gpu_bf16, "bf16", 1, 1)
 SPARGE_WGMMA_SS_N64(gpu_half, "f16", 0, 0)
 SPARGE_WGMMA_SS_N64(gpu_half, "f16", 1, 1)
+#define SPARGE_WGMMA_RS_N64(T, TYPE)                                                                                   \
+    template <>                                                                                                        \
+    __device__ __forceinline__ void wgmma_rs_n64<T>(float d[32], const uint32_t a[4], uint64_t desc_b,                 \
+                                                    int accumulate)                                                    \
+    {                                                                                                                  \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                      \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " SPARGE_WGMMA_ACC32                \
+                     ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                    \
+                     : SPARGE_WGMMA_OUT32(d)                                                                           \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));                      \
+    }
+
+SPARGE_WGMMA_RS_N64(gpu_bf16, "bf16")
+SPARGE_WGMMA_RS_N64(gpu_half, "f16")
 SPARGE_WGMMA_RS_T(gpu_bf16, "bf16", 64, SPARGE_WGMMA_ACC32, SPARGE_WGMMA_OUT32, "{%32, %33, %34, %35}, %36")
 SPARGE_WGMMA_RS_T(gpu_bf16, "bf16", 128, SPARGE_WGMMA_ACC64, SPARGE_WGMMA_OUT64, "{%64, %65, %66, %67}, %68")
 SPARGE_WGMMA_RS_T(gpu_half, "f16", 64, SPARGE_WGMMA_ACC32, SPARGE_WGMMA_OUT32, "{%32, %33, %34, %35}, %36")
 SPARGE_WGMMA_RS_T(gpu_half, "f16", 128, SPARGE_WGMMA_ACC64, SPARGE_WGMMA_OUT64, "{%64, %65, %66, %67}, %68")
 
 #undef SPARGE_WGMMA_SS_N64
+#undef SPARGE_WGMMA_RS_N64
 #undef SPARGE_WGMMA_RS_T
 #undef SPARGE_WGMMA_OUT64
 #undef SPARGE_WGMMA_OUT32
