@@ -284,7 +284,7 @@ sparge_status SPARGE_GPU_FN(generic_backward)(gpu_ctx *ctx, const sparge_bwd_arg
 sparge_status SPARGE_GPU_FN(generic_fits)(const gpu_ctx *ctx, int64_t D, bool backward);
 #ifndef SPARGE_USE_HIP
 /* Tensor-core tier (forward.cu, backward.cu; sm_90a kernels in *_sm90.cu): mma.sync and wgmma, f16/bf16,
- * D a multiple of 8 up to 128 (256 in the forward), masks of 128 × 64 or 128 × 128 blocks. */
+ * D a multiple of 8 up to 128, and 256 (its backward on sm_90 only), masks of 128 × 64 or 128 × 128 blocks. */
 sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a);
 sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *a);
 /* The kernels these options and this device pick for head dim D exist in the build and fit the device. */
