@@ -5,7 +5,7 @@
 #   1. teachers 1..T (dense, diffusion loss on rich-scene A), each trained in chunks until its held-out loss stops
 #      falling (less than --tol relative improvement over the last --window steps, after --min-steps; at most
 #      --max-steps); bit-for-bit across chunks (AdamW moments and step in the checkpoint, batches a function of
-#      the step);
+#      the step); teacher 1's calibration and exp_discrim at the first sparsity (step 3's) before teacher 2;
 #   2. an untrained model (the null model of the sanity checks);
 #   3. per sparsity (the first of --sparsities first), per teacher: its evaluation, Table 2's "before" rows, Top-p and
 #      hybrid p calibrated on it, the training-free hybrid; at the first sparsity its Q/K/V dump and exp_discrim;
@@ -118,15 +118,22 @@ heldout_keys=${GPU_TRAIN_HELDOUT_KEYS:-eval_batches=8 sample_steps=1 batch=8} # 
 hybrid_k=0.03 # the paper's: 7 of gpu.cfg's 256 key blocks (floor(0.03·256) = 7)
 
 # Jobs in plan order, one a line: teacher:I, null, prep:I:S, discrim:I, arm:I:S:SEED:KIND (KIND hybvd, topkvd, toppvd,
-# hybdiff; denseB and denseA with S = -).
+# hybdiff; denseB and denseA with S = -). Teacher 1's calibration and discriminability at the first sparsity come
+# right after its training: if the hybrid cannot differ from Top-p at this scale, that shows before the other
+# teachers take GPU time.
 plan_jobs() {
     local i s seed k
-    for i in $(seq 1 "$teachers"); do echo "teacher:$i"; done
+    echo "teacher:1"
+    echo "prep:1:$first_sparsity"
+    echo "discrim:1"
+    for i in $(seq 2 "$teachers"); do echo "teacher:$i"; done
     echo null
     for s in ${sparsities//,/ }; do
         for i in $(seq 1 "$teachers"); do
-            echo "prep:$i:$s"
-            [ "$s" != "$first_sparsity" ] || echo "discrim:$i"
+            if [ "$i:$s" != "1:$first_sparsity" ]; then
+                echo "prep:$i:$s"
+                [ "$s" != "$first_sparsity" ] || echo "discrim:$i"
+            fi
             for seed in $(seq 1 "$seeds"); do
                 for k in hybvd topkvd toppvd; do echo "arm:$i:$s:$seed:$k"; done
                 [ "$s" != "$first_sparsity" ] || echo "arm:$i:$s:$seed:hybdiff"
