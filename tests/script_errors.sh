@@ -95,6 +95,19 @@ else
     fail "gpu_train.sh status after a refused --teachers x does not take --teachers 2"
 fi
 
+# the plan's order: teacher 1's calibration and discriminability come before teacher 2's training
+count=$((count + 1))
+rm -rf "$o"
+mkdir -p "$o/t1"
+: >"$o/t1/final.safetensors"
+if bash "$src/paper-repro/gpu_train.sh" status --state "$o" >"$tmp/stdout" 2>"$tmp/err" &&
+    grep -q '^next: prep:1:0.95 ' "$tmp/stdout"; then
+    echo "ok: gpu_train.sh runs teacher 1's calibration before teacher 2"
+else
+    grep '^next:' "$tmp/stdout" >"$tmp/err"
+    fail "gpu_train.sh status after teacher 1 does not name prep:1:0.95 next"
+fi
+
 # gpu_train.sh tables works at any time: here with one teacher's first held-out loss and nothing else done
 if [ -x "$build/experiments/exp_stats" ]; then
     count=$((count + 1))
