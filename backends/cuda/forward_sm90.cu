@@ -290,22 +290,30 @@ __global__ void __launch_bounds__(THREADS, ctas_per_sm<D>()) wgmma_fwd_kernel(co
 #endif
 }
 
+/* One of this file's kernels over n_items query blocks with smem bytes of shared memory, refused past the device's
+ * limit; desc names the kernel in that refusal, what in launch errors. sm_90a code only: the kernels hold the wait,
+ * so their CTAs may be set up while the launch order drains. */
+sparge_status launch_fwd(gpu_ctx *ctx, void (*kernel)(fwd_params), int smem, int threads, const char *desc,
+                         const char *what, int D, const fwd_params &p, int64_t n_items)
+{
+    if ((size_t)smem > ctx->smem_optin)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the %s (D=%d) needs %d bytes of shared memory, the device "
+                           "allows %zu", desc, D, smem, ctx->smem_optin);
+    sparge_status s;
+    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, smem))))
+        return s;
+    return gpu_launch_dependent(ctx, kernel, (unsigned)n_items, threads, (size_t)smem, what, p);
+}
+
 template <typename T, int D, bool PAD>
 sparge_status launch(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
-    constexpr int SMEM = wg_traits<D>::SMEM_BYTES;
-    if ((size_t)SMEM > ctx->smem_optin)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the wgmma forward (D=%d) needs %d bytes of shared memory, "
-                           "the device allows %zu", D, SMEM, ctx->smem_optin);
-    sparge_status s;
     auto kernel = p.seq_q ? (p.causal ? wgmma_fwd_kernel<T, D, true, true, PAD>
                                       : wgmma_fwd_kernel<T, D, false, true, PAD>)
                           : (p.causal ? wgmma_fwd_kernel<T, D, true, false, PAD>
                                       : wgmma_fwd_kernel<T, D, false, false, PAD>);
-    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
-        return s;
-    /* sm_90a code only: the kernel holds the wait, so its CTAs may be set up while the launch order drains. */
-    return gpu_launch_dependent(ctx, kernel, (unsigned)n_items, THREADS, SMEM, "wgmma_fwd_kernel", p);
+    return launch_fwd(ctx, kernel, wg_traits<D>::SMEM_BYTES, THREADS, "wgmma forward", "wgmma_fwd_kernel", D, p,
+                      n_items);
 }
 
 /* ---------------------------------------------------------------- warp-specialized kernel (fwd_kernel=wgmma-ws) */
@@ -528,16 +536,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1) ws_fwd_kernel(const fwd_params 
 template <typename T, int D, bool PAD>
 sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
 {
-    constexpr int SMEM = ws_traits<D>::SMEM_BYTES;
-    if ((size_t)SMEM > ctx->smem_optin)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda: the warp-specialized wgmma forward (D=%d) needs %d bytes of "
-                           "shared memory, the device allows %zu", D, SMEM, ctx->smem_optin);
-    sparge_status s;
     auto kernel = p.seq_q ? (p.causal ? ws_fwd_kernel<T, D, true, true, PAD> : ws_fwd_kernel<T, D, false, true, PAD>)
                           : (p.causal ? ws_fwd_kernel<T, D, true, false, PAD> : ws_fwd_kernel<T, D, false, false, PAD>);
-    if ((s = GPU_CHECK(gpuFuncSetAttribute(kernel, gpuFuncAttributeMaxDynamicSharedMemorySize, SMEM))))
-        return s;
-    return gpu_launch_dependent(ctx, kernel, (unsigned)n_items, WS_THREADS, SMEM, "ws_fwd_kernel", p);
+    return launch_fwd(ctx, kernel, ws_traits<D>::SMEM_BYTES, WS_THREADS, "warp-specialized wgmma forward",
+                      "ws_fwd_kernel", D, p, n_items);
 }
 
 /* The warp-specialized kernel where ws is set and D ≤ 128, else the first. */
