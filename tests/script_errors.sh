@@ -222,5 +222,42 @@ if [ -x "$train" ]; then
     train_case 1 "out=$tmp/none/x.safetensors" steps=50 "out=$tmp/none/x.safetensors"
 fi
 
+# experiments/bench/compare.sh: bad variants and options are refused with status 2; two variants of the CPU
+# backend over two rounds give one table line per level with both rounds' times and the ratio of the medians
+cmp=$src/experiments/bench/compare.sh
+sparge=$build/src/sparge
+if [ -x "$sparge" ] && command -v python3 >/dev/null 2>&1; then
+    cmp_bad() { # WORD ARGS...
+        word=$1
+        shift
+        count=$((count + 1))
+        bash "$cmp" "$@" >/dev/null 2>"$tmp/err"
+        status=$?
+        if [ "$status" -eq 2 ] && grep -qF -- "$word" "$tmp/err"; then
+            echo "ok: compare.sh $* -> 2: $(head -n 1 "$tmp/err")"
+        else
+            fail "compare.sh $* exited $status (not 2) or did not name '$word'"
+        fi
+    }
+    cmp_bad --rounds --rounds 0 -- -- "a=$sparge"
+    cmp_bad --ops --ops both -- -- "a=$sparge"
+    cmp_bad "'nolabel'" -- -- nolabel
+    cmp_bad "'$tmp/none'" -- -- "a=$tmp/none"
+    cmp_bad "'simd'" -- -- "a=$sparge,simd"
+    cmp_bad "given twice" -- -- "a=$sparge" "a=$sparge"
+    cmp_bad --option -- --option simd=avx2 -- "a=$sparge"
+    count=$((count + 1))
+    if bash "$cmp" --rounds 2 --csv "$tmp/cmp.csv" -- --backend cpu --B 1 --H 1 --N 300 --D 32 --dtype f32 \
+        --sparsity dense,0.9 --reps 1 --warmup 0 -- "auto=$sparge" "generic=$sparge,simd=generic" >"$tmp/stdout" 2>"$tmp/err" &&
+        grep -q '^| level | sparsity | auto, ms | generic, ms | generic / auto |$' "$tmp/stdout" &&
+        [ "$(grep -cE '^\| (dense|0\.9) \| [0-9.]+ % \| [0-9.]+, [0-9.]+ \| [0-9.]+, [0-9.]+ \| [0-9.]+ \|$' "$tmp/stdout")" -eq 2 ] &&
+        [ "$(wc -l <"$tmp/cmp.csv")" -eq 9 ]; then
+        echo "ok: compare.sh, two variants over two rounds"
+    else
+        fail "compare.sh on the CPU backend: no table of both levels and rounds (or the CSV lacks rows)"
+        sed 's/^/    | /' "$tmp/stdout" | head -n 6
+    fi
+fi
+
 echo "$((count - failed)) of $count checks passed"
 [ "$failed" -eq 0 ]
