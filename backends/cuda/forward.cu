@@ -15,8 +15,8 @@
  *
  * Layers: kernel (templated on dtype, D, warps, stages, score split) → launcher → entry point.
  *
- * On sm_90 the wgmma kernel of forward_sm90.cu runs instead when the build has it (tiles.h,
- * fwd_use_wgmma); this file then only validates, orders and fills the parameters.
+ * On sm_90 the wgmma kernels of forward_sm90.cu run instead when the build has them (tiles.h, fwd_use_wgmma, and
+ * fwd_use_ws for which of the two); this file then only validates, orders and fills the parameters.
  *
  * Device options (backend.cu) for benchmarks: fwd_tile="warps,stages[,split]" picks another compiled tile than
  * tiles.h's; fwd_order=natural turns the heavy-first order off; fwd_kernel=mma|wgmma forces either kernel,
@@ -486,8 +486,11 @@ sparge_status sparge_cuda_mma_forward(gpu_ctx *ctx, const sparge_fwd_args *a)
     } else {
         p.Nkb = (int)((Nk + TILE_K - 1) / TILE_K);
     }
-    if (use_wgmma(ctx, (int)D))
-        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA_WS);
+    if (use_wgmma(ctx, (int)D)) {
+        const bool ws = ctx->opt.fwd_kernel == GPU_KERNEL_AUTO ? fwd_use_ws((int)D, m != nullptr)
+                                                               : ctx->opt.fwd_kernel == GPU_KERNEL_WGMMA_WS;
+        return sparge_cuda_wgmma_forward(ctx, p, n_items, dt, (int)D, ws);
+    }
     const fwd_tile tile = tile_for(ctx, (int)D);
     return dt == SPARGE_BF16 ? dispatch_tile<gpu_bf16>(ctx, p, n_items, (int)D, tile)
                              : dispatch_tile<gpu_half>(ctx, p, n_items, (int)D, tile);

@@ -86,4 +86,16 @@ static inline int fwd_use_wgmma(int cc_major, int cc_minor, int D)
     return cc_major == 9 && cc_minor == 0 && (D == 64 || D == 128 || D == 256);
 }
 
+/* Of the sm_90 kernels, the warp-specialized one (fwd_kernel=wgmma-ws: a loading warpgroup, Q in registers) for
+ * head dims padded to the 128-wide tile (64 < D < 128) and for unmasked calls at D = 128. Measured on an H100
+ * against the wgmma kernel in alternating rounds (B=1 H=12 N=32760 bf16, experiments/BENCHMARKS.md):
+ *   D = 96:  2-14 % faster at every level (dense, 80-97 %, hybrid);
+ *   D = 128: dense 2-5 %, 80-90 % and hybrid 2-5 % faster, but 95 % 1 % and 97 % 6 % slower, so masks stay
+ *            on the wgmma kernel (the host does not know a mask's density);
+ *   D = 64:  3-9 % slower at every level. */
+static inline int fwd_use_ws(int D, int masked)
+{
+    return (D > 64 && D < 128) || (D == 128 && !masked);
+}
+
 #endif
