@@ -119,7 +119,7 @@ families_of() { # the input names of a driver's CSV (first column), in order, sp
     awk -F, 'NR > 1 && !($1 in seen) { seen[$1] = 1; printf "%s%s", n++ ? " " : "", $1 }' "$1"
 }
 
-commit=$(git -C "$top" rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=$(git -C "$top" rev-parse --short HEAD 2>/dev/null || cat "$top/COMMIT" 2>/dev/null || echo unknown) # COMMIT: a dist tarball's
 cpu_model=$(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo 2>/dev/null | head -n1)
 machine="$(uname -m), $(nproc 2>/dev/null || echo '?') cores${cpu_model:+, $cpu_model}"
 part= # the Markdown file of the entry being written; removed if the script stops before the entry is complete

@@ -125,7 +125,7 @@ cores=$(nproc 2>/dev/null || echo 1)
 threads=$((cores / jobs)); [ "$threads" -ge 1 ] || threads=1
 export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=1 # sparge's and OpenBLAS's threads do not coordinate
 
-commit=$(git -C "$top" rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=$(git -C "$top" rev-parse --short HEAD 2>/dev/null || cat "$top/COMMIT" 2>/dev/null || echo unknown) # COMMIT: a dist tarball's
 cpu_model=$(sed -n 's/^model name[^:]*: //p' /proc/cpuinfo 2>/dev/null | head -n1)
 machine="$(uname -m), $cores cores${cpu_model:+, $cpu_model}"
 tag="commit=$commit" # every run's log records it with its whole configuration
