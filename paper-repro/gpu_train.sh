@@ -335,9 +335,15 @@ build() {
         sed -n '/^sparge .* configuration/,$p' "$bdir/configure.log"
         echo "$stamp" >"$bdir/.stamp"
     fi
-    (cd "$bdir" && make -j"$(nproc)" --no-print-directory experiments/trainer/sparge-train experiments/exp_discrim \
-        experiments/exp_table1 experiments/exp_failure experiments/exp_ablation >make.log 2>&1) ||
-        { tail -n 30 "$bdir/make.log"; echo "gpu_train.sh: the build failed" >&2; return 1; }
+    # the autotools variables: never regenerate (the copied files' times need not be in order there)
+    (cd "$bdir" && make -j"$(nproc)" --no-print-directory ACLOCAL=true AUTOCONF=true AUTOMAKE=true AUTOHEADER=true \
+        experiments/trainer/sparge-train experiments/exp_discrim experiments/exp_table1 experiments/exp_failure \
+        experiments/exp_ablation >make.log 2>&1) || {
+        tail -n 30 "$bdir/make.log" >&2
+        [ -z "${out:-}" ] || cp "$bdir/configure.log" "$bdir/make.log" "$out/" 2>/dev/null || true
+        echo "gpu_train.sh: the build failed (make.log and configure.log${out:+ in $out})" >&2
+        return 1
+    }
     train=$bdir/experiments/trainer/sparge-train
     expdir=$bdir/experiments
     echo "built in $(($(date +%s) - t0)) s"
