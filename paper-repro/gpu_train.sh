@@ -252,7 +252,16 @@ stage() {
     local j need
     rm -rf "$to"
     mkdir -p "$to"
-    small_files | (cd "$state" && while read -r f; do mkdir -p "$to/$(dirname "$f")"; cp -p "$f" "$to/$f"; done)
+    # a teacher's training log travels as its header and last line, the run logs not at all: both only grow, and
+    # absorb appends what comes back (they would otherwise crowd the 64 MiB a teacher's checkpoint needs)
+    small_files | (cd "$state" && while read -r f; do
+        mkdir -p "$to/$(dirname "$f")"
+        case $f in
+        t*/train.csv) { head -n 1 "$f"; tail -n +2 "$f" | tail -n 1; } >"$to/$f" ;;
+        logs/*.log) ;;
+        *) cp -p "$f" "$to/$f" ;;
+        esac
+    done)
     # the checkpoints of the next jobs: the first one's, then whichever teacher's weights come next, as room allows
     local budget_bytes=$((44 * 1024 * 1024)) used=0 size f first_job=
     while read -r j; do
@@ -281,7 +290,9 @@ stage() {
         build-aux/ltmain.sh build-aux/missing build-aux/test-driver)
     local staged tracked
     staged=$(du -sb "$to" | cut -f1)
-    tracked=$(git -C "$top" ls-files -z | (cd "$top" && xargs -0 du -cb 2>/dev/null) | tail -n 1 | cut -f1)
+    # outside a git checkout (an unpacked dist tarball) the whole tree stands in for the tracked files
+    tracked=$(git -C "$top" ls-files -z 2>/dev/null | (cd "$top" && xargs -0 du -cb 2>/dev/null) | tail -n 1 | cut -f1) ||
+        tracked=$(du -sb "$top" | cut -f1)
     echo "staged $((staged / 1048576)) MiB in $to (the checkout's tracked files: $((tracked / 1048576)) MiB; the limit is 64 MiB together)"
     echo "next job: ${first_job:-none (the plan is complete)}"
     if [ $((staged + tracked)) -gt $((62 * 1048576)) ]; then
@@ -297,7 +308,28 @@ stage() {
 absorb() {
     [ -d "$from" ] || { echo "gpu_train.sh: --from $from: no such folder" >&2; exit 2; }
     local f name
-    [ ! -f "$from/state-small.tar.gz" ] || tar -xzf "$from/state-small.tar.gz" -C "$state"
+    if [ -f "$from/state-small.tar.gz" ]; then
+        local tmp_small f last
+        tmp_small=$(mktemp -d)
+        tar -xzf "$from/state-small.tar.gz" -C "$tmp_small"
+        # stage sent a training log's last line only and no run logs: append what is new to the ones here
+        (cd "$tmp_small" && find . -type f | sed 's|^\./||') | while read -r f; do
+            mkdir -p "$state/$(dirname "$f")"
+            case $f in
+            t*/train.csv)
+                if [ -f "$state/$f" ]; then
+                    last=$(tail -n +2 "$state/$f" | tail -n 1 | cut -d, -f1)
+                    tail -n +2 "$tmp_small/$f" | awk -F, -v last="${last:--1}" '$1 + 0 > last + 0' >>"$state/$f"
+                else
+                    cp "$tmp_small/$f" "$state/$f"
+                fi
+                ;;
+            logs/*.log) cat "$tmp_small/$f" >>"$state/$f" ;;
+            *) cp "$tmp_small/$f" "$state/$f" ;;
+            esac
+        done
+        rm -rf "$tmp_small"
+    fi
     for f in "$from"/*.safetensors; do
         [ -f "$f" ] || continue
         name=$(basename "$f" | sed 's|__|/|g')
@@ -475,9 +507,11 @@ discrim_job() { # I: the teacher's Q/K/V (2 videos, t = 0.1, 0.5, 0.9) and exp_d
         { echo; echo "## $file"; echo; } >>"$f"
         # shellcheck disable=SC2086
         "$expdir/exp_table1" --input "$q/$file" $common --topk "$k" --hybrid-k "$hybrid_k" >>"$f"
+        echo >>"$f"
         # shellcheck disable=SC2086
         "$expdir/exp_failure" --input "$q/$file" $common --topk "$k" --hybrid-k "$hybrid_k" |
             awk '/^Toy rows/ { skip = 1 } /^Per-row statistics/ { skip = 0 } !skip' >>"$f"
+        echo >>"$f"
         # shellcheck disable=SC2086
         "$expdir/exp_ablation" --input "$q/$file" $common >>"$f"
     done

@@ -108,6 +108,36 @@ else
     fail "gpu_train.sh status after teacher 1 does not name prep:1:0.95 next"
 fi
 
+# stage and absorb around a chunk: a teacher's training log travels as its header and last line and the run logs
+# not at all; what the chunk appended comes back and is added to the full files here
+count=$((count + 1))
+rm -rf "$o"
+mkdir -p "$o/t1" "$o/logs"
+{ echo "step,loss"; for i in 1 2 3; do echo "$i,0.$i"; done; } >"$o/t1/train.csv"
+echo "run 1" >"$o/logs/teacher_1.log"
+echo "3,0.3" >"$o/t1/heldout.csv"
+if bash "$src/paper-repro/gpu_train.sh" status --state "$o" >/dev/null 2>&1 &&
+    bash "$src/paper-repro/gpu_train.sh" stage --state "$o" --to "$tmp/carry" >/dev/null 2>"$tmp/err" &&
+    [ "$(cat "$tmp/carry/t1/train.csv")" = "$(printf 'step,loss\n3,0.3')" ] && [ ! -e "$tmp/carry/logs/teacher_1.log" ] &&
+    cmp -s "$o/t1/heldout.csv" "$tmp/carry/t1/heldout.csv"; then
+    # the chunk, as `next` leaves it: rows 4 and 5 appended, a log of its own, a new held-out line
+    printf '4,0.4\n5,0.5\n' >>"$tmp/carry/t1/train.csv"
+    mkdir -p "$tmp/carry/logs" "$tmp/back"
+    echo "run 2" >"$tmp/carry/logs/teacher_1.log"
+    echo "5,0.25" >>"$tmp/carry/t1/heldout.csv"
+    (cd "$tmp/carry" && tar -czf "$tmp/back/state-small.tar.gz" t1/train.csv t1/heldout.csv logs/teacher_1.log)
+    if bash "$src/paper-repro/gpu_train.sh" absorb --state "$o" --from "$tmp/back" >/dev/null 2>"$tmp/err" &&
+        [ "$(cat "$o/t1/train.csv")" = "$(printf 'step,loss\n1,0.1\n2,0.2\n3,0.3\n4,0.4\n5,0.5')" ] &&
+        [ "$(cat "$o/logs/teacher_1.log")" = "$(printf 'run 1\nrun 2')" ] && [ "$(tail -n 1 "$o/t1/heldout.csv")" = "5,0.25" ]; then
+        echo "ok: gpu_train.sh stage sends a training log's last line, absorb appends the chunk's rows and logs"
+    else
+        fail "gpu_train.sh absorb did not append the chunk's training rows and log to the full ones"
+    fi
+else
+    fail "gpu_train.sh stage did not send the training log's header and last line alone (or sent the run logs)"
+fi
+rm -rf "$tmp/carry" "$tmp/back"
+
 # gpu_train.sh tables works at any time: here with one teacher's first held-out loss and nothing else done
 if [ -x "$build/experiments/exp_stats" ]; then
     count=$((count + 1))
