@@ -309,7 +309,7 @@ absorb() {
     [ -d "$from" ] || { echo "gpu_train.sh: --from $from: no such folder" >&2; exit 2; }
     local f name
     if [ -f "$from/state-small.tar.gz" ]; then
-        local tmp_small f last
+        local tmp_small last
         tmp_small=$(mktemp -d)
         tar -xzf "$from/state-small.tar.gz" -C "$tmp_small"
         # stage sent a training log's last line only and no run logs: append what is new to the ones here
