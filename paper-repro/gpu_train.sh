@@ -20,6 +20,12 @@
 #                                                   (on the GPU machine) build if needed, run jobs for at most S
 #                                                   seconds (default 540) from the start, copy what changed to DIR
 #   gpu_train.sh absorb --state DIR --from DIR      (here) take a chunk's files back into the state
+#   gpu_train.sh keep   --state DIR                 (here) commit the state to the checkout holding it: its small
+#                                                   files in the tree, its checkpoints in the history alone (one
+#                                                   commit adds them, the next removes them; DIR/checkpoints.txt
+#                                                   names their blobs), so that a fresh clone can resume the plan
+#   gpu_train.sh restore --state DIR                (here) take the kept checkpoints back out of the history
+#                                                   (stage does it by itself)
 #   gpu_train.sh tables --state DIR [--out DIR]     (here) tables, statistics and plots of what is done
 #                                                   (default paper-repro/results/gpu), with the drivers of
 #                                                   GPU_TRAIN_BINDIR, the build directory it runs in, or build-repro/
@@ -58,8 +64,10 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-case $cmd in status|stage|next|absorb|tables) ;; -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
-*) echo "gpu_train.sh: the first argument is status, stage, next, absorb or tables (see --help)" >&2; exit 2 ;; esac
+case $cmd in status|stage|next|absorb|keep|restore|tables) ;; -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
+*) echo "gpu_train.sh: the first argument is status, stage, next, absorb, keep, restore or tables (see --help)" >&2
+   exit 2 ;;
+esac
 [ -n "$state" ] || { echo "gpu_train.sh: --state DIR is needed" >&2; exit 2; }
 case $budget in '' | *[!0-9]*) echo "gpu_train.sh: --budget takes whole seconds, not '$budget'" >&2; exit 2 ;; esac
 # plan_error NAME VALUE: what is wrong with a value of plan option NAME, or nothing
@@ -202,12 +210,13 @@ runnable() {
     teacher:*)
         i=${1#teacher:}
         if [ -f "$state/t$i/heldout.csv" ] && [ ! -f "$state/t$i/state.safetensors" ]; then
-            echo "teacher $i has started but its training state t$i/state*.safetensors is not here"; return 1
+            echo "teacher $i has started but its training state t$i/state*.safetensors is not here (restore?)"; return 1
         fi ;;
     null) ;;
     *)
         i=$(echo "$1" | cut -d: -f2) s=$(echo "$1" | cut -d: -f3)
-        [ -f "$state/t$i/final.safetensors" ] || { echo "needs teacher $i's final weights t$i/final*.safetensors"; return 1; }
+        [ -f "$state/t$i/final.safetensors" ] ||
+            { echo "needs teacher $i's final weights t$i/final*.safetensors (restore?)"; return 1; }
         case $1 in arm:*:-:*) ;; arm:*)
             grep -q "^$s," "$state/t$i/calibration.csv" 2>/dev/null || { echo "needs prep:$i:$s first"; return 1; } ;;
         esac ;;
@@ -250,6 +259,7 @@ small_files() {
 
 stage() {
     local j need
+    restore
     rm -rf "$to"
     mkdir -p "$to"
     # a teacher's training log travels as its header and last line, the run logs not at all: both only grow, and
@@ -339,6 +349,103 @@ absorb() {
     done
     prune_shards
     status
+    echo "then: gpu_train.sh keep --state $state (what the checkout's history does not hold is lost with the checkout)"
+}
+
+# ---------------------------------------------------------------- keep and restore (here)
+
+# The lent machine keeps nothing and neither does a checkout's ignored files between clones: what the plan has
+# done lives in the repository. A checkpoint (19.5 MiB of weights, 56 MiB with the AdamW moments) cannot sit in
+# the tree, which travels whole with every call within the same 64 MiB, so it lives in the history: a commit adds
+# it and the next one removes it, and checkpoints.txt names its blob for restore.
+
+# git ARGS...: git in the checkout that holds the state
+git_state() { git -C "$state" "$@"; }
+
+# checkpoint_lines: "PATH BYTES SHA256 BLOB" for each checkpoint file of the state, writing each blob into the
+# object store (git hash-object -w: nothing is committed yet)
+checkpoint_lines() {
+    local f
+    (cd "$state" && find . -type f -name '*.safetensors' | sed 's|^\./||' | LC_ALL=C sort) | while read -r f; do
+        echo "$f $(stat -c %s "$state/$f") $(sha256sum "$state/$f" | cut -d' ' -f1) $(git_state hash-object -w -- "$state/$f")"
+    done
+}
+
+keep() {
+    local root rel head parent lines new f bytes sum blob idx c
+    root=$(git_state rev-parse --show-toplevel 2>/dev/null) ||
+        { echo "gpu_train.sh: keep commits the state to the git checkout that holds it; $state is in none" >&2; exit 2; }
+    rel=${state#"$root"/}
+    git_state symbolic-ref -q HEAD >/dev/null ||
+        { echo "gpu_train.sh: keep commits to the checked-out branch; HEAD is detached: check out a branch" >&2; exit 2; }
+    git_state diff --cached --quiet ||
+        { echo "gpu_train.sh: keep commits; the index has staged changes: commit or unstage them first" >&2; exit 2; }
+    head=$(git_state rev-parse HEAD)
+    parent=$head
+    # blobs named in the committed checkpoints.txt are in the history already
+    lines=$(checkpoint_lines)
+    new=$(echo "$lines" | while read -r f bytes sum blob; do
+        [ -n "$f" ] || continue
+        git_state show "$head:$rel/checkpoints.txt" 2>/dev/null | grep -q " $blob\$" || echo "$f $blob"
+    done)
+    # both commits are built in an index of their own and HEAD moves once, at the end
+    idx=$(mktemp -u "${TMPDIR:-/tmp}/gpu-keep-index.XXXXXX")
+    # shellcheck disable=SC2064
+    trap "rm -f '$idx'" EXIT
+    export GIT_INDEX_FILE=$idx
+    if [ -n "$new" ]; then
+        git_state read-tree "$head"
+        echo "$new" | while read -r f blob; do git_state update-index --add --cacheinfo "100644,$blob,$rel/$f"; done
+        parent=$(git_state commit-tree "$(git_state write-tree)" -p "$head" \
+            -m "paper-repro/gpu-state: keep $(echo "$new" | wc -l) checkpoint file(s) in the history" \
+            -m "$(echo "$new" | cut -d' ' -f1 | sed 's/^/  /')" \
+            -m "The next commit takes them out of the tree; checkpoints.txt names their blobs and 'paper-repro/gpu_train.sh restore --state $rel' takes them back.")
+    fi
+    { echo "# path bytes sha256 blob: the checkpoints of this state, kept in the history (gpu_train.sh restore)"
+      [ -z "$lines" ] || echo "$lines"; } >"$state/checkpoints.txt"
+    git_state read-tree "$head"
+    # the state's own files; its checkpoints and run logs stay out of the tree wherever the state lies
+    git_state add -A -- .
+    git_state rm -r -q --cached --ignore-unmatch -- '*.safetensors' '*.restore' logs commit.txt autotools.tar.gz
+    if [ -z "$new" ] && [ "$(git_state write-tree)" = "$(git_state rev-parse "$head^{tree}")" ]; then
+        unset GIT_INDEX_FILE
+        echo "kept: nothing new"
+        return 0
+    fi
+    c=$(git_state commit-tree "$(git_state write-tree)" -p "$parent" \
+        -m "paper-repro/gpu-state: $(next_job | sed 's/^/next job /;s/^$/the plan is complete/'), $(status | sed -n 's/^jobs: //p')" \
+        -m "Written by 'paper-repro/gpu_train.sh keep --state $rel'.")
+    unset GIT_INDEX_FILE
+    git_state update-ref -m "gpu_train.sh keep" HEAD "$c" "$head"
+    git_state reset -q # the index follows HEAD; the working tree is as it was
+    echo "kept at $(git_state rev-parse --short HEAD)$([ -z "$new" ] || echo ", $(echo "$new" | wc -l) checkpoint file(s) in $(git_state rev-parse --short HEAD~1)")"
+}
+
+restore() {
+    local list=$state/checkpoints.txt f bytes sum blob missing=0
+    [ -f "$list" ] || return 0
+    # every blob first: a restore that cannot finish writes nothing
+    while read -r f bytes sum blob; do
+        case $f in '#'* | '') continue ;; esac
+        [ ! -f "$state/$f" ] || [ "$(sha256sum "$state/$f" | cut -d' ' -f1)" != "$sum" ] || continue
+        git_state cat-file -e "$blob^{blob}" 2>/dev/null || {
+            echo "gpu_train.sh: $f (blob $blob) is not in this checkout's history: clone with the full history" \
+                "(not --depth), or fetch the commit that kept it" >&2; missing=1; }
+    done <"$list"
+    [ "$missing" = 0 ] || exit 1
+    while read -r f bytes sum blob; do
+        case $f in '#'* | '') continue ;; esac
+        [ ! -f "$state/$f" ] || [ "$(sha256sum "$state/$f" | cut -d' ' -f1)" != "$sum" ] || continue
+        mkdir -p "$state/$(dirname "$f")"
+        git_state cat-file blob "$blob" >"$state/$f.restore"
+        if [ "$(sha256sum "$state/$f.restore" | cut -d' ' -f1)" != "$sum" ]; then
+            rm -f "$state/$f.restore"
+            echo "gpu_train.sh: blob $blob does not hold $f as checkpoints.txt records it (sha256 differs)" >&2
+            exit 1
+        fi
+        mv "$state/$f.restore" "$state/$f"
+        echo "  restored $f ($bytes bytes)"
+    done <"$list"
 }
 
 # ---------------------------------------------------------------- next (there)
@@ -701,5 +808,7 @@ status) status ;;
 stage) stage ;;
 next) next_chunk ;;
 absorb) absorb ;;
+keep) keep ;;
+restore) restore ;;
 tables) tables ;;
 esac

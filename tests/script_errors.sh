@@ -138,6 +138,74 @@ else
 fi
 rm -rf "$tmp/carry" "$tmp/back"
 
+# keep and restore: the state's files in the tree, its checkpoints in the history alone, back in a fresh clone;
+# keep refuses with staged changes and moves nothing; restore of a blob the history lacks writes nothing
+if command -v git >/dev/null 2>&1; then
+    count=$((count + 1))
+    r=$tmp/repo
+    rm -rf "$r" "$tmp/clone"
+    mkdir -p "$r/paper-repro"
+    cp "$src/paper-repro/gpu_train.sh" "$src/paper-repro/claims.sh" "$src/paper-repro/.gitignore" "$r/paper-repro/"
+    g() { git -C "$r" -c user.name=test -c user.email=test@localhost "$@"; }
+    g init -q && g add -A && g commit -q -m base
+    st=$r/paper-repro/gpu-state
+    mkdir -p "$st/t1" "$st/logs"
+    head -c 70000 /dev/urandom >"$st/t1/state.safetensors"
+    echo "100,0.5" >"$st/t1/heldout.csv"
+    echo "run 1" >"$st/logs/teacher_1.log"
+    cp "$st/t1/state.safetensors" "$tmp/ckpt"
+    # the committer's identity for keep's commits
+    export GIT_AUTHOR_NAME=test GIT_AUTHOR_EMAIL=test@localhost GIT_COMMITTER_NAME=test GIT_COMMITTER_EMAIL=test@localhost
+    if bash "$r/paper-repro/gpu_train.sh" keep --state "$st" >"$tmp/stdout" 2>"$tmp/err" &&
+        [ "$(g rev-list --count HEAD)" = 3 ] &&
+        [ "$(g ls-tree -r --name-only HEAD~1 -- paper-repro/gpu-state)" = paper-repro/gpu-state/t1/state.safetensors ] &&
+        g ls-tree -r --name-only HEAD -- paper-repro/gpu-state | grep -qx paper-repro/gpu-state/t1/heldout.csv &&
+        ! g ls-tree -r --name-only HEAD | grep -q 'safetensors\|logs/' && [ -z "$(g status --porcelain)" ] &&
+        git clone -q "$r" "$tmp/clone" && [ ! -e "$tmp/clone/paper-repro/gpu-state/t1/state.safetensors" ] &&
+        bash "$tmp/clone/paper-repro/gpu_train.sh" restore --state "$tmp/clone/paper-repro/gpu-state" >/dev/null 2>>"$tmp/err" &&
+        cmp -s "$tmp/ckpt" "$tmp/clone/paper-repro/gpu-state/t1/state.safetensors"; then
+        echo "ok: gpu_train.sh keep commits the state and its checkpoints; restore takes them back in a fresh clone"
+    else
+        fail "gpu_train.sh keep then restore in a fresh clone did not give back the state and its checkpoint"
+    fi
+    # nothing new: no commit; a teacher's final weights replace its training state in checkpoints.txt
+    count=$((count + 1))
+    rm -f "$st/t1/state.safetensors"
+    head -c 50000 /dev/urandom >"$st/t1/final.safetensors"
+    if bash "$r/paper-repro/gpu_train.sh" keep --state "$st" >/dev/null 2>"$tmp/err" &&
+        bash "$r/paper-repro/gpu_train.sh" keep --state "$st" >"$tmp/stdout" 2>>"$tmp/err" &&
+        grep -q "nothing new" "$tmp/stdout" && [ "$(g rev-list --count HEAD)" = 5 ] &&
+        [ "$(grep -vc '^#' "$st/checkpoints.txt")" = 1 ] && grep -q '^t1/final.safetensors ' "$st/checkpoints.txt"; then
+        echo "ok: gpu_train.sh keep follows the state's checkpoints and commits nothing when nothing changed"
+    else
+        fail "gpu_train.sh keep did not replace the training state by the final weights (or committed nothing new)"
+    fi
+    head=$(g rev-parse HEAD)
+    echo "x" >"$r/other" && g add other
+    echo "200,0.4" >>"$st/t1/heldout.csv"
+    count=$((count + 1))
+    bash "$r/paper-repro/gpu_train.sh" keep --state "$st" >/dev/null 2>"$tmp/err"
+    status=$?
+    if [ "$status" = 2 ] && grep -q "staged" "$tmp/err" && [ "$(g rev-parse HEAD)" = "$head" ]; then
+        echo "ok: gpu_train.sh keep with staged changes -> 2: $(head -n 1 "$tmp/err")"
+    else
+        fail "gpu_train.sh keep with staged changes exited $status or moved HEAD"
+    fi
+    g reset -q
+    count=$((count + 1))
+    cl=$tmp/clone/paper-repro/gpu-state
+    rm -f "$cl/t1/state.safetensors"
+    sed -i 's/ [0-9a-f]*$/ 0000000000000000000000000000000000000001/' "$cl/checkpoints.txt"
+    bash "$tmp/clone/paper-repro/gpu_train.sh" restore --state "$cl" >/dev/null 2>"$tmp/err"
+    status=$?
+    if [ "$status" = 1 ] && grep -q "not in this checkout's history" "$tmp/err" && [ -z "$(ls "$cl/t1" | grep safetensors)" ]; then
+        echo "ok: gpu_train.sh restore of a blob the history lacks -> 1 and writes nothing"
+    else
+        fail "gpu_train.sh restore of a missing blob exited $status or wrote a file"
+    fi
+    rm -rf "$r" "$tmp/clone" "$tmp/ckpt"
+fi
+
 # gpu_train.sh tables works at any time: here with one teacher's first held-out loss and nothing else done
 if [ -x "$build/experiments/exp_stats" ]; then
     count=$((count + 1))
