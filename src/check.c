@@ -204,6 +204,24 @@ static const row rows[] = {
               0.5, 1, "0,200,40,0,129/40,260,64,0,200", "bwd_kernel=wgmma dq=pass"),
     LROW_OPTS("bwd-wgmma-dq-pass-varlen-causal-no-overlap", BWD, 0, 4, 2, 0, 0, 64, 128, 64, F16 | BF16, BHND, 0.1,
               0.5, 1, "0,200,0,131,40/0,333,64,131,50", "bwd_kernel=wgmma dq=pass bwd_overlap=off"),
+    /* the warp-specialized dK/dV kernel where it runs (dense and bk = 128 masks, 128 keys a CTA; bk = 64 masks run
+     * wgmma): more query steps than ring stages, ragged keys, D padded, causal masks and packed sequences with grouped
+     * heads, dQ by atomics and by the pass (the dK/dV pass as its dependent, and without the overlap) */
+    TC_SHAPES("bwd-wgmma-ws", BWD, "bwd_kernel=wgmma-ws"),
+    PAIR("bwd-wgmma-ws-d40", BWD, 1, 2, 200, 270, 40, 128, 128, F16 | BF16, BHND, "bwd_kernel=wgmma-ws", 0),
+    PAIR("bwd-wgmma-ws-long", BWD, 1, 2, 2048, 300, 128, 128, 128, BF16, BNHD, "bwd_kernel=wgmma-ws", 0),
+    LROW_OPTS("bwd-wgmma-ws-causal-dense", BWD, 1, 2, 0, 390, 520, 128, 128, 64, F16 | BF16, BHND, 0.0, 0.0, 1, NULL,
+              "bwd_kernel=wgmma-ws"),
+    LROW_OPTS("bwd-wgmma-ws-causal-gqa-bk128", BWD, 1, 4, 2, 260, 330, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1,
+              NULL, "bwd_kernel=wgmma-ws"),
+    LROW_OPTS("bwd-wgmma-ws-varlen-d128-bk128", BWD, 0, 3, 1, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2, 0.5, 0,
+              "90,300,50/150,260,120", "bwd_kernel=wgmma-ws"),
+    LROW_OPTS("bwd-wgmma-ws-dq-pass-causal-dense", BWD, 1, 2, 0, 200, 333, 64, 128, 64, F16 | BF16, BNHD, 0.0, 0.0, 1,
+              NULL, "bwd_kernel=wgmma-ws dq=pass"),
+    LROW_OPTS("bwd-wgmma-ws-dq-pass-varlen-causal-gqa-bk128", BWD, 0, 4, 2, 0, 0, 128, 128, 128, F16 | BF16, BHND, 0.2,
+              0.5, 1, "0,200,40,0,129/40,260,64,0,200", "bwd_kernel=wgmma-ws dq=pass"),
+    LROW_OPTS("bwd-wgmma-ws-dq-pass-no-overlap", BWD, 1, 2, 0, 390, 520, 128, 128, 128, F16 | BF16, BHND, 0.1, 0.5, 0,
+              NULL, "bwd_kernel=wgmma-ws dq=pass bwd_overlap=off"),
     /* The pooled map's logits kernels: fp32 tiles of 128x64 and 64x64, f16x3 on tensor cores (the "cuda" tier
      * only: elsewhere a clean refusal), D a multiple of 16 and not. */
     ROW("map-128x64", MASK, 1, 3, 1000, 1000, 128, 128, 64, F32 | BF16, BOTH, 0.03, 0.2, "map_tile=128x64", 0),

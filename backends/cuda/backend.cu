@@ -181,7 +181,9 @@ static const sparge_option_def gpu_option_defs[] = {
     {"fwd_tile", "SPARGE_CUDA_FWD_TILE", "auto|WARPS,STAGES[,SPLIT]", "mma.sync forward tile (tiles.h)"},
     {"fwd_order", "SPARGE_CUDA_FWD_ORDER", "auto|head|natural",
      "masked forward launch order: each head's rows heaviest first (head), or as stored"},
-    {"bwd_kernel", "SPARGE_CUDA_BWD_KERNEL", "auto|mma|wgmma", "tensor-core backward: mma.sync or sm_90a wgmma"},
+    {"bwd_kernel", "SPARGE_CUDA_BWD_KERNEL", "auto|mma|wgmma|wgmma-ws",
+     "tensor-core backward: mma.sync, sm_90a wgmma, or the wgmma dK/dV kernel warp-specialized where it takes 128 "
+     "keys a CTA (a loading warpgroup feeding two computing ones through mbarriers; wgmma elsewhere)"},
     {"bwd_keys", "SPARGE_CUDA_BWD_KEYS", "auto|64|128", "keys per CTA of the wgmma dK/dV kernel"},
     {"dq", "SPARGE_CUDA_DQ", "auto|pass|atomic",
      "backward dQ: a separate pass over the mask or fp32 atomics (deterministic always takes the pass)"},

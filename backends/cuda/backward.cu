@@ -22,7 +22,8 @@
  * On sm_90, when the build has the sm_90a image, the dK/dV pass runs backward_sm90.cu's wgmma kernel and the
  * separate dQ pass dq_sm90.cu's (prep, launch order and conversion stay here); the option bwd_kernel=mma|wgmma
  * forces either kernel family for both passes, bwd_keys=64|128 picks the wgmma dK/dV kernel's keys per CTA
- * (default 128, which applies to dense and bk = 128 masks; bk = 64 masks take 64).
+ * (default 128, which applies to dense and bk = 128 masks; bk = 64 masks take 64), and bwd_kernel=wgmma-ws runs
+ * the warp-specialized variant of the 128-key kernel where that one runs (the wgmma kernels elsewhere).
  *
  * Tile shapes (all architectures, sm_80/90/120; 256 threads, one CTA per SM):
  *   dK/dV: BN = bk keys per CTA; 8 warps as (BN/16 along keys) × (8·16/BN along queries), each warp owns
@@ -844,7 +845,7 @@ template <typename T, int D, int BN> void (*dq_kernel_for(const bwd_params &p))(
  * that many keys per CTA (128 only where the key tiling allows it: dense or bk = 128; 64 otherwise) and the wgmma
  * dQ pass, whose dK/dV pass is its programmatic dependent where overlap is set. */
 template <typename T, int D>
-sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma_keys, int overlap,
+sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq, int wgmma_keys, int ws, int overlap,
                   int32_t *order_kv, int32_t *order_q, uint32_t *dq_done)
 {
     sparge_status s;
@@ -894,7 +895,7 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
          * arrays, after the count. */
         if ((s = sparge_cuda_wgmma_dq(ctx, pq, BH, bkq == 128 ? 1 : 0, dtype, D)))
             return s;
-        return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, overlap);
+        return sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, ws, dtype, D, overlap);
     }
 
     /* The mma.sync kernels, or dQ by atomics: the prep, the dK/dV pass, then the conversion or the dQ pass. */
@@ -907,7 +908,7 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
                    pk, "backward dK/dV kernel", kv_sub_shift);
     } else {
         const unsigned grid_kv = (unsigned)(BH * pk.Nkb);
-        s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, dtype, D, 0)
+        s = wgmma_keys ? sparge_cuda_wgmma_dkdv(ctx, pk, BH, kv_sub_shift, wide, ws, dtype, D, 0)
             : bk == 64 ? launch(ctx, dkdv_kernel_for<T, D, 64>(p), grid_kv, dkdv_tile<T, D, 64>::smem, pk,
                                 "backward dK/dV kernel")
                        : launch(ctx, dkdv_kernel_for<T, D, 128>(p), grid_kv, dkdv_tile<T, D, 128>::smem, pk,
@@ -924,9 +925,10 @@ sparge_status run(gpu_ctx *ctx, bwd_params &p, int64_t BH, int bk, int atomic_dq
 }
 
 /* Which kernels a backward runs: wgmma_keys 0 for the mma.sync kernels, else the wgmma dK/dV kernel's keys per CTA
- * (with the wgmma dQ pass); atomic_dq: dQ as fp32 atomics from the dK/dV pass instead of a separate pass. */
+ * (with the wgmma dQ pass), ws its warp-specialized variant at 128 keys; atomic_dq: dQ as fp32 atomics from the
+ * dK/dV pass instead of a separate pass. */
 struct bwd_plan {
-    int wgmma_keys, atomic_dq, overlap;
+    int wgmma_keys, ws, atomic_dq, overlap;
 };
 
 /* bk: the mask's key block, 0 for dense. Variant of dQ: the separate pass is deterministic. Otherwise atomics,
@@ -938,13 +940,13 @@ bwd_plan plan_for(const gpu_ctx *ctx, int D, int bk, int deterministic)
 {
     const gpu_options &o = ctx->opt;
     const int wgmma = D > 128                           ? 0
-                      : o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel == GPU_KERNEL_WGMMA
+                      : o.bwd_kernel != GPU_KERNEL_AUTO ? o.bwd_kernel != GPU_KERNEL_MMA
                                                         : sparge_cuda_wgmma_backward_available(ctx);
     /* 128 keys per CTA where the mask allows it (dense, bk = 128): 47.2 against 59.7 ms dense on the H200. */
     const int keys = !wgmma ? 0 : o.bwd_keys ? o.bwd_keys : 128;
     const int narrow = keys == 64 || (keys && bk && bk != 128);
     const int atomic = !deterministic && (o.dq != GPU_DQ_AUTO ? o.dq == GPU_DQ_ATOMIC : !narrow);
-    return bwd_plan{keys, atomic, !o.bwd_no_overlap};
+    return bwd_plan{keys, wgmma && o.bwd_kernel == GPU_KERNEL_WGMMA_WS, atomic, !o.bwd_no_overlap};
 }
 
 /* Shared memory of the mma.sync kernels of a plan. */
@@ -1038,14 +1040,16 @@ sparge_view staged_view(const sparge_view &v, void *data, int64_t H, int64_t Dt)
 
 sparge_status sparge_cuda_backward_fits(const gpu_ctx *ctx, int D, int bk, int deterministic)
 {
-    if (D > 128 && ctx->opt.bwd_kernel == GPU_KERNEL_WGMMA)
-        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma takes head dims up to 128 (D=%d "
-                           "runs the mma.sync kernels)", D);
+    const int forced = ctx->opt.bwd_kernel == GPU_KERNEL_WGMMA || ctx->opt.bwd_kernel == GPU_KERNEL_WGMMA_WS;
+    const char *name = ctx->opt.bwd_kernel == GPU_KERNEL_WGMMA_WS ? "wgmma-ws" : "wgmma";
+    if (D > 128 && forced)
+        return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=%s takes head dims up to 128 (D=%d "
+                           "runs the mma.sync kernels)", name, D);
     const bwd_plan pl = plan_for(ctx, D, bk, deterministic);
     if (pl.wgmma_keys) {
         if (!sparge_cuda_wgmma_backward_available(ctx))
-            return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=wgmma needs an sm_90 device and a "
-                               "build with 90 in --with-cuda-arch");
+            return SPARGE_FAIL(SPARGE_ERR_UNSUPPORTED, "cuda backward: bwd_kernel=%s needs an sm_90 device and a "
+                               "build with 90 in --with-cuda-arch", forced ? name : "wgmma");
         return SPARGE_OK;
     }
     /* f16 and bf16 tiles have the same size; head dims below 64 or 128 run those widths on staged copies. */
@@ -1075,7 +1079,7 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
     const int bk = m ? args->bk : 128;
     const int causal = m ? m->causal : args->causal;
     const bwd_plan pl = plan_for(ctx, (int)D, m ? args->bk : 0, args->deterministic);
-    const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, overlap = pl.overlap;
+    const int atomic_dq = pl.atomic_dq, wgmma_keys = pl.wgmma_keys, kv_ws = pl.ws, overlap = pl.overlap;
 
     const int Nqb = varlen ? (int)m->Nqb : (int)((Nq + kBlockQ - 1) / kBlockQ), Nkb = m ? (int)m->Nkb : 0;
     const size_t padded = (size_t)BH * Nqb * kBlockQ;
@@ -1148,14 +1152,14 @@ sparge_status sparge_cuda_mma_backward(gpu_ctx *ctx, const sparge_bwd_args *args
 
     const bool bf = a->q.dtype == SPARGE_BF16;
     if (Dt == 64)
-        s = bf ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
-               : run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+        s = bf ? run<gpu_bf16, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, kv_ws, overlap, order_kv, order_q, dq_done)
+               : run<gpu_half, 64>(ctx, p, BH, bk, atomic_dq, wgmma_keys, kv_ws, overlap, order_kv, order_q, dq_done);
     else if (Dt == 128)
-        s = bf ? run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
-               : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+        s = bf ? run<gpu_bf16, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, kv_ws, overlap, order_kv, order_q, dq_done)
+               : run<gpu_half, 128>(ctx, p, BH, bk, atomic_dq, wgmma_keys, kv_ws, overlap, order_kv, order_q, dq_done);
     else
-        s = bf ? run<gpu_bf16, 256>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done)
-               : run<gpu_half, 256>(ctx, p, BH, bk, atomic_dq, wgmma_keys, overlap, order_kv, order_q, dq_done);
+        s = bf ? run<gpu_bf16, 256>(ctx, p, BH, bk, atomic_dq, wgmma_keys, kv_ws, overlap, order_kv, order_q, dq_done)
+               : run<gpu_half, 256>(ctx, p, BH, bk, atomic_dq, wgmma_keys, kv_ws, overlap, order_kv, order_q, dq_done);
     if (s || !staged_kv_out)
         return s;
     const int dch = (int)(D / 8), dtch = (int)(Dt / 8);

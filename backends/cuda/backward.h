@@ -105,11 +105,12 @@ __device__ __forceinline__ float dt_part(const T *o, const T *d_o)
  * and its image loads on the device of ctx. */
 int sparge_cuda_wgmma_backward_available(const gpu_ctx *ctx);
 /* The dK/dV pass (and, when p.dq_accum is set, the atomic dQ contributions) with wgmma, f16 or
- * bf16, D = 64 or 128: one CTA per 64 keys (wide = 0) or per 128 keys (wide = 1, two warpgroups);
- * p.Nkb counts key blocks of that many keys << sub_shift (the mask's bk, or the CTA's keys when
- * dense), p.order (if set) orders those blocks. dependent = 1 (p.dq_done set) launches it as a programmatic
- * dependent of the wgmma dQ pass queued just before it, so that it fills the SMs that pass's last wave leaves idle. */
-sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide,
+ * bf16, D = 64 or 128: one CTA per 64 keys (wide = 0) or per 128 keys (wide = 1, two warpgroups; with ws = 1
+ * their warp-specialized kernel, a third warpgroup loading); p.Nkb counts key blocks of that many keys << sub_shift
+ * (the mask's bk, or the CTA's keys when dense; sub_shift 0 when wide), p.order (if set) orders those blocks.
+ * dependent = 1 (p.dq_done set) launches it as a programmatic dependent of the wgmma dQ pass queued just before it,
+ * so that it fills the SMs that pass's last wave leaves idle. */
+sparge_status sparge_cuda_wgmma_dkdv(gpu_ctx *ctx, const bwd_params &p, int64_t BH, int sub_shift, int wide, int ws,
                                      sparge_dtype dt, int D, int dependent);
 /* The separate dQ pass with wgmma (dq_sm90.cu; available with the dK/dV kernel above), f16 or bf16,
  * D = 64 or 128, causal or not, fixed lengths or packed sequences: one CTA per query block (of a sequence

@@ -49,7 +49,12 @@ using namespace sparge_mma;
 using namespace sparge_wgmma;
 using sparge_sm90::aligned_smem;
 using sparge_sm90::load_tile;
+using sparge_sm90::mbar_arrive;
+using sparge_sm90::mbar_init;
+using sparge_sm90::mbar_wait;
 using sparge_sm90::panel_offset;
+using sparge_sm90::set_max_regs_dec;
+using sparge_sm90::set_max_regs_inc;
 using sparge_sm90::store_wg_rows;
 using sparge_sm90::warp_uniform;
 using sparge_sm90::wgmma_a_bt;
@@ -339,37 +344,6 @@ struct ws_traits {
     static constexpr int BAR_OFFSET = W::Q_BYTES + WS_STAGES * 2 * W::REGION_BYTES;
     static constexpr int SMEM_BYTES = BAR_OFFSET + (1 + 2 * WS_STAGES) * 8 + 1024; /* + alignment slack */
 };
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-/* Arrive (release, CTA scope): this thread's earlier writes are visible to whoever waits out the phase. */
-__device__ __forceinline__ void mbar_arrive(uint32_t bar)
-{
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-/* Wait (acquire, CTA scope) until the phase of this parity has completed. */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
-{
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-template <int REGS>
-__device__ __forceinline__ void set_max_regs_dec()
-{
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
-}
-template <int REGS>
-__device__ __forceinline__ void set_max_regs_inc()
-{
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
-}
 
 /* S = Q·Kᵀ with Q from registers (A fragments qa, loaded once) and the K tile from shared memory: only K is read
  * from shared memory per k step (m64n64k16 with both operands there reads 4 KB, at the tensor cores' peak about

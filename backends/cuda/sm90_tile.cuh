@@ -107,6 +107,39 @@ __device__ __forceinline__ void wgmma_a_bt(float acc[32], uint32_t a_tile, uint3
     }
 }
 
+/* mbarriers of the warp-specialized kernels (a loading warpgroup and computing ones; forward_sm90.cu,
+ * backward_sm90.cu) and their register split. */
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* Arrive (release, CTA scope): this thread's earlier writes are visible to whoever waits out the phase. */
+__device__ __forceinline__ void mbar_arrive(uint32_t bar)
+{
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+/* Wait (acquire, CTA scope) until the phase of this parity has completed. */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+template <int REGS>
+__device__ __forceinline__ void set_max_regs_dec()
+{
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void set_max_regs_inc()
+{
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
 } // namespace sparge_sm90
 
 #endif
