@@ -66,8 +66,9 @@ static int integer(js *j, int64_t *out)
 {
     ws(j);
     char *e;
+    errno = 0;
     long long v = strtoll(j->p, &e, 10);
-    if (e == j->p || e > j->end)
+    if (e == j->p || e > j->end || errno == ERANGE)
         return -1;
     j->p = e;
     *out = v;
@@ -236,7 +237,7 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
                  ST_MAX_HEADER);
         goto out;
     }
-    hdr = malloc(hlen);
+    hdr = malloc(hlen + 1); /* NUL-terminated: the number parser (strtoll) reads up to a non-digit */
     if (!hdr || fread(hdr, 1, hlen, fp) != hlen) {
         exp_fail(err, err_len, "%s: cannot read the %llu-byte header", path, (unsigned long long)hlen);
         goto out;
@@ -245,6 +246,7 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
         exp_fail(err, err_len, "%s: cannot seek", path);
         goto out;
     }
+    hdr[hlen] = 0;
     uint64_t file_size = (uint64_t)ftello(fp);
     f->data_start = 8 + hlen;
     js j = {hdr, hdr + hlen};
@@ -286,11 +288,17 @@ int exp_st_open(const char *path, exp_st_file *f, char *err, size_t err_len)
                 snprintf(t->name, sizeof t->name, "%s", name);
                 if (tensor_entry(&j, t))
                     goto bad;
-                uint64_t elems = 1;
+                uint64_t elems = 1, bytes = 0;
+                int bad_shape = 0;
                 for (int d = 0; d < t->ndim; d++)
-                    elems *= (uint64_t)(t->shape[d] < 0 ? 0 : t->shape[d]);
+                    bad_shape |= t->shape[d] < 0 || __builtin_mul_overflow(elems, (uint64_t)t->shape[d], &elems);
                 size_t es = dtype_bytes(t->dtype);
-                if (es && elems * es != t->end - t->begin) {
+                if (bad_shape || __builtin_mul_overflow(elems, (uint64_t)es, &bytes)) {
+                    exp_fail(err, err_len, "%s: tensor '%s' has a negative dimension or more elements than fit in "
+                             "64 bits", path, name);
+                    goto out;
+                }
+                if (es && bytes != t->end - t->begin) {
                     exp_fail(err, err_len, "%s: tensor '%s' has %llu bytes for %llu %s elements", path, name,
                              (unsigned long long)(t->end - t->begin), (unsigned long long)elems, t->dtype);
                     goto out;
@@ -465,6 +473,10 @@ int exp_load_qkv(const char *path, const char *const names[3], int bnhd, exp_qkv
             rc = -1;
         } else if (t[i]->ndim != 3 && t[i]->ndim != 4) {
             fprintf(stderr, "%s: '%s' is %d-D (need [B,H,N,D], [B,N,H,D] or [H,N,D])\n", path, names[i], t[i]->ndim);
+            rc = -1;
+        } else if (t[i]->shape[0] * t[i]->shape[1] * t[i]->shape[2] * (t[i]->ndim == 4 ? t[i]->shape[3] : 1) == 0) {
+            fprintf(stderr, "%s: '%s' has an empty dimension (every one of B, H, N and D must be at least 1)\n", path,
+                    names[i]);
             rc = -1;
         } else if (i && (t[i]->ndim != t[0]->ndim || memcmp(t[i]->shape, t[0]->shape, sizeof t[0]->shape))) {
             fprintf(stderr, "%s: '%s' and '%s' differ in shape (self-attention dumps need equal shapes)\n", path,

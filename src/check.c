@@ -1975,11 +1975,34 @@ static void tier_text(const outcome *o, char *buf, size_t len)
             snprintf(buf + strlen(buf), len - strlen(buf), "%s%s=%s", buf[0] ? " " : "", slot[i], o->tiers[i]);
 }
 
+/* The table's shape column of a case: "BxHxNqxNk D bqxbk [kvHkv] [causal] [varlen lengths] mask". */
+static void shape_text(const check_case *c, char *shape, size_t n)
+{
+    snprintf(shape, n, "%lldx%lldx%lldx%lld D%lld %dx%d", (long long)c->B, (long long)c->H,
+             (long long)c->Nq, (long long)c->Nk, (long long)c->D, c->bq, c->bk);
+    if (c->kv_heads)
+        snprintf(shape + strlen(shape), n - strlen(shape), " kv%lld", (long long)c->kv_heads);
+    if (c->causal)
+        snprintf(shape + strlen(shape), n - strlen(shape), " causal");
+    for (int k = 0; k < (c->nseq ? 2 : 0); k++) { /* "varlen 90,40,60": the lengths; K's after a "/" if others */
+        const int32_t *cu = k ? c->cu_k : c->cu_q;
+        if (k && !memcmp(c->cu_k, c->cu_q, sizeof c->cu_q))
+            break;
+        snprintf(shape + strlen(shape), n - strlen(shape), "%s", k ? "/" : " varlen ");
+        for (int b = 0; b < c->nseq; b++)
+            snprintf(shape + strlen(shape), n - strlen(shape), "%s%d", b ? "," : "", cu[b + 1] - cu[b]);
+    }
+    if (!is_dense(c))
+        snprintf(shape + strlen(shape), n - strlen(shape), " k%g p%g", c->topk, c->topp);
+    else
+        snprintf(shape + strlen(shape), n - strlen(shape), " dense");
+}
+
 static const char *const result_names[] = {"PASS", "FAIL", "unsupported", "skipped"};
 
 /* One case on every device. */
 static void run_case(const check_config *cfg, const check_case *c, sparge_device **devs, int ndev,
-                     sparge_device *ref, check_summary *sum, FILE *out)
+                     sparge_device *ref, check_summary *sum, FILE *out, int name_w, int shape_w)
 {
     reference R;
     char shape[192], tiers[96], perf[96] = "", missing[32];
@@ -1993,24 +2016,7 @@ static void run_case(const check_config *cfg, const check_case *c, sparge_device
         for (int64_t j = 0; j < nkb(c); j++)
             ones[r * nkb(c) + j] = j < allowed;
     }
-    snprintf(shape, sizeof shape, "%lldx%lldx%lldx%lld D%lld %dx%d", (long long)c->B, (long long)c->H,
-             (long long)c->Nq, (long long)c->Nk, (long long)c->D, c->bq, c->bk);
-    if (c->kv_heads)
-        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " kv%lld", (long long)c->kv_heads);
-    if (c->causal)
-        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " causal");
-    for (int k = 0; k < (c->nseq ? 2 : 0); k++) { /* "varlen 90,40,60": the lengths; K's after a "/" if others */
-        const int32_t *cu = k ? c->cu_k : c->cu_q;
-        if (k && !memcmp(c->cu_k, c->cu_q, sizeof c->cu_q))
-            break;
-        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "%s", k ? "/" : " varlen ");
-        for (int b = 0; b < c->nseq; b++)
-            snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "%s%d", b ? "," : "", cu[b + 1] - cu[b]);
-    }
-    if (!is_dense(c))
-        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " k%g p%g", c->topk, c->topp);
-    else
-        snprintf(shape + strlen(shape), sizeof shape - strlen(shape), " dense");
+    shape_text(c, shape, sizeof shape);
     for (int i = 0; i < ndev; i++) {
         outcome o;
         option_set opts;
@@ -2038,8 +2044,8 @@ static void run_case(const check_config *cfg, const check_case *c, sparge_device
         const check_result r = o.failed ? CHECK_FAIL : set == 0 ? CHECK_SKIPPED : o.refused[0] ? CHECK_UNSUPPORTED
                                                                                                : CHECK_PASS;
         tier_text(&o, tiers, sizeof tiers);
-        fprintf(out, "%-11s %-15s %-28s %-36s %-22s ", result_names[r], sparge_device_name(devs[i]), c->name, shape,
-                tiers);
+        fprintf(out, "%-11s %-15s %-*s %-*s %-22s ", result_names[r], sparge_device_name(devs[i]), name_w, c->name,
+                shape_w, shape, tiers);
         if (cfg->mode == CHECK_MODE_PERF && r != CHECK_SKIPPED)
             fprintf(out, "%s ", perf + 1);
         if (c->options)
@@ -2093,9 +2099,16 @@ int check_run(const check_config *cfg, check_summary *sum)
             sparge_device_close(devs[i]);
         return 1;
     }
-    int cases = 0;
+    int cases = 0, name_w = 4, shape_w = 50; /* the columns as wide as their longest entry */
     for (int i = 0; i < check_case_count(); i++)
-        cases += applies(cfg, check_case_get(i));
+        if (applies(cfg, check_case_get(i))) {
+            char shape[192];
+            const size_t len = strlen(check_case_get(i)->name);
+            shape_text(check_case_get(i), shape, sizeof shape);
+            name_w = len > (size_t)name_w ? (int)len : name_w;
+            shape_w = strlen(shape) > (size_t)shape_w ? (int)strlen(shape) : shape_w;
+            cases++;
+        }
     if (!cases) {
         fprintf(stderr, "sparge check: no case of the %s grid matches \"%s\"\n", cfg->full ? "full" : "quick",
                 cfg->filter ? cfg->filter : "");
@@ -2117,13 +2130,13 @@ int check_run(const check_config *cfg, check_summary *sum)
     }
     if (msg[0])
         fprintf(out, "compiled in, no device present: %s\n", msg);
-    fprintf(out, "%-11s %-15s %-28s %-36s %-22s %s\n", "result", "device", "case",
+    fprintf(out, "%-11s %-15s %-*s %-*s %-22s %s\n", "result", "device", name_w, "case", shape_w,
             "shape BxHxNqxNk D bqxbk [kvHkv causal varlen] mask",
             "tier", cfg->mode == CHECK_MODE_PERF ? " sparsity   mask ms    fwd ms   TFLOP/s    bwd ms   TFLOP/s"
                                                  : "errors (relative L2)");
     for (int i = 0; i < check_case_count(); i++)
         if (applies(cfg, check_case_get(i)))
-            run_case(cfg, check_case_get(i), devs, n, ref, &s, out);
+            run_case(cfg, check_case_get(i), devs, n, ref, &s, out, name_w, shape_w);
     s.devices = n;
     fprintf(out, "\n%d passed, %d failed, %d unsupported, %d skipped (cases x devices) on %d device%s\n", s.passed,
             s.failed, s.unsupported, s.skipped, n, n == 1 ? "" : "s");

@@ -1,5 +1,6 @@
 /* sparge bench: time mask prediction (pool + map + select), forward and
  * backward on one backend, over a list of sparsity levels. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -50,7 +51,7 @@ static const char help[] =
     "  --option NAME=VALUE set a device option (repeatable; sparge info lists them)\n"
     "  --fallback          let a call the device's first tier cannot run fall back to its next tier\n"
     "                      (default: strict=on, so every figure comes from the tier the table names)\n"
-    "  --output FILE       also write the rows as CSV (.csv) or JSON (.json), each with the run's shape\n"
+    "  --output FILE       also write the rows as JSON (FILE.json) or else CSV, each with the run's shape\n"
     "                      (K/V heads, causal, the --varlen lengths)\n"
     "  --export-mask PFX   write the last masked level's mask as PFX.json + PFX.u8 (dense uint8 [B,H,Nqb,Nkb];\n"
     "                      with --varlen the dense level's too: every block of every sequence)\n"
@@ -322,10 +323,51 @@ int cli_bench(int argc, char **argv)
         fprintf(stderr, "sparge bench: --sparsity takes a comma list of dense, hybrid or a sparsity in [0, 1)\n");
         return 2;
     }
+    /* Every level is checked before anything runs: a typo in the last one must not cost (or print) the others. */
+    int nlevels = 0, any_hybrid = 0;
+    for (const char *p = levels;; p++) {
+        const size_t len = strcspn(p, ",");
+        char tok[64], *end;
+        snprintf(tok, sizeof tok, "%.*s", (int)(len < sizeof tok ? len : sizeof tok - 1), p);
+        const double target = strtod(tok, &end);
+        if (!len || (strcmp(tok, "dense") && strcmp(tok, "hybrid") &&
+                     (end == tok || *end || !(target >= 0.0 && target < 1.0)))) {
+            fprintf(stderr, "sparge bench: --sparsity level '%s' is not dense, hybrid or a sparsity in [0, 1)\n", tok);
+            return 2;
+        }
+        any_hybrid |= !strcmp(tok, "hybrid");
+        if (++nlevels > 32) {
+            fprintf(stderr, "sparge bench: --sparsity has more than 32 levels; run the rest in another call\n");
+            return 2;
+        }
+        p += len;
+        if (!*p)
+            break;
+    }
+    if (any_hybrid && topk == 0.0 && topp == 0.0) {
+        fprintf(stderr, "sparge bench: the hybrid level needs --topk or --topp above 0 (both are 0)\n");
+        return 2;
+    }
     if (export_pfx && !varlen && words_in(levels, "dense")) {
         fprintf(stderr, "sparge bench: --export-mask has no mask to write: every level of --sparsity is dense, which "
                         "runs without one\n");
         return 2;
+    }
+    /* The output file is tried (as PATH.part, removed at once) before any timing, and written at the end as PATH.part
+     * renamed to PATH: a path that cannot be written fails first, and a failed run leaves no file. */
+    const size_t out_len = output ? strlen(output) : 0;
+    const int json = out_len > 5 && !strcmp(output + out_len - 5, ".json");
+    char out_part[4096] = "";
+    if (output) {
+        FILE *f = NULL;
+        if (out_len + 6 > sizeof out_part || (snprintf(out_part, sizeof out_part, "%s.part", output), 0) ||
+            !(f = fopen(out_part, "w"))) {
+            fprintf(stderr, "sparge bench: cannot write %s: %s\n", out_part[0] ? out_part : output,
+                    out_part[0] ? strerror(errno) : "path too long");
+            return 1;
+        }
+        fclose(f);
+        remove(out_part);
     }
     const sparge_dtype dt_arg = dtype_s ? cli_dtype(dtype_s, "--dtype") : SPARGE_F32;
     /* The largest tensor, B·H·max(Nq, Nk)·D elements of 4 bytes, must be addressable. */
@@ -425,7 +467,7 @@ int cli_bench(int argc, char **argv)
     int nrows = 0;
     char *list = malloc(strlen(levels) + 1);
     strcpy(list, levels);
-    for (char *tok = strtok(list, ","); tok && nrows < 32; tok = strtok(NULL, ",")) {
+    for (char *tok = strtok(list, ","); tok; tok = strtok(NULL, ",")) {
         bench_row *r = &rows[nrows];
         memset(r, 0, sizeof *r);
         snprintf(r->level, sizeof r->level, "%s", tok);
@@ -439,11 +481,7 @@ int cli_bench(int argc, char **argv)
             if ((s = op_mask(&c)))
                 return cli_fail("the dense varlen mask", s);
         } else if (!dense && strcmp(tok, "hybrid")) {
-            double target = cli_double(tok, "--sparsity", 0.0, 1.0);
-            if (target == 1.0) {
-                fprintf(stderr, "sparge bench: --sparsity level %s is outside [0, 1)\n", tok);
-                return 2;
-            }
+            const double target = strtod(tok, NULL); /* checked above */
             c.mp.topk = 1.0 - target; /* Top-k only: exactly that share of blocks per row */
             c.mp.topp = 0.0;
         }
@@ -489,12 +527,13 @@ int cli_bench(int argc, char **argv)
     }
     free(list);
     if (output) {
-        FILE *f = fopen(output, "w");
+        FILE *f = fopen(out_part, "w");
         if (!f) {
-            fprintf(stderr, "sparge bench: cannot write %s\n", output);
+            fprintf(stderr, "sparge bench: cannot write %s: %s\n", out_part, strerror(errno));
             return 1;
         }
-        int json = strlen(output) > 5 && !strcmp(output + strlen(output) - 5, ".json");
+        char device[512];
+        snprintf(device, sizeof device, "%s (%s)", sparge_device_name(c.dev), sparge_device_description(c.dev));
         if (json)
             fprintf(f, "[\n");
         else
@@ -509,7 +548,7 @@ int cli_bench(int argc, char **argv)
                         "\"causal\": %s, \"varlen\": [%s], \"level\": \"%s\", "
                         "\"sparsity\": %.6f, \"token_density\": %.6f, \"mask_ms\": %.6g, \"fwd_ms\": %.6g, "
                         "\"fwd_mask_ms\": %.6g, \"bwd_ms\": %.6g, \"step_ms\": %.6g}%s\n",
-                        sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
+                        device, (long long)B, (long long)H, (long long)Nq, (long long)Nk,
                         (long long)D, sparge_dtype_name(dt), layout, bq, bk, (long long)Hkv, causal ? "true" : "false",
                         lengths, r->level, r->sparsity, r->density,
                         isnan(r->mask_ms) ? -1.0 : r->mask_ms, isnan(r->fwd_ms) ? -1.0 : r->fwd_ms,
@@ -518,7 +557,7 @@ int cli_bench(int argc, char **argv)
             else
                 fprintf(f, "\"%s\",%lld,%lld,%lld,%lld,%lld,%s,%s,%d,%d,%lld,%d,\"%s\",%s,%.6f,%.6f,%.6g,%.6g,%.6g,%.6g,%.2f,"
                            "%.2f,%.6g\n",
-                        sparge_device_description(c.dev), (long long)B, (long long)H, (long long)Nq, (long long)Nk,
+                        device, (long long)B, (long long)H, (long long)Nq, (long long)Nk,
                         (long long)D, sparge_dtype_name(dt), layout, bq, bk, (long long)Hkv, causal, lengths, r->level,
                         r->sparsity, r->density,
                         r->mask_ms, r->fwd_ms, r->fwd_mask_ms, r->bwd_ms, flops / (r->fwd_ms * 1e9), 2.5 * flops / (r->bwd_ms * 1e9),
@@ -526,7 +565,12 @@ int cli_bench(int argc, char **argv)
         }
         if (json)
             fprintf(f, "]\n");
-        fclose(f);
+        const int write_failed = ferror(f), close_failed = fclose(f);
+        if (write_failed || close_failed || rename(out_part, output)) {
+            fprintf(stderr, "sparge bench: cannot write %s: %s\n", output, strerror(errno ? errno : EIO));
+            remove(out_part);
+            return 1;
+        }
         printf("\nwrote %s\n", output);
     }
     sparge_mask_destroy(mask);

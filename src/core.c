@@ -253,6 +253,13 @@ sparge_status sparge_device_supports(sparge_device *dev, const sparge_op_desc *d
                            "B %lld H %lld Nq %lld Nk %lld kv_heads %lld)", fn, (long long)d->head_dim, d->block_q,
                            d->block_k, (long long)d->B, (long long)d->H, (long long)d->Nq, (long long)d->Nk,
                            (long long)d->kv_heads);
+    if (!sparge_dtype_size(d->dtype))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: unknown dtype %d", fn, (int)d->dtype);
+    /* Causal attention aligns the last query with the last key: no call has more queries than keys. */
+    if (d->causal && !d->varlen && d->Nq > d->Nk &&
+        (d->op == SPARGE_OP_FORWARD || d->op == SPARGE_OP_BACKWARD || d->op == SPARGE_OP_MASK_PREDICT))
+        return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: causal with Nq %lld > Nk %lld", fn, (long long)d->Nq,
+                           (long long)d->Nk);
     /* No call has K/V heads that do not divide the query heads: such a description has no answer. */
     if (d->kv_heads > 0 && d->H > 0 && d->H % d->kv_heads)
         return SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: kv_heads %lld does not divide H %lld", fn, (long long)d->kv_heads,

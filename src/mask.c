@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "core.h"
 
@@ -615,18 +617,19 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
     /* A varlen mask's rows are its sequences' blocks: the offsets say which rows and columns are real. */
     const size_t json_len = 1024 + (mask->host_seq ? 2 * (size_t)(m->B + 1) * 12 : 0);
     uint8_t *dense = malloc(cells);
-    char *paths = malloc(4 * len), *json = malloc(json_len);
+    char *paths = malloc(5 * len), *json = malloc(json_len);
     if (!dense || !paths || !json) {
         free(dense);
         free(paths);
         free(json);
         return SPARGE_FAIL(SPARGE_ERR_OUT_OF_MEMORY, "%s: out of host memory", fn);
     }
-    char *u8 = paths, *js = paths + len, *u8_tmp = paths + 2 * len, *js_tmp = paths + 3 * len;
+    char *u8 = paths, *js = paths + len, *u8_tmp = paths + 2 * len, *js_tmp = paths + 3 * len, *u8_old = paths + 4 * len;
     snprintf(u8, len, "%s.u8", prefix);
     snprintf(js, len, "%s.json", prefix);
     snprintf(u8_tmp, len, "%s.u8.part", prefix);
     snprintf(js_tmp, len, "%s.json.part", prefix);
+    snprintf(u8_old, len, "%s.u8.old", prefix);
     size_t n = (size_t)snprintf(json, json_len,
                                 "{\"B\": %lld, \"H\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, \"block_q\": %d, "
                                 "\"block_k\": %d, \"Nqb\": %lld, \"Nkb\": %lld, \"sparsity\": %.6f, \"dtype\": \"%s\", "
@@ -643,14 +646,19 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
     }
     n += (size_t)snprintf(json + n, json_len - n, "\"layout\": \"dense uint8 [B,H,Nqb,Nkb]\"}\n");
     const char *failed = NULL;
-    int have_u8 = 0, have_js = 0; /* temporary files this call created */
+    int have_u8 = 0, have_js = 0, have_old = 0; /* files this call created */
+    struct stat js_st;
     if ((s = to_host(mask, dense, m->dense, (int64_t)cells)))
         failed = "";
+    else if (stat(js, &js_st) == 0 && S_ISDIR(js_st.st_mode))
+        failed = js, errno = EISDIR;
     else if (!(have_u8 = write_file(u8_tmp, dense, cells)))
         failed = u8_tmp;
     else if (!(have_js = write_file(js_tmp, json, n)))
         failed = js_tmp;
-    else if (rename(u8_tmp, u8))
+    /* An existing PREFIX.u8 stays reachable as PREFIX.u8.old until PREFIX.json is in place, so that a failure there
+     * puts it back: a failed export leaves both files as they were. */
+    else if ((remove(u8_old), have_old = link(u8, u8_old) == 0, rename(u8_tmp, u8)))
         failed = u8;
     else if ((have_u8 = 0, rename(js_tmp, js)))
         failed = js;
@@ -658,8 +666,10 @@ sparge_status sparge_mask_export(const sparge_mask *mask, const char *prefix, in
         have_js = 0;
     if (failed && *failed)
         s = SPARGE_FAIL(SPARGE_ERR_INVALID, "%s: cannot write %s (%s)", fn, failed, strerror(errno));
-    if (failed == js)
-        remove(u8);
+    if (failed == js && have_u8 == 0 && have_js) /* the new PREFIX.u8 is in place: the old one back, or none */
+        have_old ? (void)rename(u8_old, u8) : (void)remove(u8);
+    else if (have_old)
+        remove(u8_old);
     if (have_u8)
         remove(u8_tmp);
     if (have_js)

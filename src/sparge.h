@@ -137,7 +137,8 @@ typedef struct {
 
 /* SPARGE_OK if dev runs the call described by d; *tier (may be NULL) names the tier that would run it.
  * Otherwise SPARGE_ERR_UNSUPPORTED, and sparge_last_error() says why each tier refuses; SPARGE_ERR_INVALID for a
- * description no call can have (an unknown op, a negative size, kv_heads not dividing H). */
+ * description no call can have (an unknown op or dtype, a negative size, kv_heads not dividing H, causal attention
+ * with more queries than keys). */
 sparge_status sparge_device_supports(sparge_device *dev, const sparge_op_desc *d, const char **tier);
 
 /* ---------------------------------------------------------------- options */

@@ -98,6 +98,11 @@ bad --topp bench $small --topp nan
 bad --sparsity bench $small --sparsity ''
 bad 1.5 bench $small --sparsity 1.5
 bad zzz bench $small --sparsity 0.5,zzz
+bad zzz bench $small --sparsity dense,zzz
+bad "''" bench $small --sparsity ,
+bad "''" bench $small --sparsity dense,,0.5
+bad "32 levels" bench $small --sparsity 0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5
+bad --topk bench $small --sparsity hybrid --topk 0 --topp 0
 # ---- sparge bench: words
 bad foo bench $small --ops foo
 bad --ops bench $small --ops ''

@@ -122,7 +122,14 @@ static void test_options_and_support(void **state)
     assert_int_equal(sparge_device_supports(dev, &d, &tier), SPARGE_OK);
     d.Nk = -1;
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
-    d.Nk = 0;
+    d.Nq = 200, d.Nk = 100, d.causal = 1; /* causal with more queries than keys */
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
+    assert_non_null(strstr(sparge_last_error(), "Nq 200 > Nk 100"));
+    d.Nk = 200;
+    assert_int_equal(sparge_device_supports(dev, &d, &tier), SPARGE_OK);
+    d.dtype = (sparge_dtype)99;
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
+    d.dtype = SPARGE_BF16, d.Nq = d.Nk = 0, d.causal = 0;
     d.op = SPARGE_OP_COUNT;
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_supports(dev, &d, &tier));
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_device_supports(dev, NULL, &tier));

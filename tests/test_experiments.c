@@ -464,7 +464,13 @@ static void test_safetensors_handmade(void **state)
     /* the declared data runs past the end of the file */
     const char *bad[] = {"{\"x\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}",
                          "{\"x\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,4]}}",
-                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[1]}}", "{\"x\":"};
+                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[1]}}", "{\"x\":",
+                         /* a negative dimension; a shape whose element count wraps to 0 in 64 bits; a number past
+                          * int64; a header ending inside a number */
+                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[-1,-1],\"data_offsets\":[0,4]}}",
+                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,16],\"data_offsets\":[0,0]}}",
+                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[99999999999999999999999],\"data_offsets\":[0,4]}}",
+                         "{\"x\":{\"dtype\":\"F32\",\"shape\":[1"};
     for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
         hlen = strlen(bad[b]);
         fp = fopen(path, "wb");

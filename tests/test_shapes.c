@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -796,6 +797,34 @@ static void test_attention_given_mask(void **state)
     if (!strstr(sparge_last_error(), "sparge_mask_export: "))
         fail_msg("the refusal does not name sparge_mask_export: %s", sparge_last_error());
     sparge_mask_destroy(empty);
+    /* An export whose PREFIX.json cannot be written (a directory there) leaves an earlier PREFIX.u8 as it was and
+     * no temporary file. */
+    char dir[] = "/tmp/sparge-export-XXXXXX", pfx[64], path[80];
+    assert_non_null(mkdtemp(dir));
+    snprintf(pfx, sizeof pfx, "%s/m", dir);
+    snprintf(path, sizeof path, "%s.json", pfx);
+    assert_int_equal(mkdir(path, 0700), 0);
+    snprintf(path, sizeof path, "%s.u8", pfx);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("earlier", f);
+    fclose(f);
+    assert_int_equal(sparge_mask_export(m, pfx, D, SPARGE_F32), SPARGE_ERR_INVALID);
+    char earlier[16] = "";
+    f = fopen(path, "r");
+    assert_non_null(f);
+    assert_non_null(fgets(earlier, sizeof earlier, f));
+    fclose(f);
+    assert_string_equal(earlier, "earlier");
+    snprintf(path, sizeof path, "%s.u8.part", pfx);
+    assert_int_not_equal(access(path, F_OK), 0);
+    snprintf(path, sizeof path, "%s.json.part", pfx);
+    assert_int_not_equal(access(path, F_OK), 0);
+    snprintf(path, sizeof path, "%s.u8", pfx);
+    remove(path);
+    snprintf(path, sizeof path, "%s.json", pfx);
+    rmdir(path);
+    rmdir(dir);
     sparge_mask_destroy(m);
     sparge_mask_destroy(m2);
     tu_free(&q), tu_free(&k), tu_free(&v), tu_free(&o), tu_free(&o2), tu_free(&kshort), tu_free(&vshort);

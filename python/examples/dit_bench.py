@@ -247,7 +247,7 @@ def main(argv=None):
     parser.add_argument("--blocks", type=int, default=None, help="blocks to build and time (scaled to the depth)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU in float32 (smoke run)")
     parser.add_argument("--device", default=None, help="default: cuda, or cpu with --tiny")
-    parser.add_argument("--warmup", type=int, default=None, help="default 1 (0 with --tiny)")
+    parser.add_argument("--warmup", type=int, default=None, help="default 1 (the first run also loads the library)")
     parser.add_argument("--iters", type=int, default=None, help="default 3 (1 with --tiny)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="write the rows here")
@@ -259,7 +259,7 @@ def main(argv=None):
         parser.error("no CUDA device: use --tiny (CPU) or --device cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     names = ["tiny"] if args.tiny else (["1.3B", "14B"] if args.model == "all" else [args.model])
-    timer = Timer(device, args.warmup if args.warmup is not None else (0 if args.tiny else 1),
+    timer = Timer(device, args.warmup if args.warmup is not None else 1,
                   args.iters if args.iters is not None else (1 if args.tiny else 3))
     sdpa_context, dense_name = cudnn_context(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

@@ -106,6 +106,9 @@ def strided(t, name):
     if t.layout != torch.strided:
         raise TypeError(f"sparge: {name} has layout {t.layout}; sparge reads strided (dense) tensors (convert it "
                         "with .to_dense())")
+    if t.is_neg():
+        raise ValueError(f"sparge: {name} carries torch's lazy negation bit (a view such as x.conj().imag): its "
+                         f"memory holds the negated values; pass {name}.resolve_neg()")
 
 
 def tensor(t, name, layout_):

@@ -153,7 +153,12 @@ def open_device(name, torch_device=None):
             if index and not index.isdigit():
                 raise ValueError(f"sparge: bad device index in {name!r}")
             torch_device = torch.device("cuda", int(index or 0))
-    key = (name, current_stream(torch_device))
+    try:
+        stream = current_stream(torch_device)
+    except (AssertionError, RuntimeError) as e:  # a torch without CUDA asserts; name what is missing instead
+        check_compiled_in(backend)
+        raise ValueError(f"sparge: cannot open {name!r}: torch says: {e}") from None
+    key = (name, stream)
     with _devices_lock:
         dev = _devices.get(key)
         if dev is None:

@@ -135,6 +135,18 @@ class TensorArguments(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "dense mask has layout torch.sparse_coo"):
             sparge.Mask(1, 1, 64, 64).set_dense(torch.ones(1, 1, 1, 1).to_sparse())
 
+    def test_negated_views_are_refused(self):
+        # x.conj().imag shares x's memory with torch's lazy negation bit: its values are the negatives of what
+        # the memory holds, so sparge would read wrong numbers; it asks for .resolve_neg() instead
+        q, k, v = qkv(1, 1, 64, 64, 32)
+        neg = torch.complex(torch.zeros_like(q), q).conj().imag
+        self.assertTrue(neg.is_neg())
+        for fn in (sparge.sparge_attention, sparge.attention_forward):
+            with self.assertRaisesRegex(ValueError, "q carries torch's lazy negation bit"):
+                fn(neg, k, v)
+        out = sparge.sparge_attention(neg.resolve_neg(), k, v)
+        self.assertLess(rel_l2(out, sparge.sparge_attention(-q, k, v)), 1e-6)
+
     def test_head_counts(self):
         q = randn(1, 4, 64, 32)
         k2, k3 = randn(1, 2, 64, 32), randn(1, 3, 64, 32)
