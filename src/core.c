@@ -1,5 +1,6 @@
 /* Backend registry, device handles and device memory. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, CLOCK_MONOTONIC, environ */
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,8 +119,8 @@ static sparge_status open_on(const sparge_backend *be, int index, sparge_device 
         return s;
     int n = be->device_count();
     if (index < 0 || index >= n)
-        return SPARGE_FAIL(SPARGE_ERR_NO_DEVICE, "device %s:%d: backend '%s' sees %d device(s)", be->name, index,
-                           be->name, n);
+        return SPARGE_FAIL(SPARGE_ERR_NO_DEVICE, "sparge_device_open: device %s:%d: backend '%s' sees %d device(s)",
+                           be->name, index, be->name, n);
     if (1 + be->n_options > SPARGE_MAX_OPTIONS)
         return SPARGE_FAIL(SPARGE_ERR_RUNTIME, "device %s:%d: backend declares too many options", be->name, index);
     sparge_device *dev = calloc(1, sizeof *dev);
@@ -309,7 +310,7 @@ sparge_status sparge_device_open(const char *name, sparge_device **out)
     if (colon) {
         char *end;
         long v = strtol(colon + 1, &end, 10);
-        if (end == colon + 1 || *end || v < 0 || v > 1024)
+        if (!isdigit((unsigned char)colon[1]) || *end || v > 1024) /* digits only: no sign, no space */
             return SPARGE_FAIL(SPARGE_ERR_INVALID, "sparge_device_open: bad device index in '%s'", name);
         index = (int)v;
     }

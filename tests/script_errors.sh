@@ -317,6 +317,7 @@ if [ -x "$train" ]; then
     train_case 2 bogus bogus=1
     train_case 2 "No such file" "$tmp/none.cfg"
     train_case 2 device_ops device_ops=2
+    train_case 2 init= mode=eval
     train_case 1 "out=$tmp/none/x.safetensors" steps=50 "out=$tmp/none/x.safetensors"
 fi
 

@@ -59,6 +59,11 @@ static void test_devices(void **state)
     EXPECT_FAIL(SPARGE_ERR_NULL, sparge_device_open("cpu", NULL));
     EXPECT_FAIL(SPARGE_ERR_NO_DEVICE, sparge_device_open("tpu", &d));
     EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_open("cpu:x", &d));
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_open("cpu: 0", &d)); /* the index is digits alone */
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_open("cpu:+0", &d));
+    EXPECT_FAIL(SPARGE_ERR_INVALID, sparge_device_open("cpu:", &d));
+    EXPECT_FAIL(SPARGE_ERR_NO_DEVICE, sparge_device_open("cpu:7", &d));
+    assert_non_null(strstr(sparge_last_error(), "sparge_device_open: "));
     if (sparge_backend_device_count("cuda") == 0)
         EXPECT_FAIL(SPARGE_ERR_NO_DEVICE, sparge_device_open("cuda:0", &d));
     assert_null(d);

@@ -46,6 +46,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "sparge-train: %s\n", err);
         return 2;
     }
+    if (cfg.mode == TR_MODE_EVAL && !cfg.init[0]) { /* a refused argument, before any work */
+        fprintf(stderr, "sparge-train: mode=eval needs the model to evaluate: init=CKPT\n");
+        return 2;
+    }
     if (cfg.mode == TR_MODE_CALIBRATE) {
         double p, sparsity;
         if (tr_calibrate(&cfg, &p, &sparsity, err, sizeof err)) {
