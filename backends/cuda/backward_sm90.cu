@@ -70,7 +70,28 @@ struct bwd90_traits {
     static constexpr int SMEM_BYTES = 2 * WGS * TILE_BYTES + 4 * TILE_BYTES + WGS * DS_BYTES + 2 * VEC_BYTES + 1024;
 };
 
-/* The register math of a query step, shared by both dK/dV kernels: from Sᵀ (s) and dPᵀ (dp) of the warpgroup's 64 keys
+/* The steps of the warp-specialized kernel below, in helpers. They compute exactly what wgmma_dkdv_kernel's step
+ * computes inline: folded into that kernel they changed its register counts by -4..+3 under ptxas, so it keeps its
+ * measured code until a timing says the helpers cost nothing there.
+ *
+ * Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ of a warpgroup's 64 keys and a step's 64 queries; waited for. */
+template <typename T, int D>
+__device__ __forceinline__ void sdp_products(float (&s)[32], float (&dp)[32], uint32_t k_wg, uint32_t v_wg,
+                                             uint32_t q_tile, uint32_t do_tile)
+{
+    wgmma_fence();
+    wgmma_a_bt<T, D>(s, k_wg, q_tile);
+    wgmma_a_bt<T, D>(dp, v_wg, do_tile);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        fence_operand(s[i]);
+        fence_operand(dp[i]);
+    }
+}
+
+/* The register math of a query step: from Sᵀ (s) and dPᵀ (dp) of the warpgroup's 64 keys
  * and a step's LSE·log2e (lv) and D_t, Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) (0 for rows past Nq: LSE·log2e = +inf
  * there; 0 for keys past nk and, with CAUSAL, past a query's diagonal) and dSᵀ = Pᵀ∘(dPᵀ − D_t), both as the A
  * fragments of dV += Pᵀ·dO and dK += dSᵀ·Q. qa: the step's first query row; wg_key0: the warpgroup's first key. */
@@ -318,23 +339,152 @@ __global__ void __launch_bounds__(WGS *WG_THREADS, 2 / WGS) wgmma_dkdv_kernel(co
             fence_operand(dp[i]);
         }
 
+        /* Pᵀ = exp2(Sᵀ·s·log2e − LSE·log2e) (0 for rows past Nq: LSE·log2e = +inf there),
+         * dSᵀ = Pᵀ∘(dPᵀ − D_t). */
+        const float *lv = lse_vec(buf), *dv_t = dt_vec(buf);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const float2 l = *(const float2 *)(lv + nt * 8 + c2);
+            float *x = s + nt * 4;
+            x[0] = exp2f(fmaf(x[0], p.scale_log2, -l.x));
+            x[1] = exp2f(fmaf(x[1], p.scale_log2, -l.y));
+            x[2] = exp2f(fmaf(x[2], p.scale_log2, -l.x));
+            x[3] = exp2f(fmaf(x[3], p.scale_log2, -l.y));
+        }
+        if (ragged) /* the warpgroup's keys run past nk: theirs get P = 0 */
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                if (!key_ok0)
+                    s[nt * 4] = s[nt * 4 + 1] = 0.0f;
+                if (!key_ok1)
+                    s[nt * 4 + 2] = s[nt * 4 + 3] = 0.0f;
+            }
+        /* Causal: P = 0 where a key lies past a query's diagonal (steps that reach the diagonal only). */
+        const int qa = step_row0(n);
+        if (CAUSAL && wg_key0 + WG_KEYS - 1 > qa + diag) {
+            const int ka = wg_key0 + row0 - diag, kb = ka + 8;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                const int qt = qa + nt * 8 + c2;
+                s[nt * 4] = ka > qt ? 0.0f : s[nt * 4];
+                s[nt * 4 + 1] = ka > qt + 1 ? 0.0f : s[nt * 4 + 1];
+                s[nt * 4 + 2] = kb > qt ? 0.0f : s[nt * 4 + 2];
+                s[nt * 4 + 3] = kb > qt + 1 ? 0.0f : s[nt * 4 + 3];
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            const float2 d = *(const float2 *)(dv_t + nt * 8 + c2);
+            const float *x = s + nt * 4;
+            float *y = dp + nt * 4;
+            y[0] = x[0] * (y[0] - d.x);
+            y[1] = x[1] * (y[1] - d.y);
+            y[2] = x[2] * (y[2] - d.x);
+            y[3] = x[3] * (y[3] - d.y);
+        }
         uint32_t pa[4][4], dsa[4][4];
-        step_grads<T, CAUSAL>(s, dp, pa, dsa, lse_vec(buf), dt_vec(buf), p.scale_log2, row0, c2, ragged, key_ok0,
-                              key_ok1, wg_key0, step_row0(n), diag);
-        if (p.dq_accum) /* before the products below: registers that a wgmma in flight reads must not be accessed */
-            store_ds(ds_wg, dsa, row0, c2);
-        dkdv_products<T, D>(dv, dk, pa, dsa, do_tile, q_tile);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            c_pair_to_a<T>(pa[kk], s + 8 * kk, s + 8 * kk + 4);
+            c_pair_to_a<T>(dsa[kk], dp + 8 * kk, dp + 8 * kk + 4);
+        }
+        /* The operands of the dV/dK products, pinned on both sides of them. */
+        auto fence_dkdv_operands = [&]() {
+#pragma unroll
+            for (int i = 0; i < ACC; i++) {
+                fence_operand(dv[i]);
+                fence_operand(dk[i]);
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    fence_operand(pa[kk][e]);
+                    fence_operand(dsa[kk][e]);
+                }
+        };
+
         if (p.dq_accum) {
+            /* dSᵀ [key][query] to shared memory, before the products below (registers that a wgmma in
+             * flight reads must not be accessed): dsa[kk][0..3] hold (row0, 16kk + c2), (row0 + 8, 16kk + c2),
+             * (row0, 16kk + 8 + c2), (row0 + 8, 16kk + 8 + c2). */
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int row = row0 + 8 * (e & 1), col = 16 * kk + 8 * (e >> 1) + c2;
+                    *(uint32_t *)(ds_wg + panel_offset(row, col >> 3) + (col & 7) * 2) = dsa[kk][e];
+                }
+        }
+        /* dV += Pᵀ·dO, dK += dSᵀ·Q: A from registers, B MN-major (16 queries = 2048 bytes per k step). */
+        fence_dkdv_operands();
+        wgmma_fence();
+        const uint64_t do_desc = sw128_desc(do_tile, PANEL_BYTES, CORE_GROUP_BYTES),
+                       q_desc = sw128_desc(q_tile, PANEL_BYTES, CORE_GROUP_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_rs_t<T, D>(dv, pa[kk], desc_advance(do_desc, kk * 2 * CORE_GROUP_BYTES));
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+            wgmma_rs_t<T, D>(dk, dsa[kk], desc_advance(q_desc, kk * 2 * CORE_GROUP_BYTES));
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_dkdv_operands();
+
+        if (p.dq_accum) {
+            /* dQ (64 queries × D) += dS·K over the CTA's keys (the warpgroups' dSᵀ tiles follow each other, as
+             * do the K tiles), in 64-column parts dealt round the warpgroups: A = dSᵀ read MN-major, B = K
+             * MN-major. */
             fence_proxy_async();
             __syncthreads();
-            dq_products<T, D, KEYS, WGS>(p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n) + row0) * D + c2,
-                                         ds_smem, k_smem, wg);
+            float *dst = p.dq_accum + ((int64_t)bh * p.Nq_pad + step_row0(n) + row0) * D + c2;
+#pragma unroll
+            for (int dh = wg; dh < D / 64; dh += WGS) {
+                float dq[32];
+                wgmma_fence();
+                const uint64_t ds_desc = sw128_desc(ds_smem, PANEL_BYTES, CORE_GROUP_BYTES),
+                               k_desc = sw128_desc(k_smem + dh * PANEL_BYTES, PANEL_BYTES, CORE_GROUP_BYTES);
+#pragma unroll
+                for (int kk = 0; kk < KEYS / 16; kk++) /* the first k step does not read dq (scale-d 0) */
+                    wgmma_ss_n64<T, 1, 1>(dq, desc_advance(ds_desc, kk * 2 * CORE_GROUP_BYTES),
+                                          desc_advance(k_desc, (kk >> 2) * W::TILE_BYTES + (kk & 3) * 2 * CORE_GROUP_BYTES),
+                                          kk > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_operands(dq);
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++)
+                    red_add_frag(dst + dh * 64 + nt * 8, 8 * D, dq[nt * 4], dq[nt * 4 + 1], dq[nt * 4 + 2],
+                                 dq[nt * 4 + 3]);
+            }
         }
     }
     cp_async_wait<0>();
     __syncthreads(); /* no wgmma reads K or V any more (and no copy is in flight): stage dV over V, dK over K */
-    store_dkdv<T, D, KEYS, THREADS>(p, sq, h, key0, nk, dv, dk, smem + (v_smem - smem0), smem + (k_smem - smem0), wg,
-                                    row0, c2, tid, [] { __syncthreads(); });
+
+    unsigned char *v_stage = smem + (v_smem - smem0), *k_stage = smem + (k_smem - smem0);
+    const uint32_t wg_off = wg * W::TILE_BYTES;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = row0 + 8 * r, col = nt * 8 + c2;
+            const uint32_t off = wg_off + panel_offset(row, col >> 3) + (col & 7) * 2;
+            *(uint32_t *)(v_stage + off) = pack2<T>(dv[nt * 4 + 2 * r], dv[nt * 4 + 2 * r + 1]);
+            *(uint32_t *)(k_stage + off) = pack2<T>(dk[nt * 4 + 2 * r] * p.scale, dk[nt * 4 + 2 * r + 1] * p.scale);
+        }
+    __syncthreads();
+    T *dv_out = (T *)p.dv + sq.tb * p.dv_sb + h * p.dv_sh + sq.k_off * p.dv_sn,
+      *dk_out = (T *)p.dk + sq.tb * p.dk_sb + h * p.dk_sh + sq.k_off * p.dk_sn;
+#pragma unroll
+    for (int c = tid; c < KEYS * (D / 8); c += THREADS) {
+        const int r = c / (D / 8), ch = c % (D / 8), key = key0 + r;
+        const uint32_t off = tile_offset<D>(r, ch);
+        if (key < nk) {
+            *(uint4 *)(dv_out + (int64_t)key * p.dv_sn + ch * 8) = *(const uint4 *)(v_stage + off);
+            *(uint4 *)(dk_out + (int64_t)key * p.dk_sn + ch * 8) = *(const uint4 *)(k_stage + off);
+        }
+    }
     /* Ends after the dQ grid (a no-op unless launched as its dependent), so that work queued after the backward
      * is ordered after both passes whatever the stream makes of a dependent grid that never waits. */
     gpu_wait_for_previous_kernel();
@@ -479,14 +629,8 @@ __global__ void __launch_bounds__(WSB_THREADS, 1) ws_dkdv_kernel(const bwd_param
         mbar_wait(full(stage), (n / WSB_STAGES) & 1);
         const uint32_t q_tile = q_smem(stage), do_tile = do_smem(stage);
 
-        /* Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (64 keys × 64 queries). */
         float s[32], dp[32];
-        wgmma_fence();
-        wgmma_a_bt<T, D>(s, k_wg, q_tile);
-        wgmma_a_bt<T, D>(dp, v_wg, do_tile);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(s), fence_operands(dp);
+        sdp_products<T, D>(s, dp, k_wg, v_wg, q_tile, do_tile);
 
         uint32_t pa[4][4], dsa[4][4];
         step_grads<T, CAUSAL>(s, dp, pa, dsa, lse_vec(stage), dt_vec(stage), p.scale_log2, row0, c2, ragged, key_ok0,
