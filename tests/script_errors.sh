@@ -145,7 +145,7 @@ if command -v git >/dev/null 2>&1; then
     r=$tmp/repo
     rm -rf "$r" "$tmp/clone"
     mkdir -p "$r/paper-repro"
-    cp "$src/paper-repro/gpu_train.sh" "$src/paper-repro/claims.sh" "$src/paper-repro/.gitignore" "$r/paper-repro/"
+    cp "$src/paper-repro/gpu_train.sh" "$src/paper-repro/claims.sh" "$r/paper-repro/" # keep needs no .gitignore
     g() { git -C "$r" -c user.name=test -c user.email=test@localhost "$@"; }
     g init -q && g add -A && g commit -q -m base
     st=$r/paper-repro/gpu-state
@@ -160,7 +160,8 @@ if command -v git >/dev/null 2>&1; then
         [ "$(g rev-list --count HEAD)" = 3 ] &&
         [ "$(g ls-tree -r --name-only HEAD~1 -- paper-repro/gpu-state)" = paper-repro/gpu-state/t1/state.safetensors ] &&
         g ls-tree -r --name-only HEAD -- paper-repro/gpu-state | grep -qx paper-repro/gpu-state/t1/heldout.csv &&
-        ! g ls-tree -r --name-only HEAD | grep -q 'safetensors\|logs/' && [ -z "$(g status --porcelain)" ] &&
+        ! g ls-tree -r --name-only HEAD | grep -q 'safetensors\|logs/' &&
+        [ -z "$(g status --porcelain --untracked-files=no)" ] &&
         git clone -q "$r" "$tmp/clone" && [ ! -e "$tmp/clone/paper-repro/gpu-state/t1/state.safetensors" ] &&
         bash "$tmp/clone/paper-repro/gpu_train.sh" restore --state "$tmp/clone/paper-repro/gpu-state" >/dev/null 2>>"$tmp/err" &&
         cmp -s "$tmp/ckpt" "$tmp/clone/paper-repro/gpu-state/t1/state.safetensors"; then
