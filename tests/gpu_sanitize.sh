@@ -11,9 +11,11 @@
 #     OUT_DIR    one log per tool and program (default: BUILD_DIR/sanitize)
 #   SANITIZE_TOOLS   the tools (default "memcheck racecheck initcheck synccheck")
 #   SANITIZE_CASE    `sparge check --case` filter for the grid (default: the whole quick grid)
+#   SANITIZE_FULL    1: the full grid instead of the quick one (with SANITIZE_CASE, e.g. a kernel's full-grid rows)
 # Needs compute-sanitizer (CUDA toolkit) on PATH or in /usr/local/cuda/bin. Exit status 1 on any finding.
 set -eu
 . "$(dirname "$0")/gpu_common.sh"
+case ${SANITIZE_FULL:-0} in 0) grid= ;; 1) grid=--full ;; *) echo "gpu_sanitize.sh: SANITIZE_FULL is 0 or 1" >&2; exit 2 ;; esac
 gpu_build gpu_sanitize.sh "${1:-.}" src/sparge tests/conformance
 out=${2:-$build/sanitize}
 tools=${SANITIZE_TOOLS:-"memcheck racecheck initcheck synccheck"}
@@ -44,9 +46,9 @@ run() {
 
 for tool in $tools; do
     if [ -n "${SANITIZE_CASE:-}" ]; then
-        run "$tool" grid "$build/src/sparge" check --backend cuda --case "$SANITIZE_CASE"
+        run "$tool" grid "$build/src/sparge" check --backend cuda $grid --case "$SANITIZE_CASE"
     else
-        run "$tool" grid "$build/src/sparge" check --backend cuda
+        run "$tool" grid "$build/src/sparge" check --backend cuda $grid
     fi
     # The conformance program's particular checks (mask vectors, selection arms and exact boundaries, wide rows,
     # map tiles, the transpose); its test_grid is the full table, which the grid above samples.
