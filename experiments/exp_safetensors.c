@@ -474,7 +474,7 @@ int exp_load_qkv(const char *path, const char *const names[3], int bnhd, exp_qkv
         } else if (t[i]->ndim != 3 && t[i]->ndim != 4) {
             fprintf(stderr, "%s: '%s' is %d-D (need [B,H,N,D], [B,N,H,D] or [H,N,D])\n", path, names[i], t[i]->ndim);
             rc = -1;
-        } else if (t[i]->shape[0] * t[i]->shape[1] * t[i]->shape[2] * (t[i]->ndim == 4 ? t[i]->shape[3] : 1) == 0) {
+        } else if (!t[i]->shape[0] || !t[i]->shape[1] || !t[i]->shape[2] || (t[i]->ndim == 4 && !t[i]->shape[3])) {
             fprintf(stderr, "%s: '%s' has an empty dimension (every one of B, H, N and D must be at least 1)\n", path,
                     names[i]);
             rc = -1;

@@ -372,7 +372,7 @@ checkpoint_lines() {
 }
 
 keep() {
-    local root rel head parent lines new f bytes sum blob idx c
+    local root rel head parent lines kept new f bytes sum blob idx c
     root=$(git_state rev-parse --show-toplevel 2>/dev/null) ||
         { echo "gpu_train.sh: keep commits the state to the git checkout that holds it; $state is in none" >&2; exit 2; }
     rel=${state#"$root"/}
@@ -384,9 +384,10 @@ keep() {
     parent=$head
     # blobs named in the committed checkpoints.txt are in the history already
     lines=$(checkpoint_lines)
+    kept=$(git_state show "$head:$rel/checkpoints.txt" 2>/dev/null) || kept=
     new=$(echo "$lines" | while read -r f bytes sum blob; do
         [ -n "$f" ] || continue
-        git_state show "$head:$rel/checkpoints.txt" 2>/dev/null | grep -q " $blob\$" || echo "$f $blob"
+        echo "$kept" | grep -q " $blob\$" || echo "$f $blob"
     done)
     # both commits are built in an index of their own and HEAD moves once, at the end
     idx=$(mktemp -u "${TMPDIR:-/tmp}/gpu-keep-index.XXXXXX")
