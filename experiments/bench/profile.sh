@@ -4,8 +4,8 @@
 # ncu with its SpeedOfLight, ComputeWorkloadAnalysis, WarpStateStats, Occupancy and LaunchStats sections, the
 # tensor pipes' active cycles and the warps' stall reasons per issued instruction. The clocks are left alone
 # (--clock-control none). Writes OUT_DIR/LEVEL.ncu-rep, OUT_DIR/LEVEL.csv (ncu's details page) and OUT_DIR/summary.md:
-# per kernel its duration, SM and memory throughput, tensor-pipe activity, issue slots, occupancy and the three
-# largest stall reasons.
+# per kernel its duration, SM and memory throughput (L2, DRAM and L1 each), tensor-pipe activity, issue slots,
+# occupancy and the three largest stall reasons.
 set -euo pipefail
 
 usage() {
@@ -50,7 +50,10 @@ avail=$("$ncu" --query-metrics 2>/dev/null | awk '{print $1}')
 metrics=$(echo "$avail" | grep -E '^sm__pipe_tensor_op_[a-z]+_cycles_active$' | sed 's/$/.avg.pct_of_peak_sustained_active/' ||
     true)
 stalls=$(echo "$avail" | grep -E '^smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active$' | sed 's/$/.ratio/' || true)
-extra=$(echo $metrics $stalls | tr ' ' ',')
+# Where the bytes come from: L2, DRAM and L1/shared-memory throughput, each against its own peak (SpeedOfLight's
+# "Memory Throughput" is only the largest of them).
+memory=$(echo "$avail" | grep -E '^(lts|dram|l1tex)__throughput$' | sed 's/$/.avg.pct_of_peak_sustained_elapsed/' || true)
+extra=$(echo $metrics $stalls $memory | tr ' ' ',')
 
 IFS=, read -r -a level_list <<<"$levels"
 for level in "${level_list[@]}"; do
@@ -81,8 +84,9 @@ for level in levels:
             k = kernels.setdefault(row["ID"], {"name": short, "m": {}})
             k["m"][row["Metric Name"]] = (row["Metric Value"], row.get("Metric Unit", ""))
     lines += [f"## {level}", "",
-              "| kernel | " + " | ".join(w[0] for w in want) + " | tensor pipe % | largest stalls (per issue) |",
-              "|---" * (len(want) + 3) + "|"]
+              "| kernel | " + " | ".join(w[0] for w in want) + " | L2 / DRAM / L1 % | tensor pipe % | "
+              "largest stalls (per issue) |",
+              "|---" * (len(want) + 4) + "|"]
     for k in kernels.values():
         m = k["m"]
         cells = [" ".join(m.get(w[1], ("—", ""))).strip() for w in want]
@@ -90,7 +94,9 @@ for level in levels:
                   if n.startswith("sm__pipe_tensor_op_")]
         stalls = sorted(((float(v.replace(",", "")), n.split("stalled_")[1].split("_per_issue")[0])
                          for n, (v, _) in m.items() if "issue_stalled_" in n), reverse=True)[:3]
-        lines.append(f"| {k['name']} | " + " | ".join(cells) + f" | {' / '.join(tensor) or '—'} | "
+        mem = " / ".join(m.get(f"{unit}__throughput.avg.pct_of_peak_sustained_elapsed", ("—",))[0]
+                         for unit in ("lts", "dram", "l1tex"))
+        lines.append(f"| {k['name']} | " + " | ".join(cells) + f" | {mem} | {' / '.join(tensor) or '—'} | "
                      + ", ".join(f"{s} {v:.2f}" for v, s in stalls) + " |")
     lines.append("")
 open(f"{out}/summary.md", "w").write("\n".join(lines))
