@@ -405,9 +405,11 @@ keep() {
     { echo "# path bytes sha256 blob: the checkpoints of this state, kept in the history (gpu_train.sh restore)"
       [ -z "$lines" ] || echo "$lines"; } >"$state/checkpoints.txt"
     git_state read-tree "$head"
-    # the state's own files; its checkpoints and run logs stay out of the tree wherever the state lies
+    # the state's own files; its checkpoints and run logs (chunk.log repeats runs.csv) stay out of the tree wherever
+    # the state lies
     git_state add -A -- .
-    git_state rm -r -q --cached --ignore-unmatch -- '*.safetensors' '*.restore' logs commit.txt autotools.tar.gz
+    git_state rm -r -q --cached --ignore-unmatch -- '*.safetensors' '*.restore' logs chunk.log commit.txt \
+        autotools.tar.gz
     if [ -z "$new" ] && [ "$(git_state write-tree)" = "$(git_state rev-parse "$head^{tree}")" ]; then
         unset GIT_INDEX_FILE
         echo "kept: nothing new"
