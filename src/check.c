@@ -160,19 +160,6 @@ static const row rows[] = {
               "0,200,0,131/0,333,64,131", "fwd_kernel=wgmma-ws"),
     LROW_OPTS("fwd-wgmma-ws-causal-mqa", FWD, 1, 4, 1, 260, 260, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1, NULL,
               "fwd_kernel=wgmma-ws"),
-    /* its D = 256 kernel (separate K and V rings of 3 and 2 stages, two consumers taking turns): one and two
-     * tiles, rows that wrap both rings many times (33 tiles), causal, grouped heads, packed sequences with empty
-     * ones (rows without tiles) */
-    PAIR("fwd-wgmma-ws-d256", FWD, 1, 2, 300, 270, 256, 128, 64, F16 | BF16, BOTH, "fwd_kernel=wgmma-ws", 0),
-    PAIR("fwd-wgmma-ws-d256-1tile", FWD, 1, 2, 150, 50, 256, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws", 0),
-    PAIR("fwd-wgmma-ws-d256-2tiles", FWD, 1, 1, 150, 120, 256, 128, 64, BF16, BNHD, "fwd_kernel=wgmma-ws", 0),
-    PAIR("fwd-wgmma-ws-d256-long", FWD, 1, 2, 300, 2100, 256, 128, 64, F16 | BF16, BHND, "fwd_kernel=wgmma-ws", 0),
-    LROW_OPTS("fwd-wgmma-ws-d256-causal-gqa", FWD, 1, 4, 2, 260, 333, 256, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1,
-              NULL, "fwd_kernel=wgmma-ws"),
-    LROW_OPTS("fwd-wgmma-ws-d256-causal-dense", FWD, 1, 2, 0, 390, 520, 256, 128, 64, BF16, BHND, 0.0, 0.0, 1, NULL,
-              "fwd_kernel=wgmma-ws"),
-    LROW_OPTS("fwd-wgmma-ws-d256-varlen-empty", FWD, 0, 3, 1, 0, 0, 256, 128, 64, F16 | BF16, BHND, 0.1, 0.5, 1,
-              "0,200,40,131/0,333,64,131", "fwd_kernel=wgmma-ws"),
     LROW_OPTS("fwd-wgmma-ws-varlen-empty-d128", FWD, 0, 2, 0, 0, 0, 128, 128, 128, F16 | BF16, BNHD, 0.1, 0.5, 1,
               "0,200,0,131/0,333,64,131", "fwd_kernel=wgmma-ws"),
     /* backward kernels, keys per CTA, dQ by a pass or by atomics, the dK/dV pass's overlap */

@@ -177,7 +177,7 @@ static const sparge_option_def gpu_option_defs[] = {
      "pooled-map logits: fp32 FMA tiles (128x64, 64x64: same bits) or tensor cores on fp16 hi/lo splits (f16x3)"},
     {"fwd_kernel", "SPARGE_CUDA_FWD_KERNEL", "auto|mma|wgmma|wgmma-ws",
      "tensor-core forward: mma.sync, sm_90a wgmma, or sm_90a wgmma warp-specialized (a loading warpgroup, two "
-     "computing ones overlapping each tile's softmax with the MMAs; Q in registers, at D = 256 in shared memory)"},
+     "computing ones with Q in registers, overlapping each tile's softmax with the MMAs; D = 256 runs wgmma)"},
     {"fwd_tile", "SPARGE_CUDA_FWD_TILE", "auto|WARPS,STAGES[,SPLIT]", "mma.sync forward tile (tiles.h)"},
     {"fwd_order", "SPARGE_CUDA_FWD_ORDER", "auto|head|natural",
      "masked forward launch order: each head's rows heaviest first (head), or as stored"},

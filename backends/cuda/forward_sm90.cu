@@ -21,8 +21,7 @@
  * Tiles are filled by cp.async (zero-filled past N); the writes reach wgmma (async proxy)
  * through fence.proxy.async before the CTA barrier.
  *
- * A second kernel, ws_fwd_kernel (fwd_kernel=wgmma-ws, D ≤ 128; at D = 256 the option runs ws_wide_fwd_kernel,
- * below), computes the same
+ * A second kernel, ws_fwd_kernel (fwd_kernel=wgmma-ws, D ≤ 128; auto keeps the one above), computes the same
  * in the same tiles with FlashAttention-3's overlap, one CTA of three warpgroups per SM:
  *   warp specialization: warpgroup 0 only loads (Q, then K/V tiles into a ring of 4 stages, ≈ 160 KB at D = 128,
  *     80 KB at D = 64), warpgroups 1 and 2 only compute; full/empty mbarriers per stage replace the CTA
@@ -57,7 +56,6 @@ using sparge_sm90::panel_offset;
 using sparge_sm90::set_max_regs_dec;
 using sparge_sm90::set_max_regs_inc;
 using sparge_sm90::store_wg_rows;
-using sparge_sm90::tile_offset;
 using sparge_sm90::warp_uniform;
 using sparge_sm90::wgmma_a_bt;
 
@@ -518,215 +516,13 @@ sparge_status launch_ws(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
                       "ws_fwd_kernel", D, p, n_items);
 }
 
-/* ---------------------------------------------------------------- warp-specialized kernel at D = 256 */
-
-/* fwd_kernel=wgmma-ws at D = 256, where four K/V stages do not fit beside Q (64 KB): Q stays in shared memory, K
- * and V take separate rings of 3 and 2 stages of 32 KB (224 KB in all), and each of the producer's four warps
- * loads its own tiles (K of even tiles, K of odd, V of even, V of odd) and signals each as it lands, so that no
- * tile's signal waits on another tile's stage. The two consumers take turns issuing their MMAs (named barriers
- * 3 and 4: each issues S(t) with P(t-1)·V(t-1), then hands the turn over), so one's softmax runs under the
- * other's MMAs; at D = 256 an MMA group is long enough (64×64×256 and 64×256×64 a tile) to hide it. A K stage is
- * free once both consumers' S of it is done, a V stage once both P·V are: every consumer thread arrives. */
-constexpr int WIDE_K_STAGES = 3, WIDE_V_STAGES = 2;
-
-struct wide_traits {
-    using W = wg_traits<256>;
-    static constexpr int K_OFFSET = W::Q_BYTES, V_OFFSET = K_OFFSET + WIDE_K_STAGES * W::REGION_BYTES;
-    /* mbarriers after the tiles: q_full, k_full[3], k_empty[3], v_full[2], v_empty[2] */
-    static constexpr int BAR_OFFSET = V_OFFSET + WIDE_V_STAGES * W::REGION_BYTES;
-    static constexpr int SMEM_BYTES = BAR_OFFSET + (1 + 2 * WIDE_K_STAGES + 2 * WIDE_V_STAGES) * 8 + 1024;
-};
-
-/* cp.async rows first.. first + ROWS - 1 of a tile with rows of 256 elements (32 chunks: a lane each) from global
- * rows row0 + first.. (stride sn); rows at or past limit are zero-filled. One warp. */
-template <typename T, int ROWS>
-__device__ __forceinline__ void load_rows_warp(uint32_t tile, const T *base, int64_t sn, int row0, int first,
-                                               int limit, int lane)
-{
-    const T *src = base + (int64_t)(row0 + first) * sn + lane * 8;
-#pragma unroll 8
-    for (int r = first; r < first + ROWS; r++, src += sn) {
-        const bool ok = row0 + r < limit;
-        cp_async_16(tile + tile_offset<256>(r, lane), ok ? src : base, ok);
-    }
-}
-
-template <typename T, bool CAUSAL, bool VARLEN>
-__global__ void __launch_bounds__(WS_THREADS, 1) ws_wide_fwd_kernel(const fwd_params p)
-{
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int D = 256;
-    using W = wg_traits<D>;
-    using WT = wide_traits;
-    extern __shared__ unsigned char smem_raw[];
-    unsigned char *smem;
-    const uint32_t smem0 = aligned_smem(smem_raw, &smem);
-
-    const int tid = threadIdx.x, lane = tid & 31, wg = warp_uniform(tid >> 7), wg_tid = tid & 127;
-    const uint32_t q_full = smem0 + WT::BAR_OFFSET;
-    auto k_full = [&](int t) { return q_full + 8 * (1 + t % WIDE_K_STAGES); };
-    auto k_empty = [&](int t) { return q_full + 8 * (1 + WIDE_K_STAGES + t % WIDE_K_STAGES); };
-    auto v_full = [&](int t) { return q_full + 8 * (1 + 2 * WIDE_K_STAGES + t % WIDE_V_STAGES); };
-    auto v_empty = [&](int t) { return q_full + 8 * (1 + 2 * WIDE_K_STAGES + WIDE_V_STAGES + t % WIDE_V_STAGES); };
-    auto k_smem = [&](int t) { return smem0 + WT::K_OFFSET + (t % WIDE_K_STAGES) * W::REGION_BYTES; };
-    auto v_smem = [&](int t) { return smem0 + WT::V_OFFSET + (t % WIDE_V_STAGES) * W::REGION_BYTES; };
-    if (tid == 0) {
-        mbar_init(q_full, 128); /* every producer thread, for its own copies */
-        for (int i = 0; i < WIDE_K_STAGES; i++) {
-            mbar_init(k_full(i), 32); /* the lanes of the warp loading the tile */
-            mbar_init(k_empty(i), 256); /* every consumer thread */
-        }
-        for (int i = 0; i < WIDE_V_STAGES; i++) {
-            mbar_init(v_full(i), 32);
-            mbar_init(v_empty(i), 256);
-        }
-    }
-    gpu_wait_for_previous_kernel();
-    const row_tiles<TILE_K> w(p.order, p.Nqb, p.H, p.counts, p.indices, p.Nkb, p.sub_shift);
-    const int h = w.h, q0 = w.qblock * BLOCK_Q;
-    const gpu_seq sq = gpu_seq_of<VARLEN>(p, w.b);
-    if (VARLEN && q0 >= sq.nq) /* a row past its sequence: the whole CTA leaves */
-        return;
-    const int n_tiles =
-        warp_uniform(max(0, CAUSAL && !p.counts ? fwd_causal_tiles(p, sq, q0, w.n_tiles) : w.n_tiles));
-    const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
-    __syncthreads(); /* the barriers are initialized */
-
-    if (wg == 0) {
-        /* Producer: Q by all four warps, then warp 2·kind + parity loads tiles t ≡ parity (mod 2) of K (kind 0)
-         * or V (kind 1), one at a time: wait for its stage, copy, wait for the copies, signal. */
-        set_max_regs_dec<WS_PRODUCER_REGS>();
-        const int warp = tid >> 5;
-        const T *q = (const T *)p.q + sq.tb * p.q_sb + h * p.q_sh + sq.q_off * p.q_sn;
-        load_rows_warp<T, BLOCK_Q / 4>(smem0, q, p.q_sn, q0, warp * (BLOCK_Q / 4), nq, lane);
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_proxy_async();
-        mbar_arrive(q_full);
-        const bool is_v = warp >= 2;
-        const int64_t sn = is_v ? p.v_sn : p.k_sn;
-        const T *src = is_v ? (const T *)p.v + sq.tb * p.v_sb + gpu_kv_head(h, p.kv_magic) * p.v_sh + sq.k_off * sn
-                            : (const T *)p.k + sq.tb * p.k_sb + gpu_kv_head(h, p.kv_magic) * p.k_sh + sq.k_off * sn;
-        const int stages = is_v ? WIDE_V_STAGES : WIDE_K_STAGES;
-        for (int t = warp & 1; t < n_tiles; t += 2) {
-            if (t >= stages) /* both consumers are done with tile t - stages, use (t / stages) - 1 of the stage */
-                mbar_wait(is_v ? v_empty(t) : k_empty(t), (t / stages - 1) & 1);
-            load_rows_warp<T, TILE_K>(is_v ? v_smem(t) : k_smem(t), src, sn, w.key0(t), 0, nk, lane);
-            cp_async_commit();
-            cp_async_wait<0>();
-            fence_proxy_async();
-            mbar_arrive(is_v ? v_full(t) : k_full(t));
-        }
-        return;
-    }
-
-    /* Consumers: warpgroup wg - 1 owns query rows 64·(wg - 1).. of the block. */
-    set_max_regs_inc<WS_CONSUMER_REGS>();
-    const int cw = wg - 1;
-    const int row0 = (wg_tid >> 5) * 16 + frag_row(lane); /* this thread's rows r0, r0 + 8 among the 64 */
-    const int row_first = q0 + cw * WG_ROWS;
-    const uint32_t q_wg = smem0 + cw * W::REGION_BYTES;
-    /* The turn to issue MMAs: consumer c waits on barrier 3 + c, which the other consumer's 128 threads arrive at
-     * once they have issued theirs. Consumer 0 goes first; consumer 1 hands over after each of its issues but the
-     * last, so that every arrival has its wait. */
-    auto my_turn = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(3 + cw) : "memory"); };
-    auto their_turn = [&]() { asm volatile("bar.arrive %0, 256;\n" ::"r"(4 - cw) : "memory"); };
-
-    float o_acc[D / 8][4] = {};
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f}; /* row_max in the exp2 domain */
-    float s[N_TILES][4];
-    uint32_t pa[TILE_K / 16][4];
-    mbar_wait(q_full, 0); /* also before the epilogue stages O over Q when no tile runs */
-    if (n_tiles > 0) {
-        if (cw == 1)
-            their_turn();
-        mbar_wait(k_full(0), 0);
-        my_turn();
-        wgmma_fence();
-        wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(0));
-        wgmma_commit();
-        their_turn();
-        wgmma_wait<0>();
-        fence_operands(s);
-        mbar_arrive(k_empty(0));
-        mask_scores<CAUSAL>(s, w, 0, nk, diag, row_first, row0, lane);
-        softmax_tile(s, row_max, row_sum, p.scale_log2, [](int, float) {}); /* O is still zero */
-        scores_to_a<T>(pa, s);
-    }
-    for (int t = 1; t < n_tiles; t++) {
-        /* S(t) and P(t-1)·V(t-1) in flight together; the softmax of S(t) runs while P·V does. */
-        mbar_wait(k_full(t), (t / WIDE_K_STAGES) & 1);
-        mbar_wait(v_full(t - 1), ((t - 1) / WIDE_V_STAGES) & 1);
-        my_turn();
-        fence_operands(o_acc);
-        fence_operands(pa);
-        wgmma_fence();
-        wgmma_a_bt<T, D>(&s[0][0], q_wg, k_smem(t));
-        wgmma_commit();
-        wgmma_pv<T, D>(o_acc, pa, v_smem(t - 1));
-        wgmma_commit();
-        their_turn();
-        wgmma_wait<1>(); /* S(t) */
-        fence_operands(s);
-        mbar_arrive(k_empty(t));
-        mask_scores<CAUSAL>(s, w, t, nk, diag, row_first, row0, lane);
-        float alpha[2]; /* for O once P·V(t-1) is done */
-        softmax_tile(s, row_max, row_sum, p.scale_log2, [&](int r, float a) { alpha[r] = a; });
-        wgmma_wait<0>(); /* P(t-1)·V(t-1): O and the P fragments are this thread's again */
-        fence_operands(o_acc);
-        fence_operands(pa);
-        mbar_arrive(v_empty(t - 1));
-        rescale_row(o_acc, 0, alpha[0]);
-        rescale_row(o_acc, 1, alpha[1]);
-        scores_to_a<T>(pa, s);
-    }
-    if (n_tiles > 0) {
-        const int t = n_tiles - 1;
-        mbar_wait(v_full(t), (t / WIDE_V_STAGES) & 1);
-        my_turn();
-        fence_operands(o_acc);
-        fence_operands(pa);
-        wgmma_fence();
-        wgmma_pv<T, D>(o_acc, pa, v_smem(t));
-        wgmma_commit();
-        if (cw == 0)
-            their_turn();
-        wgmma_wait<0>();
-        fence_operands(o_acc);
-        mbar_arrive(v_empty(t));
-    }
-
-    /* Epilogue through this warpgroup's own Q region, which only its own MMAs read: its named barrier (1 + cw) puts
-     * every warp's last MMA before the staging, and the staging before the stores. */
-    unsigned char *o_stage = smem + cw * W::REGION_BYTES;
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-    finish_rows<T, D, VARLEN>(p, w, sq, row_first, row0, lane, o_acc, row_max, row_sum, o_stage);
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
-    store_wg_rows<T, D, false>((T *)p.o + sq.tb * p.o_sb + h * p.o_sh + sq.q_off * p.o_sn, p.o_sn, row_first, nq,
-                               o_stage, wg_tid, 0);
-#endif
-}
-
-template <typename T>
-sparge_status launch_ws_wide(gpu_ctx *ctx, const fwd_params &p, int64_t n_items)
-{
-    auto kernel = p.seq_q ? (p.causal ? ws_wide_fwd_kernel<T, true, true> : ws_wide_fwd_kernel<T, false, true>)
-                          : (p.causal ? ws_wide_fwd_kernel<T, true, false> : ws_wide_fwd_kernel<T, false, false>);
-    return launch_fwd(ctx, kernel, wide_traits::SMEM_BYTES, WS_THREADS, "warp-specialized wgmma forward",
-                      "ws_wide_fwd_kernel", 256, p, n_items);
-}
-
-/* The warp-specialized kernels where ws is set, else the first. */
+/* The warp-specialized kernel where ws is set and D ≤ 128, else the first. */
 template <typename T, int D, bool PAD>
 sparge_status launch_sm90(gpu_ctx *ctx, const fwd_params &p, int64_t n_items, bool ws)
 {
-    if constexpr (D <= 128) {
+    if constexpr (D <= 128)
         if (ws)
             return launch_ws<T, D, PAD>(ctx, p, n_items);
-    } else if constexpr (!PAD) {
-        if (ws)
-            return launch_ws_wide<T>(ctx, p, n_items);
-    }
     return launch<T, D, PAD>(ctx, p, n_items);
 }
 
