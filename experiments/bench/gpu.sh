@@ -10,7 +10,7 @@ set -euo pipefail
 usage() {
     cat <<EOF
 usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--no-peers] [--shapes | --shapes-only]
-                                OUT_DIR
+                                [--profile] OUT_DIR
 
   --build DIR  a build directory configured with the CUDA backend and built (default: the current directory)
   --gpu N      the CUDA device to use (default 0)
@@ -23,14 +23,17 @@ usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--
                the peers causal 95 % against FlexAttention on the same causal block mask (prediction
                included) and dense D=64, 256 against cuDNN
   --shapes-only  the model shapes of --shapes alone, without the Wan2.1 tables and their peers
+  --profile    also Nsight Compute profiles (bench/profile.sh) at the 1.3B shape: forward and backward at dense
+               and 95 %, and the dense D=256 forward (needs ncu; about a minute)
 Writes OUT_DIR/bench-*.csv (sparge bench), OUT_DIR/speed-video.{csv,md} and OUT_DIR/masks/ (exp_speed),
-OUT_DIR/peers-{forward,backward}.{csv,md} (experiments/peers/peer_bench.py), OUT_DIR/log/*.txt (each
+OUT_DIR/peers-{forward,backward}.{csv,md} (experiments/peers/peer_bench.py), OUT_DIR/profile-*/ (--profile),
+OUT_DIR/log/*.txt (each
 command's output) and OUT_DIR/summary.md. Exits 1 if a command failed; the others still run.
 EOF
 }
 
 invocation="experiments/bench/gpu.sh${*:+ $*}"
-build=. gpu=0 quick=0 big=1 peers=1 shapes=0 wan=1 out=
+build=. gpu=0 quick=0 big=1 peers=1 shapes=0 wan=1 profile=0 out=
 while [ $# -gt 0 ]; do
     case $1 in
     --build) [ $# -ge 2 ] || { usage >&2; exit 2; }; build=$2; shift 2 ;;
@@ -40,6 +43,7 @@ while [ $# -gt 0 ]; do
     --no-peers) peers=0; shift ;;
     --shapes) shapes=1; shift ;;
     --shapes-only) shapes=1 wan=0 big=0; shift ;;
+    --profile) profile=1; shift ;;
     -h|--help) usage; exit 0 ;;
     -*) echo "gpu.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
     *) [ -z "$out" ] || { usage >&2; exit 2; }; out=$1; shift ;;
@@ -170,6 +174,17 @@ if [ "$peers" = 1 ] && [ "$shapes" = 1 ]; then
     done
 fi
 
+if [ "$profile" = 1 ]; then
+    # profile.sh runs on device 0: CUDA_VISIBLE_DEVICES makes --gpu that one.
+    run profile-1.3b env CUDA_VISIBLE_DEVICES="$gpu" "$src/experiments/bench/profile.sh" --build "$build" \
+        --levels dense,0.95 --ops fwd,bwd "$out/profile-1.3b"
+    run profile-d256 env CUDA_VISIBLE_DEVICES="$gpu" "$src/experiments/bench/profile.sh" --build "$build" \
+        --levels dense --D 256 --ops fwd "$out/profile-d256"
+    for p in profile-1.3b profile-d256; do
+        [ ! -f "$out/$p/summary.md" ] || sed 1d "$out/$p/summary.md" >"$out/$p.md"
+    done
+fi
+
 # section TITLE NAME [NOTE...]: a Markdown section with the command NAME ran, its table, or why it is missing
 section() {
     local title=$1 name=$2
@@ -235,6 +250,10 @@ gpu_name=$(nvidia-smi -i "$gpu" --query-gpu=name,driver_version,power.limit,cloc
         section "Causal 95 % against FlexAttention on the same causal block mask" peers-causal
         section "Dense forward at D=64 against cuDNN" peers-dense-d64
         section "Dense forward at D=256 against cuDNN" peers-dense-d256
+    fi
+    if [ "$profile" = 1 ]; then
+        section "Nsight Compute profiles, 1.3B shape" profile-1.3b "Reports: \`profile-1.3b/*.ncu-rep\`."
+        section "Nsight Compute profile, dense forward at D=256" profile-d256 "Report: \`profile-d256/dense.ncu-rep\`."
     fi
     if [ ${#failed[@]} -gt 0 ]; then
         echo
