@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The training tables at GPU scale (experiments/trainer/configs/gpu.cfg: 4096 tokens, width 256, 4 heads of dim 64,
 # depth 8, a 64 × 256 block map per head), resumable in chunks of at most ~9 minutes on a lent GPU machine that keeps
-# nothing between calls (paper-repro/README.md, "GPU-scale runs"). The plan, in order:
+# nothing between runs (paper-repro/README.md, "GPU-scale runs"). The plan, in order:
 #   1. teachers 1..T (dense, diffusion loss on rich-scene A), each trained in chunks until its held-out loss stops
 #      falling (less than --tol relative improvement over the last --window steps, after --min-steps; at most
 #      --max-steps); bit-for-bit across chunks (AdamW moments and step in the checkpoint, batches a function of
@@ -15,7 +15,7 @@
 #
 #   gpu_train.sh status --state DIR                 what is done, what comes next, what the next chunk needs
 #   gpu_train.sh stage  --state DIR [--to DIR]      (here) copy what the next chunk needs into the folder `run`
-#                                                   carries (default paper-repro/.gpu-carry) and print the call
+#                                                   carries (default paper-repro/.gpu-carry) and print the command
 #   gpu_train.sh next   --state DIR [--out DIR] [--budget S]
 #                                                   (on the GPU machine) build if needed, run jobs for at most S
 #                                                   seconds (default 540) from the start, copy what changed to DIR
@@ -29,7 +29,7 @@
 #   gpu_train.sh tables --state DIR [--out DIR]     (here) tables, statistics and plots of what is done
 #                                                   (default paper-repro/results/gpu), with the drivers of
 #                                                   GPU_TRAIN_BINDIR, the build directory it runs in, or build-repro/
-# Plan options, fixed at the first call on a state (DIR/plan.env): --teachers N (3) --seeds N (3)
+# Plan options, fixed at the first command on a state (DIR/plan.env): --teachers N (3) --seeds N (3)
 #   --sparsities LIST (0.95,0.9,0.8) --ft-steps N (1000) --min-steps N (8000) --max-steps N (30000)
 #   --window N (4000) --tol X (0.01)
 # A rehearsal on the CPU (paper-repro/README.md) replaces the machine's parts through the environment:
@@ -356,7 +356,7 @@ absorb() {
 
 # The lent machine keeps nothing and neither does a checkout's ignored files between clones: what the plan has
 # done lives in the repository. A checkpoint (19.5 MiB of weights, 56 MiB with the AdamW moments) cannot sit in
-# the tree, which travels whole with every call within the same 64 MiB, so it lives in the history: a commit adds
+# the tree, which travels whole with every run within the same 64 MiB, so it lives in the history: a commit adds
 # it and the next one removes it, and checkpoints.txt names its blob for restore.
 
 # git ARGS...: git in the checkout that holds the state
