@@ -27,8 +27,8 @@ usage: experiments/bench/gpu.sh [--build DIR] [--gpu N] [--quick] [--no-14b] [--
                and 95 %, and the dense D=256 forward (needs ncu; about a minute)
 Writes OUT_DIR/bench-*.csv (sparge bench), OUT_DIR/speed-video.{csv,md} and OUT_DIR/masks/ (exp_speed),
 OUT_DIR/peers-{forward,backward}.{csv,md} (experiments/peers/peer_bench.py), OUT_DIR/profile-*/ (--profile),
-OUT_DIR/log/*.txt (each
-command's output) and OUT_DIR/summary.md. Exits 1 if a command failed; the others still run.
+OUT_DIR/log/*.txt (each command's output) and OUT_DIR/summary.md. Exits 1 if a command failed; the others still
+run.
 EOF
 }
 
